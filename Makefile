@@ -1,0 +1,22 @@
+# Two commands for a newcomer:  `make demo`  and  `make test`.  Everything else is optional.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint theory clean
+
+install:  ## create .venv if missing and install the CPU stack (idempotent)
+	bash scripts/install.sh cpu $(VENV)
+
+demo: install  ## tiny end-to-end CPU run (see examples/tiny_cpu_da3po.yaml)
+	bash scripts/demo.sh $(PY)
+
+test: install  ## the whole test suite, as CI runs it
+	$(PY) -m ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+theory: install  ## the paper's Figures 1-2 (alpha+, alpha-, gamma vs p)
+	$(PY) tools/plot_theory.py --out outputs/theory
+
+clean:
+	rm -rf outputs runs .pytest_cache

@@ -1,0 +1,167 @@
+"""Tiny Hugging Face models and a character-level tokenizer, built locally (no downloads).
+
+The CPU demo, the tests and the algorithm comparison all start from these: a real `transformers` checkpoint directory
+(config.json, model.safetensors, tokenizer files, generation_config.json) of a few hundred thousand parameters, in the
+three model families the bridge supports (Qwen3, Qwen2/2.5, Llama 3). vLLM's CPU attention needs head_dim >= 32, so
+every family keeps head_dim = 32.
+
+The tokenizer is character level: every printable ASCII character and newline is one token, plus the specials
+``<pad> <s> </s> <|im_start|> <|im_end|>`` and a ChatML chat template. One token per digit makes the synthetic
+arithmetic tasks learnable by a tiny model.
+
+Command line: ``python -m da3po_megatron.tiny OUT_DIR [--family qwen3] [--seed 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+FAMILIES = ("qwen3", "qwen2", "llama")
+HEAD_DIM = 32
+
+
+def _chars() -> list[str]:
+    return [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # 95 printable characters + "\n"
+
+
+def build_tokenizer(out_dir: str | Path | None = None):
+    """A character-level `PreTrainedTokenizerFast` with a ChatML template; saved to ``out_dir`` when given.
+
+    ``<|im_end|>`` is the end-of-sequence token, so generation after the chat template stops at the end of the turn.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + _chars())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["</s>", "<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def hf_config(
+    family: str = "qwen3",
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    ffn_hidden_size: int | None = None,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    bos_token_id: int = 1,
+    eos_token_id: int = 5,
+    pad_token_id: int = 0,
+):
+    """A `transformers` config of the given family with head_dim 32 (Qwen2/Llama derive it as hidden / heads)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=ffn_hidden_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        rms_norm_eps=1e-6,
+        dtype="float32",
+    )
+    if family == "qwen3":
+        return Qwen3Config(head_dim=HEAD_DIM, rope_theta=1_000_000.0, **common)
+    if hidden_size // num_heads != HEAD_DIM:
+        raise ValueError(f"{family}: hidden_size / num_heads must be {HEAD_DIM} (vLLM CPU attention), got "
+                         f"{hidden_size}/{num_heads}")
+    if family == "qwen2":
+        return Qwen2Config(rope_theta=1_000_000.0, **common)
+    return LlamaConfig(rope_theta=500_000.0, attention_bias=False, mlp_bias=False, **common)
+
+
+def build_model(
+    out_dir: str | Path,
+    family: str = "qwen3",
+    seed: int = 0,
+    init_std: float = 0.2,
+    **config_kwargs,
+) -> Path:
+    """Write a tiny randomly initialised HF checkpoint (model + tokenizer + generation config) to ``out_dir``.
+
+    ``init_std`` above the usual 0.02 makes sampled distributions far from uniform, so log-prob comparisons between
+    engines are meaningful. Qwen2/Llama default to hidden 128 with 4 heads (head_dim 32).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out)
+    if family != "qwen3":
+        config_kwargs.setdefault("hidden_size", 128)
+    cfg = hf_config(
+        family,
+        vocab_size=max(128, len(tok)),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **config_kwargs,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, init_std)
+            elif "bias" in name:
+                p.normal_(0.0, init_std)
+    model.save_pretrained(str(out), safe_serialization=True)
+    model.generation_config.save_pretrained(str(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--family", default="qwen3", choices=FAMILIES)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hidden-size", type=int, default=None)
+    ap.add_argument("--num-layers", type=int, default=2)
+    args = ap.parse_args(argv)
+    kw = {"num_layers": args.num_layers}
+    if args.hidden_size:
+        kw["hidden_size"] = args.hidden_size
+    out = build_model(args.out_dir, args.family, args.seed, **kw)
+    cfg = json.loads((out / "config.json").read_text())
+    print(f"wrote {out}: {cfg['architectures'][0]} hidden={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
+          f"vocab={cfg['vocab_size']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

