@@ -1,0 +1,149 @@
+"""The one place where megatron-core is made to run on a CPU-only torch build (gloo backend).
+
+megatron-core 0.16.1 assumes CUDA in a handful of ways. Rather than scattering ``if cuda`` branches through the
+project, this module patches those assumptions process-wide, once, and only when CUDA is absent
+(:func:`apply_if_needed`). Nothing else in the project contains CPU-specific code paths for Megatron.
+
+The patches (measured on megatron-core 0.16.1, see ``shared/notes/cpu-stack.md``):
+
+1. ``torch.cuda.current_device()`` returns ``"cpu"`` (~175 allocation sites use it as a device).
+2. A process-wide ``TorchFunctionMode`` maps ``device="cuda"`` / ``"cuda:N"`` to CPU in any torch call and makes
+   ``Tensor.cuda()`` a no-op (hard-coded in ``pipeline_parallel/schedules.py`` and the optimizers). A
+   ``TorchFunctionMode`` is thread-local: :func:`apply_if_needed` must run on the thread that later runs the model.
+3. ``torch.cuda.synchronize()`` is a no-op (dist_checkpointing and pipeline p2p call it unconditionally).
+4. Zero-argument ``Tensor.type()`` reports ``torch.cuda.FloatTensor`` (etc.) for CPU float tensors: the optimizers and
+   ``clip_grads`` check this string. ``Tensor.type(dtype)`` casts as before.
+5. A CPU RNG-state tracker replaces Megatron's CUDA one (its ``add`` calls ``torch.cuda.get_rng_state``), so
+   ``model_parallel_cuda_manual_seed`` and dropout inside tensor-parallel regions work.
+
+Not supported on CPU (checked by the runtime, not patched): ``sequence_parallel=True`` (torch LayerNorm assert) and
+the fused kernels (bias-activation, bias-dropout, masked-softmax, RoPE, gradient-accumulation fusions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+_applied = False
+_mode = None
+_mode_thread: int | None = None
+
+_CPU_TO_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def needed() -> bool:
+    """True when CUDA is absent, i.e. when megatron-core must be patched to run."""
+    return not torch.cuda.is_available()
+
+
+def _to_cpu(device):
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _enter_device_mode() -> None:
+    global _mode, _mode_thread
+    from torch.overrides import TorchFunctionMode
+
+    class CudaToCpuMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if "device" in kwargs:
+                kwargs["device"] = _to_cpu(kwargs["device"])
+            if func is torch.Tensor.to and len(args) > 1:
+                args = (args[0], _to_cpu(args[1]), *args[2:])
+            return func(*args, **kwargs)
+
+    _mode = CudaToCpuMode()
+    _mode.__enter__()
+    _mode_thread = threading.get_ident()
+
+
+def _patch_tensor_type() -> None:
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs:
+            name = original(self)
+            return _CPU_TO_CUDA_TYPE.get(name, name)
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = type_
+
+
+def _install_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CPURNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's RNG tracker with CPU generator states instead of CUDA ones."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise RuntimeError(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise RuntimeError(f"rng state {name} already exists")
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise RuntimeError(f"rng state {name} is not added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def apply_if_needed() -> bool:
+    """Patch torch/megatron for CPU when CUDA is absent. Idempotent; returns True when the CPU patches are active.
+
+    Call before building any Megatron model, on the thread that will run it (Ray actors: inside the actor).
+    """
+    global _applied
+    if not needed():
+        return False
+    if not _applied:
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda *a, **k: None
+        _patch_tensor_type()
+        _install_cpu_rng_tracker()
+        _applied = True
+    if _mode_thread != threading.get_ident():
+        _enter_device_mode()
+    return True
+
+
+def cpu_safe_config_overrides() -> dict:
+    """TransformerConfig fields that must be off on CPU (fused CUDA kernels; persistent layer norm)."""
+    return dict(
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=True,
+    )

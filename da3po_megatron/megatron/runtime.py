@@ -1,0 +1,161 @@
+"""Distributed and Megatron parallel-state initialisation: TP, PP, DP (and CP where the backend allows).
+
+One function, :func:`init_parallel`, brings a process into the training world, whether it was started by ``torchrun``
+(rank and rendezvous from the environment) or is a Ray actor (rank 0's address handed over by the controller and
+passed in explicitly). The backend follows capability: NCCL with CUDA, gloo without; on CPU the patches of
+:mod:`da3po_megatron.megatron.cpu_compat` are applied first.
+
+Parallel layout (Megatron's): world = TP x CP x PP x DP, ranks ordered tp-cp-ep-dp-pp (Megatron's default order).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from da3po_megatron.megatron import cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The sizes of each parallel dimension (Megatron names)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world / (TP x PP x CP), after :meth:`validate`."""
+        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                              * self.context_parallel_size)
+
+    def validate(self, world_size: int) -> None:
+        """Raise ValueError naming the numbers when the world cannot be split this way."""
+        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("context_parallel_size", cp)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if world_size % (tp * pp * cp):
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+                f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) = {tp * pp * cp}")
+        if cp > 1 and not torch.cuda.is_available():
+            raise ValueError(f"context_parallel_size={cp} needs CUDA (ring attention is not available on CPU/gloo)")
+
+
+def free_port() -> int:
+    """A free TCP port on this host (for a rendezvous address handed to other ranks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    """This host's address as other nodes see it (Ray's view when available)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel(
+    layout: ParallelLayout,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    seed: int = 1234,
+    timeout_s: int = 1800,
+) -> None:
+    """Join the process group and initialise Megatron's parallel state and RNG trackers.
+
+    Without explicit arguments it reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (torchrun).
+    Idempotent within a process for the same layout.
+    """
+    from megatron.core import parallel_state as ps
+
+    cpu_compat.apply_if_needed()
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    layout.validate(world_size)
+    if not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(master_port or os.environ.get("MASTER_PORT") or free_port())
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        dist.init_process_group(backend(), rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor_model_parallel_size,
+            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+            context_parallel_size=layout.context_parallel_size,
+        )
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy, torch and Megatron's model-parallel RNG tracker (different per TP rank, as Megatron does)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    # Pipeline stages get different seeds (Megatron-LM's convention) so dropout masks differ per stage.
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's parallel state and the process group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rng_state() -> dict:
+    """All RNG states of this rank (python, numpy, torch, Megatron tracker) for exact resume."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
