@@ -1,0 +1,332 @@
+"""`da3po eval`: sample k responses per benchmark problem with vLLM, verify them, report avg@k / pass@k.
+
+    da3po eval --checkpoint HF_DIR --benchmarks aime24,math500 [--k 32 | --k aime24=32,math500=8] [--limit N]
+               [--out DIR] [--template boxed|dapo] [--max-tokens 4096] [--name LABEL]
+
+Protocol (paper Sec. 4, Tables 1-2): temperature 1.0, top-p 0.95, k = 32 for AIME24/25/26 and AMC, k = 8 for
+Minerva, OlympiadBench and MATH-500 (``data.benchmarks.PROTOCOL``); avg@k = mean accuracy of the k samples, pass@k =
+unbiased estimator of Chen et al. 2021 (``eval.metrics``); "Average" = unweighted mean over benchmarks. A response is
+correct when the reward verifier (math-verify, ``rewards.RewardPool`` kind ``math``) gives R_acc > 0; the overlong
+shaping term R_len (DAPO Eq. 8) is a training signal and plays no part here.
+
+Outputs under ``--out`` (default ``runs/eval/<checkpoint dir name>``):
+  results.json        protocol, per-benchmark scores (+ standard errors, correctness matrices), average, timings
+  results.md          the same as a one-row Markdown table in the paper's layout (``eval.tables``)
+  samples/<b>.jsonl   per problem: id, ground truth, per-sample correctness and extracted answers
+                      (+ response texts with --save-responses)
+
+``evaluate(client, benchmarks, ...)`` is the in-process entry the trainer calls for periodic evaluation with its own
+rollout client (weights already synced); ``flat_metrics(result)`` turns its result into ``eval/<bench>/avg@k``-style
+scalars for the trainer's metrics.jsonl. Like verl and NeMo-RL, generation goes through the same vLLM engines as
+training rollouts.
+
+Left out on purpose: majority voting, per-problem token-budget sweeps, and any answer post-processing other than the
+verifier's own extraction (the last ``\\boxed{}`` or DAPO ``Answer:`` line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from da3po_megatron.data.benchmarks import (
+    BENCHMARKS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    PROTOCOL,
+    BenchmarkProblem,
+    canonical_name,
+    load_benchmark,
+)
+from da3po_megatron.eval.metrics import average_scores, score_benchmark
+
+__all__ = ["evaluate", "flat_metrics", "main", "parse_k", "write_results"]
+
+DEFAULT_MAX_TOKENS = 4096  # the paper's response budget during training (4K)
+
+
+def parse_k(spec: str | int | None, benchmarks: Sequence[str]) -> dict[str, int]:
+    """Per-benchmark k: the paper's protocol, overridden by ``spec`` = ``8`` (all) or ``aime24=4,math500=2``."""
+    ks = {b: PROTOCOL.get(b, 8) for b in benchmarks}
+    if spec is None or spec == "":
+        return ks
+    if isinstance(spec, int) or str(spec).strip().isdigit():
+        return {b: _positive_k(spec, "--k") for b in benchmarks}
+    for item in str(spec).split(","):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--k: expected an integer or NAME=K pairs, got {item!r}")
+        b = canonical_name(name)
+        if b not in ks:
+            raise ValueError(f"--k: {b!r} is not among the evaluated benchmarks {list(ks)}")
+        ks[b] = _positive_k(value, f"--k {b}")
+    return ks
+
+
+def _positive_k(value: Any, what: str) -> int:
+    try:
+        k = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: k must be an integer, got {value!r}") from None
+    if k < 1:
+        raise ValueError(f"{what}: k must be >= 1, got {k}")
+    return k
+
+
+def _prompt_text(problem: str, template: str) -> str:
+    from da3po_megatron.data.templates import format_prompt
+
+    return format_prompt(problem, template)[-1]["content"]
+
+
+def evaluate(
+    client: Any,
+    benchmarks: Sequence[str] | Mapping[str, Sequence[BenchmarkProblem]],
+    *,
+    k: int | str | Mapping[str, int] | None = None,
+    limit: int | None = None,
+    data_dir: str | os.PathLike | None = None,
+    template: str = "boxed",
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = DEFAULT_TOP_P,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    apply_chat_template: bool = True,
+    reward_pool: Any | None = None,
+    batch_size: int = 64,
+    progress: bool = True,
+    keep_responses: bool = False,
+) -> dict:
+    """Evaluate the policy behind ``client`` (a ``rollout.RolloutClient``) on ``benchmarks``; returns the result dict.
+
+    ``benchmarks``: names (read with ``load_benchmark(name, data_dir, limit)``) or {name: problems}. ``k``: None = the
+    paper's protocol, an int for all, or a {name: k} mapping / ``"name=k,..."`` string. ``reward_pool``: a
+    ``rewards.RewardPool`` to reuse (the trainer's); a temporary one is started and closed otherwise.
+    ``batch_size`` prompts go to the engines per ``generate`` call (each with k samples); the progress bar counts
+    problems. The result carries per-problem correctness (``samples``) for ``write_results``.
+    """
+    from tqdm.auto import tqdm
+
+    from da3po_megatron.rollout import SamplingConfig
+
+    if isinstance(benchmarks, Mapping):
+        problem_sets = {canonical_name(b): list(ps)[:limit] if limit else list(ps) for b, ps in benchmarks.items()}
+    else:
+        problem_sets = {canonical_name(b): load_benchmark(b, data_dir, limit) for b in benchmarks}
+    if not problem_sets:
+        raise ValueError("evaluate: no benchmarks given")
+    ks = dict(k) if isinstance(k, Mapping) else parse_k(k, list(problem_sets))
+    ks = {canonical_name(b): _positive_k(v, f"k[{b}]") for b, v in ks.items()}
+    missing = [b for b in problem_sets if b not in ks]
+    if missing:
+        raise ValueError(f"evaluate: no k given for {missing}")
+
+    own_pool = reward_pool is None
+    if own_pool:
+        from da3po_megatron.rewards import RewardPool, default_num_workers
+
+        reward_pool = RewardPool(num_workers=default_num_workers(), timeout_s=10.0)
+    t_start = time.perf_counter()
+    result: dict[str, Any] = {
+        "protocol": {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "template": template,
+                     "apply_chat_template": apply_chat_template, "k": ks},
+        "benchmarks": {}, "samples": {}, "timing": {},
+    }
+    total = sum(len(ps) for ps in problem_sets.values())
+    bar = tqdm(total=total, desc="eval", unit="problem", disable=not progress, dynamic_ncols=True)
+    try:
+        for bench, problems in problem_sets.items():
+            kb = ks[bench]
+            bar.set_postfix_str(f"{bench} k={kb}")
+            sampling = SamplingConfig(n=kb, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                      apply_chat_template=apply_chat_template)
+            t0 = time.perf_counter()
+            gen_s = verify_s = 0.0
+            rows: list[dict[str, Any]] = []
+            num_tokens = truncated = 0
+            for start in range(0, len(problems), batch_size):
+                chunk = problems[start:start + batch_size]
+                tg = time.perf_counter()
+                completions = client.generate([_prompt_text(p.problem, template) for p in chunk], sampling)
+                gen_s += time.perf_counter() - tg
+                if len(completions) != len(chunk) or any(len(c) != kb for c in completions):
+                    raise RuntimeError(f"evaluate[{bench}]: the rollout client returned "
+                                       f"{[len(c) for c in completions]} completions for {len(chunk)} prompts x n={kb}")
+                texts = [c.text for cs in completions for c in cs]
+                answers = [p.answer for p in chunk for _ in range(kb)]
+                tv = time.perf_counter()
+                scored = reward_pool.score_batch(texts, answers, kind="math")
+                verify_s += time.perf_counter() - tv
+                for j, (p, cs) in enumerate(zip(chunk, completions)):
+                    sl = slice(j * kb, (j + 1) * kb)
+                    row = {"id": p.id, "answer": p.answer,
+                           "correct": [int(r > 0) for r in scored.rewards[sl]],
+                           "extracted": [info.get("extracted") for info in scored.infos[sl]],
+                           "num_tokens": [len(c.token_ids) for c in cs],
+                           "finish_reason": [c.finish_reason for c in cs]}
+                    if keep_responses:
+                        row["responses"] = [c.text for c in cs]
+                    rows.append(row)
+                    num_tokens += sum(row["num_tokens"])
+                    truncated += sum(fr == "length" for fr in row["finish_reason"])
+                bar.update(len(chunk))
+            score = score_benchmark(bench, [r["correct"] for r in rows], k=kb)
+            entry = score.to_dict()
+            n_samples = len(rows) * kb
+            entry.update(mean_response_tokens=num_tokens / n_samples, truncated_frac=truncated / n_samples)
+            result["benchmarks"][bench] = entry
+            result["samples"][bench] = rows
+            result["timing"][bench] = {"total_s": time.perf_counter() - t0, "generate_s": gen_s, "verify_s": verify_s}
+    finally:
+        bar.close()
+        if own_pool:
+            reward_pool.close()
+    from da3po_megatron.eval.metrics import BenchmarkScore
+
+    scores = [BenchmarkScore(**{f: v for f, v in e.items() if f in BenchmarkScore.__dataclass_fields__})
+              for e in result["benchmarks"].values()]
+    result["average"] = average_scores(scores)
+    result["timing"]["total_s"] = time.perf_counter() - t_start
+    return result
+
+
+def flat_metrics(result: Mapping[str, Any], prefix: str = "eval") -> dict[str, float]:
+    """Scalars for the trainer's metrics.jsonl.
+
+    Keys: ``eval/<bench>/avg@k``, ``eval/<bench>/pass@k`` (the literal ``k`` keeps keys stable across configs; the
+    value of k is ``eval/<bench>/k``), and the benchmark averages ``eval/avg/avg@k``, ``eval/avg/pass@k``.
+    """
+    out: dict[str, float] = {}
+    for bench, s in result["benchmarks"].items():
+        out[f"{prefix}/{bench}/avg@k"] = float(s["avg_at_k"])
+        out[f"{prefix}/{bench}/pass@k"] = float(s["pass_at_k"])
+        out[f"{prefix}/{bench}/k"] = float(s["k"])
+    if "average" in result:
+        out[f"{prefix}/avg/avg@k"] = float(result["average"]["avg_at_k"])
+        out[f"{prefix}/avg/pass@k"] = float(result["average"]["pass_at_k"])
+    return out
+
+
+def write_results(result: Mapping[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write results.json (without the per-sample rows), results.md and samples/<bench>.jsonl under ``out_dir``."""
+    from da3po_megatron.eval.tables import render_table
+
+    out = Path(out_dir)
+    (out / "samples").mkdir(parents=True, exist_ok=True)
+    summary = {key: v for key, v in result.items() if key != "samples"}
+    summary["benchmarks"] = {}
+    for bench, entry in result["benchmarks"].items():
+        rows = result.get("samples", {}).get(bench, [])
+        summary["benchmarks"][bench] = dict(entry, correct=[r["correct"] for r in rows]) if rows else dict(entry)
+    paths = {"json": out / "results.json", "markdown": out / "results.md"}
+    paths["json"].write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    paths["markdown"].write_text(render_table([summary], ci=True), encoding="utf-8")
+    for bench, rows in result.get("samples", {}).items():
+        path = out / "samples" / f"{bench}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        paths[f"samples/{bench}"] = path
+    return paths
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="da3po eval", description="Evaluate an HF checkpoint: avg@k / pass@k on math "
+                                "benchmarks with the paper's protocol (temperature 1.0, top-p 0.95).")
+    p.add_argument("--checkpoint", required=True, type=Path, help="Hugging Face model directory (config.json, "
+                   "weights, tokenizer); convert Megatron checkpoints first with `da3po convert`")
+    p.add_argument("--benchmarks", default=",".join(BENCHMARKS),
+                   help=f"comma-separated benchmark names (default: all: {','.join(BENCHMARKS)})")
+    p.add_argument("--k", default=None, help="samples per problem: one integer for all, or NAME=K pairs "
+                   f"(default: paper protocol {','.join(f'{b}={v}' for b, v in PROTOCOL.items())})")
+    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark (smoke tests)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/eval/<checkpoint name>)")
+    p.add_argument("--name", default=None, help="row label in the tables (default: checkpoint directory name)")
+    p.add_argument("--template", default="boxed", choices=["boxed", "dapo"],
+                   help="prompt instruction: boxed (\\boxed{} answer) or dapo (DAPO-Math-17K 'Answer:' line)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the templated text without the tokenizer's "
+                   "chat template (base models without one)")
+    p.add_argument("--data-dir", type=Path, default=None, help="benchmark directory (default: $DA3PO_DATA/benchmarks)")
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE)
+    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="response budget in tokens")
+    p.add_argument("--max-model-len", type=int, default=None, help="vLLM context (default: 2048 + --max-tokens)")
+    p.add_argument("--dtype", default=None, help="vLLM dtype (default: bfloat16 with CUDA, float32 on CPU)")
+    p.add_argument("--num-engines", type=int, default=1, help="vLLM engines (data parallel)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine")
+    p.add_argument("--ray", action="store_true", help="run engines as Ray actors (multi-GPU / multi-node)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the engines")
+    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
+    p.add_argument("--reward-workers", type=int, default=None, help="verifier processes (default: cores - 1)")
+    p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per check; slower = wrong")
+    p.add_argument("--save-responses", action="store_true", help="also store the response texts in samples/")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    import dataclasses
+
+    import torch
+
+    from da3po_megatron.rollout import EngineConfig
+
+    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    wanted = {"model_path": str(args.checkpoint), "dtype": dtype, "seed": args.seed,
+              "max_model_len": args.max_model_len or 2048 + args.max_tokens,
+              "tensor_parallel_size": args.tensor_parallel_size}
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} if dataclasses.is_dataclass(EngineConfig) else None
+    if fields is not None:
+        dropped = [key for key in wanted if key not in fields and key != "model_path"]
+        if "tensor_parallel_size" in dropped and args.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size: this EngineConfig has no tensor_parallel_size field")
+        wanted = {key: v for key, v in wanted.items() if key in fields}
+    return EngineConfig(**wanted)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if not (args.checkpoint / "config.json").is_file():
+            raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no config.json (expected a Hugging Face model "
+                                    "directory; convert Megatron checkpoints with `da3po convert` first)")
+        benches = [canonical_name(b) for b in args.benchmarks.split(",") if b.strip()]
+        ks = parse_k(args.k, benches)
+        problem_sets = {b: load_benchmark(b, args.data_dir, args.limit) for b in benches}
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"da3po eval: error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or Path("runs") / "eval" / args.checkpoint.resolve().name
+    name = args.name or args.checkpoint.resolve().name
+
+    from da3po_megatron.rewards import RewardPool, default_num_workers
+    from da3po_megatron.rollout import RolloutClient
+
+    cfg = _engine_config(args)
+    client = (RolloutClient.ray(cfg, num_engines=args.num_engines) if args.ray
+              else RolloutClient.local(cfg, num_engines=args.num_engines))
+    pool = RewardPool(num_workers=args.reward_workers if args.reward_workers is not None else default_num_workers(),
+                      timeout_s=args.reward_timeout)
+    try:
+        result = evaluate(client, problem_sets, k=ks, template=args.template, temperature=args.temperature,
+                          top_p=args.top_p, max_tokens=args.max_tokens,
+                          apply_chat_template=not args.no_chat_template, reward_pool=pool,
+                          batch_size=args.batch_size, progress=not args.no_progress,
+                          keep_responses=args.save_responses)
+    finally:
+        pool.close()
+        client.shutdown()
+    result = {"name": name, "checkpoint": str(args.checkpoint), "limit": args.limit, **result}
+    paths = write_results(result, out)
+    sys.stdout.write((out / "results.md").read_text(encoding="utf-8"))
+    print(f"wrote {paths['json']} and {paths['markdown']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
