@@ -1,0 +1,457 @@
+"""The typed configuration tree: YAML files + dotted command-line overrides, validated with clear messages.
+
+    cfg = load_config("examples/qwen3_4b_da3po.yaml", ["trainer.total_steps=10", "daa.lambda_=2.5"])
+
+Every field is documented where it is defined (``doc(...)`` below), with its unit and the paper equation it comes from.
+Names follow Megatron for parallelism/model fields and verl/DAPO for RL fields; DA3PO's own fields live under ``daa``.
+
+A YAML file may start with ``defaults: [other.yaml, ...]`` (paths relative to the file): those are loaded first and
+this file's keys override theirs, so the paper's recipes share one base. Unknown keys are errors naming the key and
+the closest valid one; values are type-checked; ranges are checked in :func:`validate` with the allowed range named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field (and the file when known)."""
+
+
+def doc(default: Any, help_: str, **kw: Any) -> Any:
+    """A dataclass field with its documentation attached (shown by ``da3po train --describe``)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help_}, **kw)
+    return field(default=default, metadata={"help": help_}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    path: str = doc("", "Hugging Face checkpoint directory of the initial policy (config.json, safetensors, "
+                        "tokenizer files).")
+    params_dtype: Literal["float32", "bfloat16"] = doc(
+        "bfloat16", "Parameter/compute dtype of the policy; bf16 trains with fp32 master weights. CPU: float32.")
+    use_transformer_engine: bool | None = doc(None, "Layer spec: None = TE when CUDA+TE are present, else Megatron's "
+                                                    "local spec; True/False force it.")
+    recompute_granularity: Literal["full", "selective"] | None = doc(None, "Activation recomputation (Megatron).")
+    recompute_method: Literal["uniform", "block"] | None = doc(None, "With 'full' recomputation (Megatron).")
+    recompute_num_layers: int | None = doc(None, "Layers per recomputation chunk with 'full' (Megatron).")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = doc(1, "TP: heads / MLP columns / vocabulary split over this many ranks.")
+    pipeline_model_parallel_size: int = doc(1, "PP: layers split into this many stages (1F1B schedule).")
+    context_parallel_size: int = doc(1, "CP: sequence split for long contexts (CUDA only).")
+    data_parallel_size: int = doc(1, "DP: model replicas. Policy world size = TP x PP x CP x DP ranks (one Ray actor "
+                                     "each).")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc(1e-6, "Adam learning rate (paper: 1e-6).")
+    weight_decay: float = doc(0.1, "Decoupled weight decay (AdamW).")
+    adam_beta1: float = doc(0.9, "Adam beta1.")
+    adam_beta2: float = doc(0.999, "Adam beta2.")
+    adam_eps: float = doc(1e-8, "Adam epsilon.")
+    clip_grad: float = doc(1.0, "Global gradient-norm clip (0 = off).")
+    lr_warmup_steps: int = doc(0, "Linear warm-up, in optimizer steps.")
+    lr_schedule: Literal["constant", "cosine"] = doc("constant", "LR schedule after warm-up (paper: constant).")
+    min_lr: float = doc(0.0, "Final LR of the cosine schedule.")
+    use_distributed_optimizer: bool = doc(True, "Megatron distributed optimizer (optimizer state sharded over DP).")
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = doc(32, "Prompts per optimizer step (each with its n responses); the step's batch of "
+                                       "data.train_batch_size prompts gives train_batch_size / this updates per pass.")
+    ppo_epochs: int = doc(1, "Passes over the step's batch.")
+    max_tokens_per_microbatch: int = doc(16384, "Dynamic micro-batching: responses are packed up to this many "
+                                                "tokens (prompt + response) per micro-batch, per rank.")
+    loss_backend: Literal["auto", "torch", "chunked", "triton", "reference"] = doc(
+        "auto", "Policy-loss implementation: 'torch' = algorithms/losses.py on Megatron's vocab-parallel "
+                "cross-entropy; kernel backends from kernels/ ('auto' = Triton where it compiles, else chunked).")
+    use_rollout_logprobs: bool = doc(False, "Use the engines' sampled-token log-probs as pi_old instead of "
+                                            "recomputing them with the policy (cheaper, carries engine mismatch).")
+    entropy: bool = doc(True, "Compute the mean token entropy of the policy for logging.")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = doc(16, "G: responses sampled per prompt (paper: 16). Eq. 3 normalises within these groups.")
+    temperature: float = doc(1.0, "Sampling temperature for training rollouts.")
+    top_p: float = doc(1.0, "Nucleus sampling for training rollouts.")
+    max_prompt_length: int = doc(2048, "Prompts longer than this many tokens are rejected (paper: 2K).")
+    max_response_length: int = doc(4096, "L_max of Eq. 8: generation stops here (paper: 4K).")
+    num_engines: int = doc(1, "vLLM engines (data-parallel rollout); prompts are spread across them.")
+    tensor_parallel_size: int = doc(1, "vLLM tensor parallelism per engine.")
+    dtype: Literal["auto", "float32", "bfloat16"] = doc("auto", "Engine dtype ('auto' = the policy's).")
+    gpu_memory_utilization: float = doc(0.5, "GPU: fraction of memory vLLM may take (KV cache included).")
+    kv_cache_memory_bytes: int = doc(256 * 2**20, "CPU: KV-cache budget per engine in bytes (vLLM's default takes "
+                                                  "0.9 x RAM).")
+    weight_sync_bucket_mb: int = doc(512, "Weight sync streams HF-named tensors in buckets of at most this size.")
+    logprob_check_fraction: float = doc(0.05, "Fraction of responses whose rollout log-probs are compared with the "
+                                              "policy's after each sync (mean/max abs diff logged).")
+    colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate.")
+    num_cpus_per_engine: float = doc(1, "Ray resources per engine actor.")
+    restart_on_failure: bool = doc(False, "Restart an engine that died (else the step fails with a clear error).")
+
+
+@dataclass
+class OverlongConfig:
+    enable: bool = doc(True, "DAPO overlong reward shaping (Eq. 8).")
+    buffer_length: int = doc(512, "L_cache of Eq. 8 (tokens): penalty ramps linearly over the last L_cache tokens "
+                                  "before L_max = rollout.max_response_length.")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["grpo", "dapo", "gspo", "da3po"] = doc(
+        "da3po", "Preset: grpo = symmetric clip, per-sample mean (Eq. 4); dapo = clip-higher + token-level loss "
+                 "(Eq. 9) + dynamic sampling; gspo = sequence-level ratio; da3po = dapo + DAA (Eq. 14).")
+    clip_ratio_low: float = doc(0.2, "eps_low of Eq. 5/11: ratio clipped below at 1 - eps_low.")
+    clip_ratio_high: float = doc(0.28, "eps_high of Eq. 11 (clip-higher; = eps_low for GRPO).")
+    loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-mean"] = doc(
+        "auto", "'auto' = the preset's: token-mean (Eq. 9) for dapo/da3po, seq-mean-token-mean (Eq. 4) for grpo/gspo.")
+    filter_groups: bool | None = doc(None, "Dynamic sampling: keep only groups with 0 < p_hat < 1 and over-sample "
+                                           "until the batch is full. None = the preset's (on for dapo/da3po).")
+    max_generation_rounds: int = doc(8, "Dynamic sampling gives up after this many generation rounds per step "
+                                        "(clear error with the observed keep rate).")
+    surplus: Literal["drop", "carry"] = doc("drop", "Kept groups beyond the batch: dropped (verl) or carried to the "
+                                                    "next step.")
+    advantage_eps: float = doc(1e-6, "epsilon added to std(R) in Eq. 3.")
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass
+class DAAConfig:
+    enable: bool | None = doc(None, "Direct Advantage Amplification (Eq. 14). None = the preset's (on for da3po); "
+                                    "may be turned on for grpo/gspo too.")
+    lambda_: float = doc(2.0, "lambda of Eq. 14: correct responses of hard prompts (p_hat < tau) get lambda x A "
+                              "(paper: 2; ablation 1, 1.5, 2, 2.5).")
+    tau: float = doc(0.5, "tau of Eq. 14: difficulty threshold on p_hat, strict (paper: 0.5).")
+    mode: Literal["constant", "adaptive"] = doc(
+        "constant", "'adaptive' derives lambda per group from gamma(p_hat, G) of Thm 3.1 (lambda = 1/gamma), clipped "
+                    "to [lambda_min, lambda_max].")
+    lambda_min: float = doc(1.0, "Adaptive mode: lower clip of lambda.")
+    lambda_max: float = doc(3.0, "Adaptive mode: upper clip of lambda.")
+
+
+@dataclass
+class SyntheticTaskConfig:
+    min_digits: int = doc(1, "Easiest prompt: this many digits.")
+    max_digits: int = doc(8, "Hardest prompt: this many digits (difficulty buckets = digit counts).")
+    num_train: int = doc(4096, "Training prompts generated.")
+    num_eval: int = doc(256, "Held-out evaluation prompts (disjoint from training).")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = doc([], "Training data: DAPO-Math-17K parquet, or jsonl/parquet with prompt/answer "
+                                     "columns. Empty with format=synthetic.")
+    format: Literal["dapo", "jsonl", "parquet", "synthetic"] = doc("dapo", "Reader for train_files.")
+    prompt_key: str = doc("prompt", "Column holding the prompt (jsonl/parquet).")
+    answer_key: str = doc("answer", "Column holding the reference answer (jsonl/parquet).")
+    template: Literal["none", "dapo", "boxed"] = doc("none", "Prompt template applied to raw problems ('none' for "
+                                                             "DAPO-Math-17K, whose prompts already carry it).")
+    apply_chat_template: bool = doc(True, "Wrap prompts in the tokenizer's chat template.")
+    train_batch_size: int = doc(512, "Prompts per RL step (paper: 512), i.e. groups after dynamic sampling.")
+    shuffle: bool = doc(True, "Shuffle by (seed, epoch).")
+    on_bad_row: Literal["error", "skip"] = doc("error", "Malformed rows: stop with file/row/field, or skip and count.")
+    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+
+
+@dataclass
+class RewardConfig:
+    kind: Literal["math", "synthetic"] = doc("math", "Verifier: math-verify (boxed / 'Answer:') or the synthetic task.")
+    num_workers: int = doc(4, "Reward processes (math-verify needs its own main thread per process).")
+    timeout_s: float = doc(10.0, "Per-item time limit; a timed-out answer scores -1 and is counted.")
+
+
+@dataclass
+class EvalConfig:
+    every: int = doc(0, "Evaluate every this many steps (0 = never during training).")
+    benchmarks: list[str] = doc([], "Benchmark names (aime24, aime25, aime26, amc, minerva, olympiadbench, math500, "
+                                    "synthetic).")
+    k: int | None = doc(None, "Samples per problem; None = the paper's protocol per benchmark (32 or 8).")
+    temperature: float = doc(1.0, "Paper: 1.0.")
+    top_p: float = doc(0.95, "Paper: 0.95.")
+    limit: int | None = doc(None, "Evaluate only the first N problems of each benchmark.")
+    data_dir: str = doc("", "Benchmark directory (see docs/evaluation.md); empty = $DA3PO_DATA/benchmarks.")
+
+
+@dataclass
+class RayConfig:
+    address: str = doc("local", "'local' starts a private Ray instance; 'auto' joins the cluster (Slurm).")
+    num_cpus_per_policy_rank: float = doc(1, "Ray CPUs per policy actor.")
+    num_gpus_per_policy_rank: float = doc(0, "Ray GPUs per policy actor (1 on GPU clusters).")
+    num_gpus_per_engine: float = doc(0, "Ray GPUs per vLLM engine (= rollout.tensor_parallel_size on GPU).")
+    spread_policy_nodes: bool = doc(False, "Spread policy ranks over nodes (STRICT_SPREAD) -- for the local "
+                                           "multi-node tests.")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = doc(200, "RL steps (paper: 200).")
+    seed: int = doc(42, "Seed of data order, sampling and initialisation.")
+    run_dir: str = doc("runs/da3po", "Where logs, checkpoints and plots go.")
+    save_every: int = doc(20, "Checkpoint every N steps (0 = only at the end).")
+    keep_last: int = doc(3, "Checkpoints kept (older ones deleted after a newer one is complete).")
+    resume: bool = doc(True, "Resume from run_dir/checkpoints/latest when it exists.")
+    tensorboard: bool = doc(True, "Write TensorBoard events to run_dir/tb (JSONL metrics are always written).")
+    wandb_project: str = doc("", "Weights & Biases project ('' = off).")
+    experiment_name: str = doc("", "Run name in logs ('' = basename of run_dir).")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    daa: DAAConfig = field(default_factory=DAAConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    # ---- derived values (one place for the preset logic) ----
+    @property
+    def daa_enabled(self) -> bool:
+        return self.algorithm.name == "da3po" if self.daa.enable is None else self.daa.enable
+
+    @property
+    def filter_groups(self) -> bool:
+        f = self.algorithm.filter_groups
+        return self.algorithm.name in ("dapo", "da3po") if f is None else f
+
+    @property
+    def loss_agg_mode(self) -> str:
+        m = self.algorithm.loss_agg_mode
+        if m != "auto":
+            return m
+        return "token-mean" if self.algorithm.name in ("dapo", "da3po") else "seq-mean-token-mean"
+
+    @property
+    def ratio_level(self) -> str:
+        return "sequence" if self.algorithm.name == "gspo" else "token"
+
+    @property
+    def policy_world_size(self) -> int:
+        p = self.parallel
+        return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size * \
+            p.data_parallel_size
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check/convert a YAML value to the annotated type; ConfigError naming ``where`` otherwise."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            if isinstance(value, str):  # "a,b" on the command line
+                value = [v for v in value.split(",") if v]
+            else:
+                raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            if isinstance(value, str):  # yaml reads 1e-6 as a string
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, where)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{(where + '.') if where else ''}{close[0]}'?" if close else \
+                f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{path}'{hint}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: circular 'defaults'")
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    merged: dict[str, Any] = {}
+    defaults = data.pop("defaults", [])
+    for d in [defaults] if isinstance(defaults, str) else defaults:
+        merged = _deep_merge(merged, _read_yaml(path.parent / d, (*seen, path)))
+    return _deep_merge(merged, data)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'a.b.c=value' -> (['a', 'b', 'c'], yaml-parsed value)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """YAML file (with ``defaults``) + dotted overrides -> validated :class:`Config`."""
+    data: dict[str, Any] = _read_yaml(Path(path)) if path else {}
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{k}' is not a section")
+        node[keys[-1]] = value
+    try:
+        cfg = _build(Config, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name} = {value!r} is out of range: allowed {allowed}")
+
+
+def validate(cfg: Config) -> None:
+    """Range and consistency checks; each error names the field and its allowed range."""
+    p = cfg.parallel
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "data_parallel_size"):
+        _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), ">= 1")
+    d = cfg.daa
+    _check(d.lambda_ > 0, "daa.lambda_", d.lambda_, "> 0 (1 = no amplification)")
+    _check(0 < d.tau < 1, "daa.tau", d.tau, "the open interval (0, 1)")
+    _check(0 < d.lambda_min <= d.lambda_max, "daa.lambda_min", d.lambda_min, f"(0, daa.lambda_max={d.lambda_max}]")
+    a = cfg.algorithm
+    _check(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low", a.clip_ratio_low, "[0, 1)")
+    _check(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", a.clip_ratio_high, ">= 0")
+    _check(a.max_generation_rounds >= 1, "algorithm.max_generation_rounds", a.max_generation_rounds, ">= 1")
+    _check(a.advantage_eps >= 0, "algorithm.advantage_eps", a.advantage_eps, ">= 0")
+    r = cfg.rollout
+    _check(r.n >= 2, "rollout.n", r.n, ">= 2 (group advantages need at least two responses)")
+    _check(r.temperature > 0, "rollout.temperature", r.temperature, "> 0")
+    _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "(0, 1]")
+    _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, ">= 1")
+    _check(0 <= r.logprob_check_fraction <= 1, "rollout.logprob_check_fraction", r.logprob_check_fraction, "[0, 1]")
+    ov = a.overlong
+    _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,
+           f"[0, rollout.max_response_length={r.max_response_length})")
+    _check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "> 0")
+    dc = cfg.data
+    _check(dc.train_batch_size >= 1, "data.train_batch_size", dc.train_batch_size, ">= 1")
+    ac = cfg.actor
+    _check(ac.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, ">= 1")
+    _check(dc.train_batch_size % ac.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size,
+           f"a divisor of data.train_batch_size={dc.train_batch_size}")
+    _check(ac.max_tokens_per_microbatch >= r.max_prompt_length + r.max_response_length,
+           "actor.max_tokens_per_microbatch", ac.max_tokens_per_microbatch,
+           f">= rollout.max_prompt_length + rollout.max_response_length = {r.max_prompt_length + r.max_response_length}"
+           " (one whole sequence must fit)")
+    if dc.format != "synthetic" and not dc.train_files:
+        raise ConfigError(f"data.train_files is empty; give at least one file for data.format={dc.format!r}")
+    _check(cfg.trainer.total_steps >= 1, "trainer.total_steps", cfg.trainer.total_steps, ">= 1")
+    _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain data (for logs, checkpoints and ``--print-config``)."""
+    return dataclasses.asdict(cfg)
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[str]:
+    """One line per field: dotted name, default, documentation."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines += describe(tp, name + ".")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"{name} = {default!r}: {f.metadata.get('help', '')}")
+    return lines
