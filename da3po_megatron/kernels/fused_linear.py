@@ -1,0 +1,173 @@
+"""Fused linear + DAA policy loss: from final hidden states and the vocab-parallel output weight, no logits tensor.
+
+Same function as `reference.py` applied to logits = hidden @ weight.T (Eq. 5/11 surrogate, Eq. 14 DAA, Eq. 9 token
+sum), but the logits of the micro-batch never exist, not even in bf16: tokens are processed in chunks; the forward
+computes each chunk's logits [chunk x V_local], reduces them to four per-token statistics and drops them; after the
+last chunk one MAX + one SUM all-reduce over the TP group merge the statistics (`combine_vocab_stats`). The backward
+recomputes each chunk's logits, forms dlogits from the saved per-token logsumexp, and accumulates
+dhidden = dlogits @ weight and dweight += dlogits.T @ hidden.
+
+This is the approach of Liger-Kernel's fused linear cross-entropy / GRPO losses and NeMo-RL's fused linear log-probs;
+unlike Liger we recompute the chunk logits in backward (one extra matmul per chunk) instead of computing gradients
+during forward, so that gradients may also flow from the returned per-token logp and entropy.
+
+Tensor parallelism: `weight` is this rank's vocab shard [V_local, H] (Megatron's ColumnParallelLinear output layer);
+`hidden` is replicated. Its gradient is summed over the TP group inside backward (`reduce_hidden_grad=True`), which is
+what Megatron's `copy_to_tensor_model_parallel_region` does for the output layer's input. Pass False when the caller
+already wraps `hidden` in such a region (or gathers it from sequence-parallel ranks, whose backward reduce-scatters).
+
+Memory: per chunk one [chunk x V_local] logits buffer in the hidden dtype plus two float32 ones; dweight is accumulated
+in float32 when the weight is bf16/fp16 ([V_local x H] fp32, independent of the token count). Left out: Triton for the
+per-chunk reductions (the matmuls dominate; the torch chunk reductions are shared with `chunked.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .chunked import DEFAULT_CHUNK_BYTES, chunk_dlogits, chunk_stats
+from .common import (
+    amplify_advantages,
+    check_clip,
+    check_daa_args,
+    clipped_surrogate,
+    combine_vocab_stats,
+    prepare_inputs,
+    tp_world_size,
+)
+
+
+class FusedLinearVocabParallelLogprobs(torch.autograd.Function):
+    """(hidden [N, H], weight [V_local, H], targets [N]) -> (logp [N] fp32, entropy [N] fp32 or empty)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, hidden, weight, targets, vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad
+    ):
+        n = hidden.shape[0]
+        m = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        s, tgt = torch.empty_like(m), torch.empty_like(m)
+        w = torch.empty_like(m) if compute_entropy else None
+        for a in range(0, n, chunk_tokens):
+            b = min(n, a + chunk_tokens)
+            z = hidden[a:b] @ weight.t()
+            mc, sc, wc, tc = chunk_stats(z, targets[a:b], vocab_start, compute_entropy)
+            del z
+            m[a:b], s[a:b], tgt[a:b] = mc, sc, tc
+            if compute_entropy:
+                w[a:b] = wc
+        lse, entropy, tgt = combine_vocab_stats(m, s, w, tgt, group)
+        ent_out = entropy if entropy is not None else lse.new_empty(0)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent_out)
+        ctx.cfg = (vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad)
+        return tgt - lse, ent_out
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):  # type: ignore[override]
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad = ctx.cfg
+        if not compute_entropy:
+            g_entropy = None
+        if g_logp is None and g_entropy is None:
+            return (None,) * 8
+        if g_logp is None:
+            g_logp = torch.zeros_like(lse)
+        n = hidden.shape[0]
+        dhidden = torch.empty_like(hidden)
+        acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+        need_dweight = ctx.needs_input_grad[1]
+        dweight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_dweight else None
+        for a in range(0, n, chunk_tokens):
+            b = min(n, a + chunk_tokens)
+            h = hidden[a:b]
+            z = h @ weight.t()
+            d = chunk_dlogits(
+                z, targets[a:b], vocab_start, lse[a:b], g_logp[a:b],
+                entropy[a:b] if g_entropy is not None else None,
+                g_entropy[a:b] if g_entropy is not None else None,
+            ).to(hidden.dtype)
+            del z
+            dhidden[a:b] = d @ weight
+            if not need_dweight:
+                continue
+            if acc_dtype == weight.dtype:
+                dweight.addmm_(d.t(), h)
+            else:
+                dweight.add_(d.t() @ h)
+        if reduce_hidden_grad and tp_world_size(group) > 1:
+            dist.all_reduce(dhidden, op=dist.ReduceOp.SUM, group=group)
+        dweight = dweight.to(weight.dtype) if need_dweight else None
+        return dhidden, dweight, None, None, None, None, None, None
+
+
+def _prepare_fused(hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None) -> int:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be the output-layer shard [V_local, H={hidden.shape[-1]}], "
+            f"got {tuple(getattr(weight, 'shape', ()))}"
+        )
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"weight ({weight.dtype}, {weight.device}) and hidden ({hidden.dtype}, {hidden.device}) must match in "
+            "dtype and device"
+        )
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, weight.shape[0])))
+
+
+def fused_linear_vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int = 0,
+    tp_group: dist.ProcessGroup | None = None,
+    compute_entropy: bool = False,
+    chunk_tokens: int | None = None,
+    reduce_hidden_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of logits = hidden @ weight.T without materialising the logits."""
+    inp = prepare_inputs(hidden, targets, need_loss_inputs=False, logits_name="hidden")
+    chunk = _prepare_fused(hidden, weight, chunk_tokens)
+    logp, ent = FusedLinearVocabParallelLogprobs.apply(
+        inp.logits, weight, inp.targets, vocab_start, tp_group, compute_entropy, chunk, reduce_hidden_grad
+    )
+    shape = inp.token_shape
+    return logp.reshape(shape), ent.reshape(shape) if compute_entropy else None
+
+
+def fused_linear_daa_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    vocab_start: int = 0,
+    tp_group: dist.ProcessGroup | None = None,
+    correct: torch.Tensor | None = None,
+    p_hat: torch.Tensor | None = None,
+    daa_lambda: float | None = None,
+    daa_tau: float | None = None,
+    compute_entropy: bool = False,
+    chunk_tokens: int | None = None,
+    reduce_hidden_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """DAA policy loss of logits = hidden [..., H] @ weight[V_local, H].T; same outputs as `daa_policy_loss`."""
+    check_clip(clip_ratio_low, clip_ratio_high)
+    use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
+    inp = prepare_inputs(hidden, targets, old_logprobs, advantages, mask, correct, p_hat, logits_name="hidden")
+    chunk = _prepare_fused(hidden, weight, chunk_tokens)
+    logp, ent = FusedLinearVocabParallelLogprobs.apply(
+        inp.logits, weight, inp.targets, vocab_start, tp_group, compute_entropy, chunk, reduce_hidden_grad
+    )
+    adv = inp.advantages
+    if use_daa:
+        adv = amplify_advantages(adv, inp.correct, inp.p_hat, daa_lambda, daa_tau)
+    loss_sum, metrics = clipped_surrogate(logp, inp.old_logprobs, adv, inp.mask, clip_ratio_low, clip_ratio_high)
+    shape = inp.token_shape
+    return loss_sum, logp.reshape(shape), ent.reshape(shape) if compute_entropy else None, metrics
