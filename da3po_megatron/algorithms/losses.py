@@ -140,6 +140,7 @@ def policy_loss(
     lp = logprobs.to(dtype)
     old = old_logprobs.detach().to(dtype)
     adv = _per_token_advantages(advantages.detach().to(dtype), logprobs.shape)
+    adv = torch.where(m > 0, adv, torch.zeros_like(adv))  # padding advantages may be garbage (even NaN)
     seq_len = m.sum(dim=1)  # [B]
     valid_seq = seq_len > 0
     n_tokens = m.sum()
