@@ -150,19 +150,21 @@ class DAAConfig:
 class SyntheticTaskConfig:
     min_digits: int = doc(1, "Easiest prompt: this many digits.")
     max_digits: int = doc(8, "Hardest prompt: this many digits (difficulty buckets = digit counts).")
-    num_train: int = doc(4096, "Training prompts generated.")
-    num_eval: int = doc(256, "Held-out evaluation prompts (disjoint from training).")
+    train_per_bucket: int = doc(512, "Training prompts per difficulty bucket.")
+    eval_per_bucket: int = doc(32, "Held-out evaluation prompts per bucket (never in the training split).")
 
 
 @dataclass
 class DataConfig:
     train_files: list[str] = doc([], "Training data: DAPO-Math-17K parquet, or jsonl/parquet with prompt/answer "
                                      "columns. Empty with format=synthetic.")
-    format: Literal["dapo", "jsonl", "parquet", "synthetic"] = doc("dapo", "Reader for train_files.")
+    format: Literal["dapo", "generic", "synthetic"] = doc(
+        "dapo", "Reader for train_files: DAPO-Math-17K's parquet schema, a generic jsonl/parquet with prompt/answer "
+                "columns, or the built-in synthetic task (no files).")
     prompt_key: str = doc("prompt", "Column holding the prompt (jsonl/parquet).")
     answer_key: str = doc("answer", "Column holding the reference answer (jsonl/parquet).")
-    template: Literal["none", "dapo", "boxed"] = doc("none", "Prompt template applied to raw problems ('none' for "
-                                                             "DAPO-Math-17K, whose prompts already carry it).")
+    template: Literal["none", "dapo", "boxed"] = doc("dapo", "Prompt template applied to raw problems of generic "
+                                                             "files (DAPO-Math-17K prompts already carry theirs).")
     apply_chat_template: bool = doc(True, "Wrap prompts in the tokenizer's chat template.")
     train_batch_size: int = doc(512, "Prompts per RL step (paper: 512), i.e. groups after dynamic sampling.")
     shuffle: bool = doc(True, "Shuffle by (seed, epoch).")

@@ -1,0 +1,195 @@
+"""From sampled completions to the policy's training batch: rewards, groups, advantages with DAA, step statistics.
+
+These are the pure(-ish) middle steps of Algorithm 1, kept out of the loop so that the loop reads top to bottom and
+so that they are testable without Ray, vLLM or Megatron:
+
+1. :func:`make_groups` -- one :class:`Group` per prompt with its G completions, R_acc from the verifier and
+   R = R_acc + R_len (DAPO Eq. 8 overlong shaping);
+2. the dynamic-sampling buffer (``algorithms.dynamic_sampling``) keeps groups with 0 < p_hat < 1;
+3. :func:`compute_advantages` -- Eq. 3 group z-scores, then DAA (Eq. 14; constant or adaptive lambda);
+4. :func:`policy_batch` -- the flat :class:`PolicyBatch` the policy ranks train on;
+5. :func:`group_stats` / :func:`theory_stats` -- what the step logs: accuracy, p_hat histogram, per-bucket accuracy,
+   lengths, overlong fraction, and the Theorem 3.1 diagnostic (mean advantage of correct / incorrect responses on the
+   kept groups vs all groups, next to alpha+ / alpha- at that p_hat).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from da3po_megatron.algorithms import (
+    adaptive_daa_lambda,
+    alpha_minus,
+    alpha_plus,
+    apply_daa,
+    daa_mask,
+    gamma,
+    group_advantages,
+)
+from da3po_megatron.algorithms.reward_shaping import overlong_penalty
+from da3po_megatron.data.datasets import Example
+from da3po_megatron.megatron.batching import PolicyBatch
+
+P_HAT_BINS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+
+
+@dataclass
+class Group:
+    """One prompt and its G sampled responses, scored. Picklable (it may be carried across steps and checkpointed)."""
+
+    example: Example
+    prompt_ids: list[int]
+    response_ids: list[list[int]]
+    texts: list[str]
+    rollout_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    acc: list[float]  # R_acc in {+1, -1}
+    rewards: list[float]  # R = R_acc + R_len
+    advantages: list[float] = field(default_factory=list)  # filled by compute_advantages (after DAA)
+
+    @property
+    def p_hat(self) -> float:
+        """Fraction of the G responses with R_acc > 0."""
+        return sum(a > 0 for a in self.acc) / len(self.acc)
+
+    @property
+    def bucket(self) -> Any:
+        return self.example.meta.get("bucket", self.example.source)
+
+
+def make_groups(examples: Sequence[Example], completions: Sequence[Sequence[Any]], acc: Sequence[float],
+                max_response_length: int, overlong_buffer: int | None) -> list[Group]:
+    """Pair prompts with their completions and rewards (``acc`` flat, prompt-major, G per prompt).
+
+    ``overlong_buffer`` = L_cache of Eq. 8 (None = no shaping); L_max = ``max_response_length``.
+    """
+    groups, i = [], 0
+    for ex, comps in zip(examples, completions, strict=True):
+        g_acc = [float(a) for a in acc[i:i + len(comps)]]
+        i += len(comps)
+        lengths = [len(c.token_ids) for c in comps]
+        if overlong_buffer is None:
+            rewards = list(g_acc)
+        else:
+            rewards = [a + float(overlong_penalty(n, max_response_length, overlong_buffer)) for a, n in
+                       zip(g_acc, lengths)]
+        groups.append(Group(
+            example=ex, prompt_ids=list(comps[0].prompt_token_ids), response_ids=[list(c.token_ids) for c in comps],
+            texts=[c.text for c in comps], rollout_logprobs=[list(c.logprobs) for c in comps],
+            finish_reasons=[c.finish_reason for c in comps], acc=g_acc, rewards=rewards))
+    if i != len(acc):
+        raise ValueError(f"make_groups: {len(acc)} rewards for {i} completions")
+    return groups
+
+
+def compute_advantages(groups: Sequence[Group], eps: float, daa: bool, lambda_: float, tau: float,
+                       mode: str = "constant", lambda_min: float = 1.0, lambda_max: float = 3.0) -> dict[str, float]:
+    """Eq. 3 then (if ``daa``) Eq. 14, written into each group's ``advantages``; returns DAA statistics."""
+    if not groups:
+        return {}
+    G = len(groups[0].acc)
+    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
+    correct = torch.tensor([a > 0 for g in groups for a in g.acc])
+    p_hat = torch.tensor([g.p_hat for g in groups for _ in g.acc], dtype=torch.float64)
+    adv = group_advantages(rewards, G, eps=eps)
+    stats = {"daa/activation_frac": 0.0, "daa/lambda_mean": 1.0}
+    if daa:
+        lam = adaptive_daa_lambda(p_hat, G, lambda_min, lambda_max) if mode == "adaptive" else lambda_
+        mask = daa_mask(correct, p_hat.float(), tau)
+        adv = apply_daa(adv, correct, p_hat.float(), lam if not torch.is_tensor(lam) else lam.to(adv.dtype), tau)
+        stats["daa/activation_frac"] = mask.float().mean().item()
+        stats["daa/activation_frac_of_correct"] = (mask.sum() / correct.sum().clamp_min(1)).item()
+        if torch.is_tensor(lam):
+            stats["daa/lambda_mean"] = lam[mask].mean().item() if mask.any() else 1.0
+        else:
+            stats["daa/lambda_mean"] = float(lam)
+    for gi, g in enumerate(groups):
+        g.advantages = adv[gi * G:(gi + 1) * G].tolist()
+    return stats
+
+
+def policy_batch(groups: Sequence[Group], old_logprobs: Sequence[Sequence[float]] | None = None) -> PolicyBatch:
+    """The flat per-response batch (group-major); ``old_logprobs`` default to the rollout's own."""
+    prompt_ids = [g.prompt_ids for g in groups for _ in g.response_ids]
+    response_ids = [r for g in groups for r in g.response_ids]
+    lp = [list(x) for x in old_logprobs] if old_logprobs is not None else \
+        [r for g in groups for r in g.rollout_logprobs]
+    adv = [a for g in groups for a in g.advantages] if all(g.advantages for g in groups) else None
+    return PolicyBatch(prompt_ids=prompt_ids, response_ids=response_ids, old_logprobs=lp, advantages=adv)
+
+
+def group_stats(groups: Sequence[Group], max_response_length: int, prefix: str) -> dict[str, float]:
+    """Accuracy, reward, p_hat histogram, per-bucket accuracy and lengths over ``groups`` (prefix e.g. 'gen')."""
+    if not groups:
+        return {}
+    acc = [a > 0 for g in groups for a in g.acc]
+    rewards = [r for g in groups for r in g.rewards]
+    lengths = [len(r) for g in groups for r in g.response_ids]
+    out = {
+        f"{prefix}/acc": sum(acc) / len(acc),
+        f"{prefix}/reward": sum(rewards) / len(rewards),
+        f"{prefix}/response_length_mean": sum(lengths) / len(lengths),
+        f"{prefix}/response_length_max": float(max(lengths)),
+        f"{prefix}/overlong_frac": sum(n >= max_response_length for n in lengths) / len(lengths),
+        f"{prefix}/truncated_frac": sum(f == "length" for g in groups for f in g.finish_reasons) / len(lengths),
+    }
+    p = [g.p_hat for g in groups]
+    for lo, hi in zip(P_HAT_BINS[:-1], P_HAT_BINS[1:]):
+        last = hi == 1.0
+        n = sum(lo <= x < hi or (last and x == 1.0) for x in p)
+        out[f"{prefix}/p_hat_hist/{lo:.3f}-{hi:.3f}"] = n / len(p)
+    out[f"{prefix}/p_hat_all_correct_frac"] = sum(x == 1.0 for x in p) / len(p)
+    out[f"{prefix}/p_hat_all_wrong_frac"] = sum(x == 0.0 for x in p) / len(p)
+    by_bucket: dict[Any, list[bool]] = defaultdict(list)
+    for g in groups:
+        by_bucket[g.bucket].extend(a > 0 for a in g.acc)
+    for b, vals in sorted(by_bucket.items(), key=lambda kv: str(kv[0])):
+        out[f"{prefix}/acc_bucket/{b}"] = sum(vals) / len(vals)
+    return out
+
+
+def theory_stats(all_groups: Sequence[Group], kept_groups: Sequence[Group], eps: float) -> dict[str, float]:
+    """Thm 3.1 diagnostic: mean advantage of correct / incorrect responses, per p_hat bin, over ALL generated groups
+    (uniform groups contribute zeros, as they would without filtering) vs the KEPT groups, with alpha+/alpha- at the
+    bin's mean p_hat. Under the theorem, kept/all ratios approach alpha+ (correct) and alpha- (incorrect)."""
+    if not all_groups:
+        return {}
+    G = len(all_groups[0].acc)
+    out: dict[str, float] = {}
+    p_mean = sum(g.p_hat for g in all_groups) / len(all_groups)
+    if 0 < p_mean < 1:
+        out["theory/alpha_plus"] = float(alpha_plus(p_mean, G))
+        out["theory/alpha_minus"] = float(alpha_minus(p_mean, G))
+        out["theory/gamma"] = float(gamma(p_mean, G))
+    out["theory/p_hat_mean"] = p_mean
+
+    def mean_adv(groups: Sequence[Group], correct: bool) -> tuple[float, int]:
+        if not groups:
+            return 0.0, 0
+        r = torch.tensor([x for g in groups for x in g.acc], dtype=torch.float64)
+        adv = group_advantages(r, G, eps=eps)
+        sel = (r > 0) if correct else (r <= 0)
+        return (adv[sel].mean().item() if sel.any() else 0.0), int(sel.sum())
+
+    for lo, hi in ((0.0, 0.5), (0.5, 1.0)):
+        name = f"{lo:.1f}-{hi:.1f}"
+        in_bin = [g for g in all_groups if lo < g.p_hat < hi or (hi == 1.0 and g.p_hat == 1.0) or
+                  (lo == 0.0 and g.p_hat == 0.0)]
+        kept = [g for g in kept_groups if lo <= g.p_hat < hi]
+        for label, corr in (("correct", True), ("incorrect", False)):
+            a_all, _ = mean_adv(in_bin, corr)
+            a_kept, n = mean_adv(kept, corr)
+            out[f"theory/{name}/adv_{label}_all"] = a_all
+            out[f"theory/{name}/adv_{label}_kept"] = a_kept
+            out[f"theory/{name}/n_{label}_kept"] = float(n)
+        pb = [g.p_hat for g in kept]
+        if pb:
+            pm = sum(pb) / len(pb)
+            out[f"theory/{name}/alpha_plus"] = float(alpha_plus(pm, G))
+            out[f"theory/{name}/alpha_minus"] = float(alpha_minus(pm, G))
+    return out

@@ -1,0 +1,116 @@
+"""The DA3PO RL loop, Algorithm 1 of the paper, read top to bottom.
+
+    for each step:
+        repeat (generation rounds) until the batch holds train_batch_size informative groups:   # dynamic sampling
+            sample prompts; generate G responses each                                             # vLLM engines
+            score them: R = R_acc (verifier) + R_len (Eq. 8)                                      # reward pool
+            keep groups with 0 < p_hat < 1                                                        # DAPO filter
+        A = group z-scores of R (Eq. 3); A~ = lambda * A where correct and p_hat < tau (Eq. 14)   # <- DAA is HERE
+        pi_old = the policy's log-probs of the sampled tokens (or the engines', if configured)
+        mini-batch updates of the clipped surrogate (Eq. 5/9/11) on the Megatron policy
+        sync the new weights into the engines (+ prefix-cache reset)
+        log metrics; checkpoint; evaluate
+
+Everything heavy lives elsewhere (``trainer/run.py`` builds and checkpoints the parts, ``trainer/batch.py`` holds the
+batch math); this file is only the schedule. GRPO / DAPO / GSPO differ only through the config's preset:
+no filtering (GRPO/GSPO), the loss aggregation and ratio level (in the policy's loss), and DAA off (all but DA3PO).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from da3po_megatron.config import Config
+from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.run import Run
+
+
+class DynamicSamplingError(RuntimeError):
+    """Dynamic sampling could not fill the batch within algorithm.max_generation_rounds."""
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def fill_batch(run: Run, step: int, timer: PhaseTimer) -> tuple[list[B.Group], list[B.Group]]:
+    """Generation rounds until the dynamic-sampling buffer holds the batch; returns (kept batch, all generated)."""
+    cfg, buffer = run.cfg, run.buffer
+    buffer.reset_stats()
+    generated: list[B.Group] = []
+    for round_ in range(cfg.algorithm.max_generation_rounds):
+        if buffer.is_full:
+            break
+        need = cfg.data.train_batch_size - len(buffer)
+        examples = run.next_prompts(need)
+        with timer("generate"):
+            completions = run.generate(examples, seed=run.sampling_seed(step, round_))
+        with timer("reward"):
+            groups = run.score(examples, completions)
+        generated += groups
+        buffer.add(groups, [g.p_hat if cfg.filter_groups else 0.5 for g in groups])
+    if not buffer.is_full:
+        s = buffer.stats()
+        raise DynamicSamplingError(
+            f"dynamic sampling kept {len(buffer)} of the {cfg.data.train_batch_size} groups the batch needs after "
+            f"{cfg.algorithm.max_generation_rounds} generation rounds: observed keep rate "
+            f"{s['dynamic_sampling/kept_frac']:.3f} ({s['dynamic_sampling/kept_groups']:.0f} of "
+            f"{s['dynamic_sampling/generated_groups']:.0f} groups; all-correct "
+            f"{s['dynamic_sampling/discarded_all_correct_groups']:.0f}, all-wrong "
+            f"{s['dynamic_sampling/discarded_all_wrong_groups']:.0f}). Raise algorithm.max_generation_rounds, lower "
+            "data.train_batch_size, or use easier/harder prompts.")
+    return buffer.take(), generated
+
+
+def train(cfg: Config) -> Run:
+    """Run (or resume) training as configured; returns the finished :class:`Run` (closed)."""
+    run = Run(cfg)
+    try:
+        for step in range(run.step + 1, cfg.trainer.total_steps + 1):
+            t_step, timer = time.perf_counter(), PhaseTimer()
+
+            # 1. Generation rounds + rewards + dynamic sampling (DAPO), until the batch is full.
+            groups, generated = fill_batch(run, step, timer)
+
+            # 2. Advantages: group z-scores (Eq. 3), then Direct Advantage Amplification (Eq. 14).
+            daa = B.compute_advantages(groups, cfg.algorithm.advantage_eps, cfg.daa_enabled, cfg.daa.lambda_,
+                                       cfg.daa.tau, cfg.daa.mode, cfg.daa.lambda_min, cfg.daa.lambda_max)
+
+            # 3. pi_old: recomputed by the policy (default) or the engines' sampled-token log-probs.
+            batch = B.policy_batch(groups)
+            with timer("old_logprobs"):
+                batch, mismatch = run.old_logprobs(batch)
+
+            # 4. Mini-batch updates with the clipped surrogate on the Megatron policy.
+            with timer("train"):
+                train_metrics = run.policy.train_step(batch)
+
+            # 5. New weights into the engines (bucketed stream; prefix cache reset).
+            with timer("weight_sync"):
+                sync = run.sync_weights()
+
+            # 6. Metrics, checkpoint, periodic evaluation.
+            run.step = step
+            metrics = run.step_metrics(groups, generated, daa, mismatch, train_metrics, sync, timer.seconds,
+                                       time.perf_counter() - t_step)
+            if run.should_evaluate(step):
+                with timer("eval"):
+                    metrics.update(run.evaluate())
+            run.logger.log(step, metrics)
+            if run.should_checkpoint(step) or run.preempted():
+                run.save_checkpoint()
+            if run.preempted():
+                print(f"preemption requested: checkpoint of step {step} saved; exiting for requeue", flush=True)
+                break
+    finally:
+        run.close()
+    return run

@@ -1,0 +1,42 @@
+"""`da3po train --config X.yaml [section.key=value ...]`: run (or resume) DA3PO / DAPO / GRPO / GSPO training.
+
+Restarting the same command resumes from ``run_dir/checkpoints/latest`` (exactly, on CPU). ``--describe`` lists every
+config field with its documentation; ``--print-config`` shows the resolved config and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from da3po_megatron.config import ConfigError, describe, load_config, to_dict
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="da3po train", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="YAML recipe (see examples/)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=10 daa.lambda_=2.5")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    ap.add_argument("--describe", action="store_true", help="list every config field with its documentation")
+    args = ap.parse_args(argv)
+    if args.describe:
+        print("\n".join(describe()))
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(to_dict(cfg), indent=2))
+        return 0
+    from da3po_megatron.trainer.loop import train
+
+    run = train(cfg)
+    print(f"done: step {run.step}; logs in {run.run_dir}/metrics.jsonl", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

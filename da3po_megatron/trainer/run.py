@@ -1,0 +1,280 @@
+"""Everything a training run holds, built from the config: Ray, policy ranks, engines, data, rewards, logs, checkpoints.
+
+:class:`Run` is what ``trainer/loop.py`` drives. It owns the state an exact resume needs (step, data position,
+dynamic-sampling buffer, driver RNG, cumulative counters, the policy's checkpoint) and the placement:
+
+- the policy: ``world = TP x PP x CP x DP`` Ray actors (``megatron.actor_group.PolicyGroup``), one per rank;
+- the engines: ``rollout.num_engines`` vLLM Ray actors (``rollout.RolloutClient.ray``); on GPU ``ray.
+  num_gpus_per_policy_rank`` / ``num_gpus_per_engine`` decide whether they share GPUs (``rollout.colocate``);
+- the reward pool: processes of the driver.
+
+Preemption: SIGUSR1 / SIGTERM, or a file ``run_dir/PREEMPT`` (what ``slurm/train.sbatch`` creates before the job is
+killed), makes the loop checkpoint after the current step and exit; the requeued job resumes from ``latest``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from da3po_megatron.algorithms import DynamicSamplingBuffer
+from da3po_megatron.config import Config, to_dict
+from da3po_megatron.data.datasets import Example, PromptDataset, load_prompts
+from da3po_megatron.data.templates import render_prompt
+from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.checkpoint import CheckpointManager
+from da3po_megatron.trainer.metrics import MetricsLogger
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cfg.ray.address == "local":
+        tmp = Path(os.environ.get("DA3PO_RAY_TMP", "/tmp/da3po_ray"))
+        tmp.mkdir(parents=True, exist_ok=True)
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=str(tmp),
+                 num_cpus=max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
+                 log_to_driver=os.environ.get("DA3PO_RAY_LOG_TO_DRIVER", "1") == "1")
+    else:
+        ray.init(address=cfg.ray.address, include_dashboard=False)
+
+
+def load_train_data(cfg: Config) -> PromptDataset:
+    d = cfg.data
+    if d.format == "synthetic":
+        from da3po_megatron.data.synthetic import make_synthetic_dataset
+
+        s = d.synthetic
+        return make_synthetic_dataset(s.train_per_bucket, "train", cfg.trainer.seed,
+                                      buckets=range(s.min_digits, s.max_digits + 1))
+    if d.format == "dapo":
+        parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row) for f in d.train_files]
+    else:
+        parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
+                              on_bad_row=d.on_bad_row, template=d.template) for f in d.train_files]
+    for f, part in zip(d.train_files, parts):
+        if part.stats is not None and part.stats.as_dict().get("skipped"):
+            print(f"data: {f}: skipped {part.stats.as_dict()['skipped']} malformed rows (data.on_bad_row=skip)")
+    if len(parts) == 1:
+        return parts[0]
+    merged = PromptDataset([ex for p in parts for ex in p], name="+".join(p.name for p in parts))
+    merged.parts = parts  # per-file read statistics (skipped rows)
+    return merged
+
+
+class Run:
+    def __init__(self, cfg: Config) -> None:
+        from da3po_megatron.megatron.actor_group import PolicyGroup
+        from da3po_megatron.rewards import RewardPool
+        from da3po_megatron.rollout import EngineConfig, RolloutClient
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.step = 0
+        self.totals = {"samples": 0, "tokens": 0, "groups": 0, "reward_timeouts": 0, "reward_errors": 0}
+        self._preempt = False
+        (self.run_dir / "PREEMPT").unlink(missing_ok=True)  # a request of the previous (requeued) job
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+        random.seed(cfg.trainer.seed)
+        np.random.seed(cfg.trainer.seed)
+        torch.manual_seed(cfg.trainer.seed)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.dataset = load_train_data(cfg)
+        self.data_skipped_rows = sum(getattr(p.stats, "skipped", 0) for p in getattr(self.dataset, "parts", [])) \
+            or getattr(self.dataset.stats, "skipped", 0)
+        self.prompts = self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+        self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
+        self.rewards = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+        self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
+
+        init_ray(cfg)
+        t0 = time.perf_counter()
+        self.policy = PolicyGroup.from_config(cfg)
+        engine_cfg = EngineConfig.from_config(cfg)
+        self.rollout = RolloutClient.ray(engine_cfg, num_engines=cfg.rollout.num_engines,
+                                         num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
+                                         num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
+                                         restart_on_failure=cfg.rollout.restart_on_failure)
+        print(f"policy ({cfg.policy_world_size} ranks) and {cfg.rollout.num_engines} engine(s) ready in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+
+        latest = self.ckpt.latest() if cfg.trainer.resume else None
+        if latest is not None:
+            self._restore(latest)
+        self.logger = MetricsLogger(self.run_dir, cfg.trainer.total_steps, start_step=self.step,
+                                    tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
+                                    run_name=cfg.trainer.experiment_name, config=to_dict(cfg))
+
+    # ------------------------------------------------------------------------------------------------ generation
+    def next_prompts(self, k: int) -> list[Example]:
+        return self.prompts.take(k)
+
+    def sampling_seed(self, step: int, round_: int) -> int:
+        """Engine sampling seed of one generation round: a function of (seed, step, round) so a resumed run samples
+        exactly what an uninterrupted one would."""
+        return (self.cfg.trainer.seed * 1_000_003 + step * 1_009 + round_) % (2**31 - 1)
+
+    def generate(self, examples: list[Example], seed: int) -> list[list[Any]]:
+        from da3po_megatron.rollout import SamplingConfig
+
+        r = self.cfg.rollout
+        sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length,
+                                  seed=seed, apply_chat_template=False)
+        prompts = [render_prompt(self.tokenizer, ex.prompt, self.cfg.data.apply_chat_template) for ex in examples]
+        out = self.rollout.generate(prompts, sampling)
+        for ex, comps in zip(examples, out, strict=True):
+            if len(comps[0].prompt_token_ids) > r.max_prompt_length:
+                raise ValueError(f"prompt {ex.uid} has {len(comps[0].prompt_token_ids)} tokens, more than "
+                                 f"rollout.max_prompt_length={r.max_prompt_length}")
+        return out
+
+    def score(self, examples: list[Example], completions: list[list[Any]]) -> list[B.Group]:
+        texts = [c.text for cs in completions for c in cs]
+        answers = [ex.answer for ex, cs in zip(examples, completions) for _ in cs]
+        scored = self.rewards.score_batch(texts, answers, kind=self.cfg.reward.kind)
+        ov = self.cfg.algorithm.overlong
+        groups = B.make_groups(examples, completions, scored.rewards, self.cfg.rollout.max_response_length,
+                               ov.buffer_length if ov.enable else None)
+        n_tok = sum(len(c.token_ids) for cs in completions for c in cs)
+        self.totals["samples"] += len(texts)
+        self.totals["tokens"] += n_tok
+        self.totals["groups"] += len(groups)
+        self.totals["reward_timeouts"] += scored.timeouts
+        self.totals["reward_errors"] += scored.errors
+        return groups
+
+    # ------------------------------------------------------------------------------------------------ training
+    def old_logprobs(self, batch: PolicyBatch) -> tuple[PolicyBatch, dict[str, float]]:
+        """pi_old for the ratio, and the rollout-vs-policy log-prob mismatch of the sampled tokens."""
+        from da3po_megatron.rollout.consistency import compare_logprobs, sample_indices
+
+        rollout_lp = batch.old_logprobs
+        if self.cfg.actor.use_rollout_logprobs:
+            idx = sample_indices(len(batch), self.cfg.rollout.logprob_check_fraction, seed=self.step)
+            sub = PolicyBatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx])
+            policy_lp = self.policy.compute_logprobs(sub)
+            return batch, compare_logprobs([rollout_lp[i] for i in idx], policy_lp)
+        policy_lp = self.policy.compute_logprobs(batch)
+        mismatch = compare_logprobs(rollout_lp, policy_lp)
+        batch.old_logprobs = [list(x) for x in policy_lp]
+        return batch, mismatch
+
+    def sync_weights(self) -> dict[str, float]:
+        from da3po_megatron.rollout.weight_sync import sync_policy_to_engines
+
+        return sync_policy_to_engines(self.policy, self.rollout, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+
+    # ------------------------------------------------------------------------------------------------ metrics
+    def step_metrics(self, groups, generated, daa, mismatch, train_metrics, sync, phase_seconds, step_seconds
+                     ) -> dict[str, float]:
+        cfg = self.cfg
+        m: dict[str, float] = {}
+        m.update(B.group_stats(generated, cfg.rollout.max_response_length, "gen"))
+        m.update(B.group_stats(groups, cfg.rollout.max_response_length, "batch"))
+        m["acc/mean"] = m.get("gen/acc", 0.0)
+        m["reward/mean"] = m.get("gen/reward", 0.0)
+        s = self.buffer.stats()
+        m.update(s)
+        m["gen/rounds"] = s["dynamic_sampling/rounds"]
+        m["gen/groups"] = s["dynamic_sampling/generated_groups"]
+        m["filter/kept_groups"] = s["dynamic_sampling/kept_groups"]
+        gen = max(s["dynamic_sampling/generated_groups"], 1.0)
+        m["filter/frac_filtered"] = (s["dynamic_sampling/discarded_all_correct_groups"]
+                                     + s["dynamic_sampling/discarded_all_wrong_groups"]) / gen
+        m["gen/cumulative_samples"] = float(self.totals["samples"])
+        m["gen/cumulative_tokens"] = float(self.totals["tokens"])
+        m["gen/cumulative_groups"] = float(self.totals["groups"])
+        m["reward/timeouts_total"] = float(self.totals["reward_timeouts"])
+        m["reward/errors_total"] = float(self.totals["reward_errors"])
+        m["data/skipped_rows"] = float(self.data_skipped_rows)
+        m.update(daa)
+        m.update(B.theory_stats(generated, groups, cfg.algorithm.advantage_eps))
+        m.update({f"rollout/{k}": float(v) for k, v in mismatch.items()})
+        m.update({f"train/{k}": float(v) for k, v in train_metrics.items() if isinstance(v, int | float)})
+        m.update({f"sync/{k}": float(v) for k, v in sync.items() if isinstance(v, int | float)})
+        m.update({f"time/{k}": v for k, v in phase_seconds.items()})
+        m["time/step"] = step_seconds
+        n_tok = sum(len(r) for g in generated for r in g.response_ids)
+        m["perf/rollout_tokens_per_s"] = n_tok / max(phase_seconds.get("generate", 0.0), 1e-9)
+        return m
+
+    # ------------------------------------------------------------------------------------------------ evaluation
+    def should_evaluate(self, step: int) -> bool:
+        e = self.cfg.eval
+        return bool(e.every) and (step % e.every == 0 or step == self.cfg.trainer.total_steps) and bool(e.benchmarks)
+
+    def evaluate(self) -> dict[str, float]:
+        from da3po_megatron.trainer.evaluation import evaluate_during_training
+
+        return evaluate_during_training(self)
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def should_checkpoint(self, step: int) -> bool:
+        every = self.cfg.trainer.save_every
+        return step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0)
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "prompts": self.prompts.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "totals": dict(self.totals),
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "config": to_dict(self.cfg),
+        }
+
+    def save_checkpoint(self) -> Path:
+        t0 = time.perf_counter()
+        path = self.ckpt.save(self.step, lambda p: self.policy.save(str(p)), self.trainer_state())
+        print(f"checkpoint step {self.step} -> {path} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        return path
+
+    def _restore(self, path: Path) -> None:
+        t0 = time.perf_counter()
+        state = self.ckpt.load_trainer_state(path)
+        self.policy.load(str(path / "policy"))
+        self.step = int(state["step"])
+        self.prompts.load_state_dict(state["prompts"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.totals = dict(state["totals"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.sync_weights()  # the engines start from the HF weights; give them the checkpoint's
+        print(f"resumed from {path} at step {self.step} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    # ------------------------------------------------------------------------------------------------ preemption
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        print(f"received signal {signum}: will checkpoint after this step and exit", flush=True)
+        self._preempt = True
+
+    def preempted(self) -> bool:
+        return self._preempt or (self.run_dir / "PREEMPT").exists()
+
+    def close(self) -> None:
+        for part in ("rollout", "policy", "rewards"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                try:
+                    (obj.shutdown if hasattr(obj, "shutdown") else obj.close)()
+                except Exception as e:  # closing must not hide the real error of a failed run
+                    print(f"warning: closing {part} failed: {e}", flush=True)
+        if getattr(self, "logger", None) is not None:
+            self.logger.close()
+        if (self.run_dir / "PREEMPT").exists():
+            (self.run_dir / "PREEMPT").unlink()
