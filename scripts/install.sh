@@ -16,7 +16,8 @@ if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then exit 0; fi
 
 if [[ ! -x $VENV/bin/python ]]; then
   command -v "$PY" >/dev/null || { echo "error: $PY not found (Python 3.11 is required)" >&2; exit 1; }
-  "$PY" -m venv "$VENV"
+  # GPU: reuse the container's CUDA torch / Transformer-Engine (NGC images) instead of reinstalling them.
+  if [[ $STACK == gpu ]]; then "$PY" -m venv --system-site-packages "$VENV"; else "$PY" -m venv "$VENV"; fi
 fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 start=$(date +%s)

@@ -75,6 +75,8 @@ def train(cfg: Config) -> Run:
     """Run (or resume) training as configured; returns the finished :class:`Run` (closed)."""
     run = Run(cfg)
     try:
+        if run.step == 0 and run.should_evaluate(0):  # the starting policy, for before/after comparisons
+            run.logger.log(0, run.evaluate())
         for step in range(run.step + 1, cfg.trainer.total_steps + 1):
             t_step, timer = time.perf_counter(), PhaseTimer()
 

@@ -55,7 +55,7 @@ class MetricsLogger:
         if not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+                if step > 0 and line.strip() and json.loads(line).get("step", 0) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)

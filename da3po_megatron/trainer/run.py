@@ -216,7 +216,7 @@ class Run:
     # ------------------------------------------------------------------------------------------------ evaluation
     def should_evaluate(self, step: int) -> bool:
         e = self.cfg.eval
-        return bool(e.every) and (step % e.every == 0 or step == self.cfg.trainer.total_steps) and bool(e.benchmarks)
+        return bool(e.every) and bool(e.benchmarks) and (step % e.every == 0 or step == self.cfg.trainer.total_steps)
 
     def evaluate(self) -> dict[str, float]:
         from da3po_megatron.trainer.evaluation import evaluate_during_training
