@@ -1,0 +1,184 @@
+"""End-to-end tests of the Slurm scripts on a real local Slurm 22.05 cluster (scripts/local_slurm.sh: one network +
+UTS namespace per node, so node1..node3 have their own IP and hostname). Real slurmctld/slurmd, real sbatch/srun,
+real Ray started by slurm/ray_on_slurm.sh. Needs root (namespaces, daemons); the first `up` may apt-get install Slurm.
+
+The jobs run the production script slurm/train.sbatch with a small driver swapped in through DA3PO_DRIVER; to run
+the real trainer instead, drop DA3PO_DRIVER and set CONFIG to the tiny recipe (see `_train_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_SLURM = REPO / "scripts" / "local_slurm.sh"
+RAY_PROBE = "python scripts/local_slurm/ray_probe.py"
+COUNTER = "python scripts/local_slurm/counter_driver.py --steps 40 --sleep 0.25"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="session")
+def local_slurm() -> Iterator[None]:
+    """The local cluster, up for the whole session (idempotent `up`), torn down at its end (DA3PO_KEEP_SLURM=1 keeps
+    it)."""
+    if os.geteuid() != 0:
+        pytest.fail("the Slurm tests need root (network namespaces, slurm daemons); deselect them with -m 'not slurm'")
+    r = _run(["bash", str(LOCAL_SLURM), "up"], timeout=600)
+    assert r.returncode == 0, f"local_slurm.sh up failed:\n{r.stdout}\n{r.stderr}"
+    yield
+    if os.environ.get("DA3PO_KEEP_SLURM") != "1":
+        r = _run(["bash", str(LOCAL_SLURM), "down"], timeout=300)
+        assert r.returncode == 0, f"local_slurm.sh down failed:\n{r.stdout}\n{r.stderr}"
+
+
+def _train_env(run_dir: Path, driver: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        CONFIG="examples/tiny_cpu_da3po.yaml",  # what the real trainer would read; the stand-in drivers ignore it
+        RUN_DIR=str(run_dir),
+        DA3PO_VENV=sys.prefix,
+        DA3PO_DRIVER=driver,  # delete this line (and the driver argument) to run the real `da3po train`
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
+    return env
+
+
+def _sbatch(script: str, log: Path, env: dict[str, str], *args: str) -> str:
+    r = _run(["sbatch", "--parsable", f"--output={log}", *args, script], env=env, timeout=30)
+    assert r.returncode == 0, f"sbatch {script} failed: {r.stderr}"
+    return r.stdout.strip().split(";")[0]
+
+
+def _job(job_id: str) -> dict[str, str]:
+    r = _run(["scontrol", "show", "job", "-o", job_id], timeout=30)
+    assert r.returncode == 0, f"scontrol show job {job_id}: {r.stderr}"
+    return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
+
+
+def _log(log: Path) -> str:
+    return log.read_text() if log.exists() else "(no log yet)"
+
+
+def _wait_until(job_id: str, log: Path, done, what: str, timeout: float = 240) -> dict[str, str]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = _job(job_id)
+        if done(info):
+            return info
+        time.sleep(0.5)
+    pytest.fail(f"job {job_id}: timed out after {timeout:.0f}s waiting for {what}; state {_job(job_id).get('JobState')}"
+                f"\n--- log {log} ---\n{_log(log)[-4000:]}")
+
+
+def _wait_finished(job_id: str, log: Path, timeout: float = 240) -> dict[str, str]:
+    return _wait_until(job_id, log, lambda j: j["JobState"] in TERMINAL, "the job to finish", timeout)
+
+
+def _no_leftover_ray(job_id: str) -> None:
+    tmp = Path(f"/tmp/ray_j{job_id}")
+    assert not tmp.exists(), f"Ray temp dir {tmp} left behind"
+    ps = _run(["ps", "-eo", "pid,args"]).stdout
+    left = [line for line in ps.splitlines() if f"ray_j{job_id}/" in line]
+    assert not left, "Ray processes of job {job_id} still running:\n" + "\n".join(left)
+
+
+def test_local_slurm_up_is_idempotent_and_status_reports_every_node(local_slurm: None) -> None:
+    t0 = time.time()
+    r = _run(["bash", str(LOCAL_SLURM), "up"], timeout=120)
+    elapsed = time.time() - t0
+    assert r.returncode == 0, r.stderr
+    assert "daemons already running" in r.stdout, r.stdout
+    assert elapsed < 10, f"`up` on a running cluster took {elapsed:.1f}s"
+    s = _run(["bash", str(LOCAL_SLURM), "status"], timeout=60)
+    assert s.returncode == 0, s.stdout + s.stderr
+    for n in (1, 2, 3):
+        assert re.search(rf"^node{n} (idle|mix|alloc)", s.stdout, flags=re.M), s.stdout
+    hosts = _run(["srun", "--nodes=3", "--ntasks-per-node=1", "bash", "-c", "echo $(hostname) $(hostname -I)"],
+                 timeout=60)
+    assert hosts.returncode == 0, hosts.stderr
+    assert sorted(hosts.stdout.split("\n")[:3]) == [f"node{n} 10.250.0.1{n}" for n in (1, 2, 3)], hosts.stdout
+
+
+def test_two_node_job_starts_ray_on_both_nodes_and_places_one_actor_per_node(local_slurm: None, tmp_path: Path) -> None:
+    log = tmp_path / "probe.out"
+    job = _sbatch("slurm/train.sbatch", log, _train_env(tmp_path / "run", RAY_PROBE), "--nodes=2")
+    info = _wait_finished(job, log)
+    out = _log(log)
+    assert info["JobState"] == "COMPLETED", f"job {job} {info['JobState']}:\n{out[-4000:]}"
+    assert re.search(r"all 2 nodes joined in [\d.]+s: \['node1', 'node2'\]", out), out[-4000:]
+    assert re.search(r"^RAY_PROBE_OK nodes=2 hosts=node1,node2 ", out, flags=re.M), out[-4000:]
+    actors = re.findall(r"^actor \d: hostname=(\S+) SLURMD_NODENAME=(\S+)", out, flags=re.M)
+    assert sorted(actors) == [("node1", "node1"), ("node2", "node2")], actors
+    assert "stopping Ray on node1 node2" in out
+    _no_leftover_ray(job)
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes_from_the_saved_step(local_slurm: None, tmp_path: Path) -> None:
+    log, run_dir = tmp_path / "requeue.out", tmp_path / "run"
+    job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, COUNTER), "--nodes=2")
+    # 1. let the pretend trainer make progress, then send what Slurm sends 120 s before the time limit
+    _wait_until(job, log, lambda j: "step 3\n" in _log(log), "the driver to reach step 3")
+    r = _run(["scancel", "--batch", "--signal=USR1", job], timeout=30)
+    assert r.returncode == 0, r.stderr
+    # 2. the script checkpoints via the driver and requeues; Slurm holds a requeued job ~2 min (BeginTime): skip that
+    _wait_until(job, log, lambda j: j["JobState"] == "PENDING" and j.get("Restarts") == "1", "the requeue")
+    assert _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30).returncode == 0
+    info = _wait_finished(job, log)
+    out = _log(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info['JobState']}:\n{out[-4000:]}"
+    assert "SIGUSR1: creating" in out and f"requeueing job {job}" in out, out[-4000:]
+    saved = re.findall(r"^preempted: saved step=(\d+) \(SIGUSR1=True\)", out, flags=re.M)
+    resumed = re.findall(r"^resumed from step=(\d+)", out, flags=re.M)
+    assert len(saved) == 1 and int(saved[0]) >= 3, out[-4000:]
+    assert resumed == saved, f"saved {saved}, resumed {resumed}"
+    assert out.count("run 1 on") == 1 and out.count("run 2 on") == 1, "the log must hold both runs (open-mode=append)"
+    assert re.search(r"^done step=40$", out, flags=re.M), out[-4000:]
+    assert not (run_dir / "PREEMPT").exists()
+    _no_leftover_ray(job)
+
+
+def test_ray_bringup_failure_fails_the_job_with_a_clear_error_and_stops_ray(local_slurm: None, tmp_path: Path) -> None:
+    log = tmp_path / "bad.out"
+    env = _train_env(tmp_path / "run", RAY_PROBE, RAY_HEAD_IP="10.250.0.99", RAY_JOIN_TIMEOUT="4")
+    job = _sbatch("slurm/train.sbatch", log, env, "--nodes=2")
+    info = _wait_finished(job, log)
+    out = _log(log)
+    assert info["JobState"] == "FAILED", f"{info['JobState']}:\n{out[-4000:]}"
+    assert "did not open 10.250.0.99:6379 within 4s" in out, out[-4000:]
+    assert "RAY_PROBE" not in out, "the driver must not start when Ray is not up"
+    _no_leftover_ray(job)
+
+
+def test_bench_runs_every_benchmark_on_every_node_into_one_summary(local_slurm: None, tmp_path: Path) -> None:
+    bench = tmp_path / "bench_tiny.py"
+    bench.write_text(
+        "import socket, sys\n"
+        "print('| path | ms |')\nprint('|---|---:|')\n"
+        "print(f'| a | {len(sys.argv)} |')\nprint(f'| b | {socket.gethostname()[-1]} |')\n"
+    )
+    log, out_dir = tmp_path / "bench.out", tmp_path / "bench"
+    env = dict(os.environ, BENCHES=str(bench), BENCH_ARGS="--x", OUT_DIR=str(out_dir), DA3PO_VENV=sys.prefix)
+    job = _sbatch("slurm/bench.sbatch", log, env, "--nodes=2")
+    info = _wait_finished(job, log, timeout=120)
+    assert info["JobState"] == "COMPLETED", _log(log)
+    summary = (out_dir / "summary.md").read_text()
+    table = [line for line in summary.splitlines() if line.startswith("| node |")]
+    assert table == ["| node | path | ms |"], summary
+    for n in (1, 2):
+        assert f"| node{n} | a | 2 |" in summary and f"| node{n} | b | {n} |" in summary, summary
+        assert re.search(rf"^\| bench_tiny \| node{n} \| 0 \| \d+ \|$", summary, flags=re.M), summary
