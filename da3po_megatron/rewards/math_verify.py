@@ -1,0 +1,126 @@
+"""The math verifier: final-answer extraction + math-verify 0.9.0 equivalence -> R_acc (DAPO convention).
+
+Implements the accuracy reward of the paper's reward (DAPO Eq. 7): ``R_acc = +1`` if the response's final answer is
+mathematically equivalent to the ground truth, ``-1`` otherwise (no answer found, unparsable, wrong).
+The overlong shaping term R_len (DAPO Eq. 8) is NOT here: the trainer adds it
+(:func:`da3po_megatron.rewards.compute_rewards`, which calls ``algorithms.reward_shaping``).
+
+Extraction (what counts as "the final answer"):
+  * the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, or
+  * the last DAPO-style ``Answer: ...`` line (the format DAPO-Math-17K's prompt asks for; regex as in DAPO's reference
+    reward: ``Answer\\s*:\\s*([^\\n]+)``, case-insensitive),
+  whichever starts later in the response (so ``Answer: \\boxed{5}`` uses the box).
+  LaTeX after ``Answer:`` is wrapped in ``$...$`` before parsing: math-verify's plain-expression fallback otherwise
+  reads ``2\\sqrt{2}`` as ``2`` and a wrong answer would score right (measured; see docs/data_and_rewards.md).
+  The ground truth is wrapped the same way.
+
+Comparison: ``math_verify.parse`` + ``math_verify.verify`` (symbolic/numeric equivalence, sets, intervals, equations).
+DAPO's own reference reward compares normalised strings instead; math-verify accepts more correct forms
+(500/500 vs 453/500 MATH-500 reference solutions, shared notes). We follow verl/NeMo-RL in using math-verify.
+
+Time limits: math-verify's own SIGALRM timeouts are switched off here (``timeout_seconds=None``), because they cancel
+any outer alarm; the per-item limit is owned by the caller -- :class:`da3po_megatron.rewards.pool.RewardPool` arms one
+timer per item in its worker process and kills workers that do not come back. Calling :func:`score_math` directly
+therefore has NO time limit: use the pool for untrusted model output.
+
+Deliberately left out: the last-300-characters truncation of DAPO's reference reward, Minerva-style string
+normalisation, multiple-choice letter extraction, partial credit.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+__all__ = ["CORRECT", "INCORRECT", "extract_answer", "answers_equivalent", "score_math"]
+
+CORRECT = 1.0
+INCORRECT = -1.0
+
+# math-verify logs a warning whenever its timeouts are disabled and one per swallowed error; both are expected here.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
+
+
+def _last_boxed(text: str) -> tuple[int, str] | None:
+    """(start offset, content) of the last ``\\boxed{...}`` whose braces balance, else None."""
+    for m in reversed(list(_BOX_RE.finditer(text))):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            c = text[i]
+            if c == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
+                i += 2  # escaped brace \{ or \} is content, not structure
+                continue
+            depth += (c == "{") - (c == "}")
+            i += 1
+        if depth == 0:
+            content = text[m.end() : i - 1].strip()
+            if content:
+                return m.start(), content
+    return None
+
+
+def _last_answer_line(text: str) -> tuple[int, str] | None:
+    matches = list(_ANSWER_RE.finditer(text))
+    for m in reversed(matches):
+        content = m.group(1).strip()
+        if content:
+            return m.start(), content
+    return None
+
+
+def extract_answer(response: str) -> tuple[str, str] | None:
+    """The final answer of ``response`` as ``(text, how)`` with how in {"boxed", "answer_line"}, or None.
+
+    The later of the last balanced ``\\boxed{}`` and the last ``Answer:`` line wins.
+    """
+    boxed = _last_boxed(response)
+    line = _last_answer_line(response)
+    if boxed is None and line is None:
+        return None
+    if line is None or (boxed is not None and boxed[0] >= line[0]):
+        return boxed[1], "boxed"
+    return line[1], "answer_line"
+
+
+def _as_latex(text: str) -> str:
+    """Wrap bare LaTeX in ``$...$`` so math-verify parses it as LaTeX (``2\\sqrt{2}`` must not become ``2``)."""
+    t = text.strip()
+    if "$" in t or "\\(" in t or "\\[" in t:
+        return t
+    return f"${t}$"
+
+
+def _parse(text: str) -> list[Any]:
+    return parse(_as_latex(text), extraction_config=_EXTRACTION, parsing_timeout=None, raise_on_error=False)
+
+
+def answers_equivalent(predicted: str, ground_truth: str) -> bool:
+    """True iff the answer text ``predicted`` is mathematically equivalent to ``ground_truth`` (math-verify)."""
+    gold = _parse(ground_truth)
+    if not gold:
+        raise ValueError(f"ground truth {ground_truth!r} cannot be parsed by math-verify")
+    pred = _parse(predicted)
+    if not pred:
+        return False
+    return bool(verify(gold, pred, timeout_seconds=None, raise_on_error=False))
+
+
+def score_math(response: str, answer: str) -> tuple[float, dict[str, Any]]:
+    """R_acc of one response against the ground-truth ``answer``: (+1 | -1, info).
+
+    info: ``extracted`` (the answer text or None), ``how`` ("boxed" | "answer_line" | None).
+    No time limit here (see the module docstring); :class:`RewardPool` applies one.
+    """
+    found = extract_answer(response)
+    if found is None:
+        return INCORRECT, {"extracted": None, "how": None}
+    text, how = found
+    ok = answers_equivalent(text, answer)
+    return (CORRECT if ok else INCORRECT), {"extracted": text, "how": how}
