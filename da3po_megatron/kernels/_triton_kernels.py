@@ -66,6 +66,7 @@ def loss_kernel(
     mask_ptr,
     correct_ptr,
     phat_ptr,
+    lambda_ptr,
     logp_ptr,
     loss_ptr,
     coef_ptr,
@@ -76,8 +77,10 @@ def loss_kernel(
     high_bound,
     daa_lambda,
     daa_tau,
+    LOG_RATIO_CLAMP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_DAA: tl.constexpr,
+    LAMBDA_PER_TOKEN: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = offs < n
@@ -89,15 +92,23 @@ def loss_kernel(
     if HAS_DAA:  # Eq. 14
         correct = tl.load(correct_ptr + offs, mask=valid, other=0.0)
         p_hat = tl.load(phat_ptr + offs, mask=valid, other=1.0)
-        adv = tl.where((correct > 0.5) & (p_hat < daa_tau), adv * daa_lambda, adv)
+        if LAMBDA_PER_TOKEN:
+            lam = tl.load(lambda_ptr + offs, mask=valid, other=1.0)
+        else:
+            lam = daa_lambda
+        adv = tl.where((correct > 0.5) & (p_hat < daa_tau), adv * lam, adv)
+    counted = mk > 0.0
+    adv = tl.where(counted, adv, 0.0)  # padding tokens contribute exactly 0, whatever their inputs
     logp = tgt - lse
-    ratio = tl.exp(logp - old)
+    log_ratio = tl.where(counted, logp - old, 0.0)
+    lr = tl.minimum(tl.maximum(log_ratio, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP)
+    ratio = tl.exp(lr)
     clipped = tl.minimum(tl.maximum(ratio, low_bound), high_bound)
-    loss = -tl.minimum(ratio * adv, clipped * adv) * mk  # Eq. 11, per token
+    loss = tl.where(counted, -tl.minimum(ratio * adv, clipped * adv) * mk, 0.0)  # Eq. 11, per token
     clip_high = (adv > 0.0) & (ratio > high_bound)
     clip_low = (adv < 0.0) & (ratio < low_bound)
-    coef = tl.where(clip_high | clip_low, 0.0, -adv * ratio * mk)  # d loss_t / d logp_t
-    counted = mk > 0.0
+    flat = clip_high | clip_low | (log_ratio > LOG_RATIO_CLAMP) | (log_ratio < -LOG_RATIO_CLAMP)
+    coef = tl.where(flat, 0.0, -adv * ratio * mk)  # d loss_t / d logp_t
     tl.store(logp_ptr + offs, logp, mask=valid)
     tl.store(loss_ptr + offs, loss, mask=valid)
     tl.store(coef_ptr + offs, coef, mask=valid)

@@ -161,7 +161,7 @@ def chunked_daa_policy_loss(
     tp_group: dist.ProcessGroup | None = None,
     correct: torch.Tensor | None = None,
     p_hat: torch.Tensor | None = None,
-    daa_lambda: float | None = None,
+    daa_lambda: float | torch.Tensor | None = None,
     daa_tau: float | None = None,
     compute_entropy: bool = False,
     chunk_tokens: int | None = None,
@@ -171,14 +171,14 @@ def chunked_daa_policy_loss(
     with their gradient (only for logits not used after the loss, e.g. the output layer's)."""
     check_clip(clip_ratio_low, clip_ratio_high)
     use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
-    inp = prepare_inputs(logits_shard, targets, old_logprobs, advantages, mask, correct, p_hat)
+    inp = prepare_inputs(logits_shard, targets, old_logprobs, advantages, mask, correct, p_hat, daa_lambda)
     chunk = _chunk(chunk_tokens, inp.logits.shape[-1])
     logp, ent = ChunkedVocabParallelLogprobs.apply(
         inp.logits, inp.targets, vocab_start, tp_group, compute_entropy, chunk, inplace_backward
     )
     adv = inp.advantages
     if use_daa:
-        adv = amplify_advantages(adv, inp.correct, inp.p_hat, daa_lambda, daa_tau)
+        adv = amplify_advantages(adv, inp.correct, inp.p_hat, inp.daa_lambda, daa_tau)
     loss_sum, metrics = clipped_surrogate(logp, inp.old_logprobs, adv, inp.mask, clip_ratio_low, clip_ratio_high)
     shape = inp.token_shape
     return loss_sum, logp.reshape(shape), ent.reshape(shape) if compute_entropy else None, metrics

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 METRIC_KEYS = ("clip_low_count", "clip_high_count", "token_count")
+# log-ratio clamp before exp (verl; same constant as da3po_megatron.algorithms.losses.LOG_RATIO_CLAMP)
+LOG_RATIO_CLAMP = 20.0
 
 
 def tp_world_size(group: dist.ProcessGroup | None) -> int:
@@ -44,6 +46,7 @@ class TokenInputs:
     mask: torch.Tensor | None  # [N] float32
     correct: torch.Tensor | None  # [N] float32 (1.0 = correct response, R_acc > 0)
     p_hat: torch.Tensor | None  # [N] float32
+    daa_lambda: float | torch.Tensor | None  # a float, or [N] float32 (adaptive DAA: one lambda per response)
     token_shape: torch.Size  # shape of `targets` as given; per-token outputs are reshaped to it
 
 
@@ -64,7 +67,10 @@ def _per_token(name: str, t: torch.Tensor | None, shape: torch.Size, device: tor
 
 
 def check_daa_args(
-    correct: torch.Tensor | None, p_hat: torch.Tensor | None, daa_lambda: float | None, daa_tau: float | None
+    correct: torch.Tensor | None,
+    p_hat: torch.Tensor | None,
+    daa_lambda: float | torch.Tensor | None,
+    daa_tau: float | None,
 ) -> bool:
     """True when DAA is requested; all four of correct, p_hat, daa_lambda, daa_tau must then be given."""
     given = {"correct": correct is not None, "p_hat": p_hat is not None, "daa_lambda": daa_lambda is not None,
@@ -83,6 +89,7 @@ def prepare_inputs(
     mask: torch.Tensor | None = None,
     correct: torch.Tensor | None = None,
     p_hat: torch.Tensor | None = None,
+    daa_lambda: float | torch.Tensor | None = None,
     *,
     need_loss_inputs: bool = True,
     logits_name: str = "logits_shard",
@@ -120,6 +127,9 @@ def prepare_inputs(
         mask=_per_token("mask", mask, shape, logits.device),
         correct=_per_token("correct", correct, shape, logits.device),
         p_hat=_per_token("p_hat", p_hat, shape, logits.device),
+        daa_lambda=_per_token("daa_lambda", daa_lambda, shape, logits.device)
+        if isinstance(daa_lambda, torch.Tensor)
+        else daa_lambda,
         token_shape=shape,
     )
 
@@ -132,9 +142,16 @@ def check_clip(clip_ratio_low: float, clip_ratio_high: float) -> None:
 
 
 def amplify_advantages(
-    advantages: torch.Tensor, correct: torch.Tensor, p_hat: torch.Tensor, daa_lambda: float, daa_tau: float
+    advantages: torch.Tensor,
+    correct: torch.Tensor,
+    p_hat: torch.Tensor,
+    daa_lambda: float | torch.Tensor,
+    daa_tau: float,
 ) -> torch.Tensor:
-    """DAA, Eq. 14: A~ = lambda * A where the response is correct (R_acc > 0) and p_hat < tau, else A."""
+    """DAA, Eq. 14: A~ = lambda * A where the response is correct (R_acc > 0) and p_hat < tau, else A.
+
+    `daa_lambda` is a float (paper: 2.0) or a tensor broadcastable to the advantages (adaptive lambda per response).
+    """
     hard_and_correct = (correct > 0.5) & (p_hat < daa_tau)
     return torch.where(hard_and_correct, advantages * daa_lambda, advantages)
 
@@ -151,12 +168,16 @@ def clipped_surrogate(
 
     A token counts as low-clipped when the lower bound is the active branch of the min (A~ < 0 and r < 1 - eps_low),
     and as high-clipped when A~ > 0 and r > 1 + eps_high; in both cases its gradient is zero. Only mask > 0 counts.
+    Tokens with mask <= 0 contribute exactly 0 (their advantages and old log-probs may be garbage), and the log-ratio
+    is clamped to [-20, 20] before exp, as in `da3po_megatron.algorithms.losses` (and verl).
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    valid = mask > 0
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(valid, adv, 0.0)
     clipped = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_tok = -torch.minimum(ratio * adv, clipped * adv) * mask
+    loss_tok = torch.where(valid, -torch.minimum(ratio * adv, clipped * adv) * mask, 0.0)
     with torch.no_grad():
-        valid = mask > 0
         r = ratio.detach()
         metrics = {
             "clip_low_count": ((adv < 0) & (r < 1.0 - clip_ratio_low) & valid).sum().to(torch.float32),

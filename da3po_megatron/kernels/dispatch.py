@@ -51,12 +51,13 @@ def _cuda_triton_works() -> bool:
 
 
 def triton_available() -> bool:
-    """Can the Triton kernels run here? True with CUDA + a working Triton compile, or under TRITON_INTERPRET=1."""
+    """Can the Triton kernels run here? True with CUDA + a working Triton compile, or when the interpreter is usable
+    (TRITON_INTERPRET=1 set before triton was first imported)."""
     if not _triton_importable():
         return False
-    from .triton_loss import interpret_mode
+    from .triton_loss import interpreter_ready
 
-    return interpret_mode() or _cuda_triton_works()
+    return interpreter_ready() or _cuda_triton_works()
 
 
 def resolve_backend(backend: str, logits: torch.Tensor) -> str:
@@ -81,7 +82,7 @@ def daa_policy_loss(
     tp_group: dist.ProcessGroup | None = None,
     correct: torch.Tensor | None = None,
     p_hat: torch.Tensor | None = None,
-    daa_lambda: float | None = None,
+    daa_lambda: float | torch.Tensor | None = None,
     daa_tau: float | None = None,
     compute_entropy: bool = False,
     backend: str = "auto",

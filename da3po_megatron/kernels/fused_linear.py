@@ -151,7 +151,7 @@ def fused_linear_daa_policy_loss(
     tp_group: dist.ProcessGroup | None = None,
     correct: torch.Tensor | None = None,
     p_hat: torch.Tensor | None = None,
-    daa_lambda: float | None = None,
+    daa_lambda: float | torch.Tensor | None = None,
     daa_tau: float | None = None,
     compute_entropy: bool = False,
     chunk_tokens: int | None = None,
@@ -160,14 +160,16 @@ def fused_linear_daa_policy_loss(
     """DAA policy loss of logits = hidden [..., H] @ weight[V_local, H].T; same outputs as `daa_policy_loss`."""
     check_clip(clip_ratio_low, clip_ratio_high)
     use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
-    inp = prepare_inputs(hidden, targets, old_logprobs, advantages, mask, correct, p_hat, logits_name="hidden")
+    inp = prepare_inputs(
+        hidden, targets, old_logprobs, advantages, mask, correct, p_hat, daa_lambda, logits_name="hidden"
+    )
     chunk = _prepare_fused(hidden, weight, chunk_tokens)
     logp, ent = FusedLinearVocabParallelLogprobs.apply(
         inp.logits, weight, inp.targets, vocab_start, tp_group, compute_entropy, chunk, reduce_hidden_grad
     )
     adv = inp.advantages
     if use_daa:
-        adv = amplify_advantages(adv, inp.correct, inp.p_hat, daa_lambda, daa_tau)
+        adv = amplify_advantages(adv, inp.correct, inp.p_hat, inp.daa_lambda, daa_tau)
     loss_sum, metrics = clipped_surrogate(logp, inp.old_logprobs, adv, inp.mask, clip_ratio_low, clip_ratio_high)
     shape = inp.token_shape
     return loss_sum, logp.reshape(shape), ent.reshape(shape) if compute_entropy else None, metrics

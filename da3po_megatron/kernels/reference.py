@@ -56,7 +56,8 @@ def reference_logprobs_2d(
     idx, in_shard = local_target_index(targets, vocab_start, v_local)
     if tp_world_size(tp_group) == 1:
         logsm = torch.log_softmax(z, dim=-1)  # the materialised float32 [N, V] log-softmax
-        logp = torch.where(in_shard, logsm.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(logsm[:, 0]))
+        # a target outside the vocabulary (e.g. a padding id) gathers the logit 0, as in the TP case: logp = -lse
+        logp = torch.where(in_shard, logsm.gather(1, idx[:, None]).squeeze(1), -torch.logsumexp(z, dim=-1))
         entropy = -(logsm.exp() * logsm).sum(-1) if compute_entropy else None
         return logp, entropy
     m = z.detach().max(dim=-1).values
@@ -87,18 +88,18 @@ def reference_daa_policy_loss(
     tp_group: dist.ProcessGroup | None = None,
     correct: torch.Tensor | None = None,
     p_hat: torch.Tensor | None = None,
-    daa_lambda: float | None = None,
+    daa_lambda: float | torch.Tensor | None = None,
     daa_tau: float | None = None,
     compute_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Ground truth: (sum_t loss_t, logp [...], entropy [...] or None, clip metrics), as `daa_policy_loss`."""
     check_clip(clip_ratio_low, clip_ratio_high)
     use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
-    inp = prepare_inputs(logits_shard, targets, old_logprobs, advantages, mask, correct, p_hat)
+    inp = prepare_inputs(logits_shard, targets, old_logprobs, advantages, mask, correct, p_hat, daa_lambda)
     logp, entropy = reference_logprobs_2d(inp.logits, inp.targets, vocab_start, tp_group, compute_entropy)
     adv = inp.advantages
     if use_daa:
-        adv = amplify_advantages(adv, inp.correct, inp.p_hat, daa_lambda, daa_tau)
+        adv = amplify_advantages(adv, inp.correct, inp.p_hat, inp.daa_lambda, daa_tau)
     loss_sum, metrics = clipped_surrogate(logp, inp.old_logprobs, adv, inp.mask, clip_ratio_low, clip_ratio_high)
     shape = inp.token_shape
     return loss_sum, logp.reshape(shape), entropy.reshape(shape) if entropy is not None else None, metrics

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .common import (
+    LOG_RATIO_CLAMP,
     check_clip,
     check_daa_args,
     combine_vocab_stats,
@@ -41,6 +42,20 @@ LOSS_BLOCK_N = 1024
 def interpret_mode() -> bool:
     """True when Triton runs its interpreter (TRITON_INTERPRET=1): kernels then run on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def interpreter_ready() -> bool:
+    """True when Triton's interpreter can run our kernels: TRITON_INTERPRET=1 was set BEFORE triton was first imported.
+
+    Triton decorates its own standard library (tl.max, tl.sum, ...) at import time; if that happened without the
+    interpreter, interpreted kernels fail with "Cannot call @triton.jit'd outside of the scope of a kernel".
+    """
+    if not interpret_mode():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.max, InterpretedFunction)
 
 
 @functools.cache
@@ -70,10 +85,17 @@ def _num_warps(block_v: int) -> int:
 
 
 def _check_device(logits: torch.Tensor) -> None:
-    if not logits.is_cuda and not interpret_mode():
+    if logits.is_cuda:
+        return
+    if not interpret_mode():
         raise RuntimeError(
             "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors (interpreter, slow); "
             f"logits are on {logits.device}. Use backend='chunked' on CPU."
+        )
+    if not interpreter_ready():
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after `import triton`: Triton's standard library was compiled for a GPU "
+            "driver. Set TRITON_INTERPRET=1 in the environment before triton is first imported."
         )
 
 
@@ -164,13 +186,16 @@ class TritonDAAPolicyLoss(torch.autograd.Function):
         logp, loss_tok, coef = torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(lse)
         clip_low, clip_high = torch.empty_like(lse), torch.empty_like(lse)
         has_daa = correct is not None
+        lambda_per_token = isinstance(daa_lambda, torch.Tensor)
         if n > 0:
             k.loss[(triton_cdiv(n, LOSS_BLOCK_N),)](
                 tgt, lse, old, adv, mask, correct if has_daa else old, p_hat if has_daa else old,
+                daa_lambda if lambda_per_token else old,
                 logp, loss_tok, coef, clip_low, clip_high, n,
                 1.0 - clip_ratio_low, 1.0 + clip_ratio_high,
-                float(daa_lambda) if has_daa else 1.0, float(daa_tau) if has_daa else 0.0,
-                BLOCK_N=LOSS_BLOCK_N, HAS_DAA=has_daa,
+                float(daa_lambda) if has_daa and not lambda_per_token else 1.0, float(daa_tau) if has_daa else 0.0,
+                LOG_RATIO_CLAMP=LOG_RATIO_CLAMP, BLOCK_N=LOSS_BLOCK_N, HAS_DAA=has_daa,
+                LAMBDA_PER_TOKEN=lambda_per_token,
             )
         ent_out = entropy if entropy is not None else lse.new_empty(0)
         ctx.save_for_backward(logits, targets, lse, ent_out, coef)
@@ -233,7 +258,7 @@ def triton_daa_policy_loss(
     tp_group: dist.ProcessGroup | None = None,
     correct: torch.Tensor | None = None,
     p_hat: torch.Tensor | None = None,
-    daa_lambda: float | None = None,
+    daa_lambda: float | torch.Tensor | None = None,
     daa_tau: float | None = None,
     compute_entropy: bool = False,
     block_v: int | None = None,
@@ -242,12 +267,12 @@ def triton_daa_policy_loss(
     """Triton path; same contract as `daa_policy_loss`. `inplace_backward=True` overwrites the logits with dlogits."""
     check_clip(clip_ratio_low, clip_ratio_high)
     use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
-    inp = prepare_inputs(logits_shard, targets, old_logprobs, advantages, mask, correct, p_hat)
+    inp = prepare_inputs(logits_shard, targets, old_logprobs, advantages, mask, correct, p_hat, daa_lambda)
     _check_device(inp.logits)
     bv = block_v or default_block_v(inp.logits.shape[-1])
     loss_sum, logp, ent, low, high = TritonDAAPolicyLoss.apply(
         inp.logits, inp.targets, inp.old_logprobs, inp.advantages, inp.mask,
-        inp.correct if use_daa else None, inp.p_hat if use_daa else None, daa_lambda, daa_tau,
+        inp.correct if use_daa else None, inp.p_hat if use_daa else None, inp.daa_lambda, daa_tau,
         clip_ratio_low, clip_ratio_high, vocab_start, tp_group, compute_entropy, bv, inplace_backward,
     )
     metrics = {"clip_low_count": low, "clip_high_count": high, "token_count": (inp.mask > 0).sum().to(torch.float32)}
