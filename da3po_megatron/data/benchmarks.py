@@ -123,7 +123,7 @@ class BenchmarkProblem:
 
 def benchmark_dir(data_dir: str | os.PathLike | None = None) -> Path:
     """Benchmark files live in ``data_dir`` if given, else ``$DA3PO_DATA/benchmarks`` (default DA3PO_DATA: ./data)."""
-    if data_dir is not None:
+    if data_dir is not None and str(data_dir) != "":
         return Path(data_dir)
     return Path(os.environ.get("DA3PO_DATA", "data")) / "benchmarks"
 

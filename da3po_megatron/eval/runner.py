@@ -40,7 +40,6 @@ from da3po_megatron.data.benchmarks import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     PROTOCOL,
-    BenchmarkProblem,
     canonical_name,
     load_benchmark,
 )
@@ -62,7 +61,7 @@ def parse_k(spec: str | int | None, benchmarks: Sequence[str]) -> dict[str, int]
         name, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--k: expected an integer or NAME=K pairs, got {item!r}")
-        b = canonical_name(name)
+        b = _name(name.strip())
         if b not in ks:
             raise ValueError(f"--k: {b!r} is not among the evaluated benchmarks {list(ks)}")
         ks[b] = _positive_k(value, f"--k {b}")
@@ -85,9 +84,30 @@ def _prompt_text(problem: str, template: str) -> str:
     return format_prompt(problem, template)[-1]["content"]
 
 
+def _fields(p: Any, where: str) -> tuple[str, str, str]:
+    """(id, problem text, answer) of a ``BenchmarkProblem``, a ``data.datasets.Example`` (uid, prompt, answer) or a
+    dict with the same names."""
+    get = p.get if isinstance(p, Mapping) else lambda key, default=None: getattr(p, key, default)
+    pid, text, answer = get("id", get("uid")), get("problem", get("prompt")), get("answer")
+    if isinstance(text, list):  # chat messages: the last user turn (use template="none" for pre-templated data)
+        users = [m.get("content") for m in text if isinstance(m, Mapping) and m.get("role", "user") == "user"]
+        text = users[-1] if users else None
+    if not isinstance(text, str) or not isinstance(answer, str):
+        raise TypeError(f"{where}: expected a problem with string problem/prompt and answer, got {p!r:.200}")
+    return str(pid), text, answer
+
+
+def _name(b: str) -> str:
+    """Canonical benchmark name when known (aliases resolve); other names (the synthetic task) pass unchanged."""
+    try:
+        return canonical_name(b)
+    except KeyError:
+        return b
+
+
 def evaluate(
     client: Any,
-    benchmarks: Sequence[str] | Mapping[str, Sequence[BenchmarkProblem]],
+    benchmarks: Sequence[str] | Mapping[str, Sequence[Any]],
     *,
     k: int | str | Mapping[str, int] | None = None,
     limit: int | None = None,
@@ -98,30 +118,37 @@ def evaluate(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     apply_chat_template: bool = True,
     reward_pool: Any | None = None,
+    reward_kind: str = "math",
     batch_size: int = 64,
+    seed: int | None = None,
     progress: bool = True,
     keep_responses: bool = False,
 ) -> dict:
     """Evaluate the policy behind ``client`` (a ``rollout.RolloutClient``) on ``benchmarks``; returns the result dict.
 
-    ``benchmarks``: names (read with ``load_benchmark(name, data_dir, limit)``) or {name: problems}. ``k``: None = the
-    paper's protocol, an int for all, or a {name: k} mapping / ``"name=k,..."`` string. ``reward_pool``: a
-    ``rewards.RewardPool`` to reuse (the trainer's); a temporary one is started and closed otherwise.
+    ``benchmarks``: names (read with ``load_benchmark(name, data_dir, limit)``) or {name: problems}, where a problem
+    is a ``BenchmarkProblem``, a ``data.datasets.Example`` or a dict (id/uid, problem/prompt, answer). ``k``: None =
+    the paper's protocol (8 for names outside it), an int for all, or a {name: k} mapping / ``"name=k,..."`` string.
+    ``template``: ``boxed`` | ``dapo`` | ``none`` (``data.templates``). ``reward_pool``: a ``rewards.RewardPool`` to
+    reuse (the trainer's); a temporary one is started and closed otherwise. ``reward_kind``: the pool's verifier
+    (``math``; ``synthetic`` for the toy task).
     ``batch_size`` prompts go to the engines per ``generate`` call (each with k samples); the progress bar counts
-    problems. The result carries per-problem correctness (``samples``) for ``write_results``.
+    problems. ``seed``: per-request sampling seeds (problem i of a benchmark draws from ``seed + i * k``), so results
+    do not depend on batch size or engine count; None = the engines' own generators. The result carries per-problem
+    correctness (``samples``) for ``write_results``.
     """
     from tqdm.auto import tqdm
 
     from da3po_megatron.rollout import SamplingConfig
 
     if isinstance(benchmarks, Mapping):
-        problem_sets = {canonical_name(b): list(ps)[:limit] if limit else list(ps) for b, ps in benchmarks.items()}
+        problem_sets = {_name(b): list(ps)[:limit] if limit else list(ps) for b, ps in benchmarks.items()}
     else:
         problem_sets = {canonical_name(b): load_benchmark(b, data_dir, limit) for b in benchmarks}
     if not problem_sets:
         raise ValueError("evaluate: no benchmarks given")
     ks = dict(k) if isinstance(k, Mapping) else parse_k(k, list(problem_sets))
-    ks = {canonical_name(b): _positive_k(v, f"k[{b}]") for b, v in ks.items()}
+    ks = {_name(b): _positive_k(v, f"k[{b}]") for b, v in ks.items()}
     missing = [b for b in problem_sets if b not in ks]
     if missing:
         raise ValueError(f"evaluate: no k given for {missing}")
@@ -134,7 +161,7 @@ def evaluate(
     t_start = time.perf_counter()
     result: dict[str, Any] = {
         "protocol": {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "template": template,
-                     "apply_chat_template": apply_chat_template, "k": ks},
+                     "apply_chat_template": apply_chat_template, "k": ks, "reward_kind": reward_kind, "seed": seed},
         "benchmarks": {}, "samples": {}, "timing": {},
     }
     total = sum(len(ps) for ps in problem_sets.values())
@@ -144,7 +171,7 @@ def evaluate(
             kb = ks[bench]
             bar.set_postfix_str(f"{bench} k={kb}")
             sampling = SamplingConfig(n=kb, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                      apply_chat_template=apply_chat_template)
+                                      apply_chat_template=apply_chat_template, logprobs=False)
             t0 = time.perf_counter()
             gen_s = verify_s = 0.0
             rows: list[dict[str, Any]] = []
@@ -152,19 +179,22 @@ def evaluate(
             for start in range(0, len(problems), batch_size):
                 chunk = problems[start:start + batch_size]
                 tg = time.perf_counter()
-                completions = client.generate([_prompt_text(p.problem, template) for p in chunk], sampling)
+                fields = [_fields(p, f"evaluate[{bench}] problem {start + j}") for j, p in enumerate(chunk)]
+                if seed is not None:  # SamplingConfig seeds prompt i of a call with seed + i * n
+                    sampling.seed = seed + start * kb
+                completions = client.generate([_prompt_text(text, template) for _, text, _ in fields], sampling)
                 gen_s += time.perf_counter() - tg
                 if len(completions) != len(chunk) or any(len(c) != kb for c in completions):
                     raise RuntimeError(f"evaluate[{bench}]: the rollout client returned "
                                        f"{[len(c) for c in completions]} completions for {len(chunk)} prompts x n={kb}")
                 texts = [c.text for cs in completions for c in cs]
-                answers = [p.answer for p in chunk for _ in range(kb)]
+                answers = [answer for _, _, answer in fields for _ in range(kb)]
                 tv = time.perf_counter()
-                scored = reward_pool.score_batch(texts, answers, kind="math")
+                scored = reward_pool.score_batch(texts, answers, kind=reward_kind)
                 verify_s += time.perf_counter() - tv
-                for j, (p, cs) in enumerate(zip(chunk, completions)):
+                for j, ((pid, _, answer), cs) in enumerate(zip(fields, completions)):
                     sl = slice(j * kb, (j + 1) * kb)
-                    row = {"id": p.id, "answer": p.answer,
+                    row = {"id": pid, "answer": answer,
                            "correct": [int(r > 0) for r in scored.rewards[sl]],
                            "extracted": [info.get("extracted") for info in scored.infos[sl]],
                            "num_tokens": [len(c.token_ids) for c in cs],
@@ -260,7 +290,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-engines", type=int, default=1, help="vLLM engines (data parallel)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine")
     p.add_argument("--ray", action="store_true", help="run engines as Ray actors (multi-GPU / multi-node)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of the engines")
+    p.add_argument("--ray-address", default="auto", help="with --ray: the cluster to join ('auto': the running "
+                   "cluster, e.g. from slurm/; 'local': start a private one)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (per problem: seed + index * k)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
     p.add_argument("--reward-workers", type=int, default=None, help="verifier processes (default: cores - 1)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per check; slower = wrong")
@@ -308,15 +340,21 @@ def main(argv: list[str] | None = None) -> int:
     from da3po_megatron.rollout import RolloutClient
 
     cfg = _engine_config(args)
-    client = (RolloutClient.ray(cfg, num_engines=args.num_engines) if args.ray
-              else RolloutClient.local(cfg, num_engines=args.num_engines))
+    if args.ray:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=args.ray_address, include_dashboard=False)
+        client = RolloutClient.ray(cfg, num_engines=args.num_engines)
+    else:
+        client = RolloutClient.local(cfg, num_engines=args.num_engines)
     pool = RewardPool(num_workers=args.reward_workers if args.reward_workers is not None else default_num_workers(),
                       timeout_s=args.reward_timeout)
     try:
         result = evaluate(client, problem_sets, k=ks, template=args.template, temperature=args.temperature,
                           top_p=args.top_p, max_tokens=args.max_tokens,
                           apply_chat_template=not args.no_chat_template, reward_pool=pool,
-                          batch_size=args.batch_size, progress=not args.no_progress,
+                          batch_size=args.batch_size, seed=args.seed, progress=not args.no_progress,
                           keep_responses=args.save_responses)
     finally:
         pool.close()
