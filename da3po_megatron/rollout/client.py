@@ -119,7 +119,16 @@ class RolloutClient:
         self.restart_on_failure = restart_on_failure
         self._actor_options = actor_options or {}
         self._last_update_refs: list[Any] = []  # Ray: bucket refs of the last sync, replayed into restarted engines
+        self._pending_refs: list[Any] = []
         self.restarts = 0
+        self.weights_version = 0
+
+    def __getstate__(self) -> dict:
+        # a copy sent to a policy actor pushes buckets; replay refs stay with the driver's client
+        state = dict(self.__dict__)
+        state["_last_update_refs"] = []
+        state["_pending_refs"] = []
+        return state
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -229,6 +238,10 @@ class RolloutClient:
         handle = self._start_actor(index)
         self.engines[index] = handle
         self._gather([(index, handle.health.remote())], "restart")
+        if self.weights_version > 0 and not self._last_update_refs:
+            raise EngineDeadError(index, f"restarted after {type(cause).__name__}, but the new engine holds the "
+                                         "initial checkpoint and the last weight sync cannot be replayed (its buckets "
+                                         "were pushed from another process); sync weights again") from cause
         if self._last_update_refs:
             self._gather([(index, handle.begin_bucket_update.remote())], "restart: weight replay")
             for ref in self._last_update_refs:
@@ -267,60 +280,102 @@ class RolloutClient:
         return assemble(results, len(prompts), sampling.n, owner)
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256,
-                       dtype: torch.dtype | None = None, strict: bool = True) -> dict:
-        """Stream HF-named tensors to every engine in buckets of at most ``bucket_mb`` MiB; reset prefix caches.
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session on every engine (layerwise reload). Generation must wait until finish."""
+        self._gather([(i, self._call(i, "begin_bucket_update")) for i in range(self.num_engines)], "weight update")
+        self._pending_refs = []
 
-        ``dtype`` casts floating tensors before sending (halves the bytes for a bf16 engine fed fp32 weights).
-        ``strict``: every engine parameter must be written (a partial update raises, naming what is missing).
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256,
+                     dtype: torch.dtype | None = None) -> dict:
+        """Pack HF-named tensors into buckets of at most ``bucket_mb`` MiB and load each into every engine.
+
+        Between :meth:`begin_weight_update` and :meth:`finish_weight_update`; may be called several times and, with
+        Ray, from other processes holding a copy of this client (e.g. one policy rank per pipeline stage). With Ray,
+        each bucket is ``ray.put`` once and shared by all engines; the next bucket is packed while the engines load
+        the current one (at most two buckets alive). ``dtype`` casts floating tensors before sending.
         Returns ``{"seconds", "bytes", "buckets", "tensors", "max_bucket_bytes"}`` (bytes = one engine's payload).
         """
         t0 = time.perf_counter()
         n_bytes = n_buckets = n_tensors = max_bucket = 0
-        self._gather([(i, self._call(i, "begin_bucket_update")) for i in range(self.num_engines)], "weight update")
+        pending: list[tuple[int, Any]] = []
         refs: list[Any] = []
-        try:
-            pending: list[tuple[int, Any]] = []
-            for bucket in iter_buckets(named_tensors, int(bucket_mb * MiB), dtype):
-                blob = serialize_bucket(bucket)
-                n_bytes += len(blob)
-                n_buckets += 1
-                n_tensors += len(bucket)
-                max_bucket = max(max_bucket, len(blob))
-                del bucket
-                if self.mode == "ray":
-                    import ray
+        for bucket in iter_buckets(named_tensors, int(bucket_mb * MiB), dtype):
+            blob = serialize_bucket(bucket)
+            n_bytes += len(blob)
+            n_buckets += 1
+            n_tensors += len(bucket)
+            max_bucket = max(max_bucket, len(blob))
+            del bucket
+            if self.mode == "ray":
+                import ray
 
-                    ref = ray.put(blob)
-                    del blob
+                ref = ray.put(blob)
+                del blob
+                if self.restart_on_failure:
                     refs.append(ref)
-                    self._gather(pending, "weight update")  # previous bucket done: <= 2 buckets alive
-                    pending = [(i, self._call(i, "load_bucket", ref)) for i in range(self.num_engines)]
-                else:
-                    for i in range(self.num_engines):
-                        self._call(i, "load_bucket", blob)
-            self._gather(pending, "weight update")
-            if n_buckets == 0:
-                raise RolloutError("update_weights got no tensors")
-            self._gather([(i, self._call(i, "finish_bucket_update", strict)) for i in range(self.num_engines)],
-                         "weight update")
-        except BaseException:
-            for i in range(self.num_engines):
-                try:
-                    self._gather([(i, self._call(i, "abort_bucket_update"))], "abort weight update")
-                except Exception:  # noqa: BLE001 - report the original error
-                    pass
-            raise
-        if self.mode == "ray" and self.restart_on_failure:
-            self._last_update_refs = refs
+                self._gather(pending, "weight update")  # previous bucket loaded: <= 2 buckets alive
+                pending = [(i, self._call(i, "load_bucket", ref)) for i in range(self.num_engines)]
+            else:
+                for i in range(self.num_engines):
+                    self._call(i, "load_bucket", blob)
+        self._gather(pending, "weight update")
+        if self.mode == "ray" and self.restart_on_failure and hasattr(self, "_pending_refs"):
+            self._pending_refs.extend(refs)
         return {"seconds": time.perf_counter() - t0, "bytes": n_bytes, "buckets": n_buckets, "tensors": n_tensors,
                 "max_bucket_bytes": max_bucket}
+
+    def finish_weight_update(self, strict: bool = True) -> list[dict]:
+        """Close the session on every engine (``strict``: every engine parameter must have been written, else
+        RolloutError naming the missing ones) and reset the prefix caches. Returns each engine's report."""
+        reports = self._gather([(i, self._call(i, "finish_bucket_update", strict)) for i in range(self.num_engines)],
+                               "weight update")
+        self.weights_version += 1
+        # replay material for restarted engines exists only when every bucket went through this client object
+        self._last_update_refs = getattr(self, "_pending_refs", [])
+        self._pending_refs = []
+        return reports
+
+    def abort_weight_update(self) -> None:
+        """Close an open session after a failure (engines keep whatever was loaded; sync again before generating)."""
+        for i in range(self.num_engines):
+            try:
+                self._gather([(i, self._call(i, "abort_bucket_update"))], "abort weight update")
+            except Exception:  # noqa: BLE001 - the original error matters more
+                pass
+        self._pending_refs = []
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256,
+                       dtype: torch.dtype | None = None, strict: bool = True) -> dict:
+        """begin + push + finish: stream HF-named tensors to every engine in bounded buckets; reset prefix caches.
+
+        Returns ``{"seconds", "bytes", "buckets", "tensors", "max_bucket_bytes"}`` (bytes = one engine's payload).
+        """
+        t0 = time.perf_counter()
+        self.begin_weight_update()
+        try:
+            stats = self.push_weights(named_tensors, bucket_mb=bucket_mb, dtype=dtype)
+            if stats["buckets"] == 0:
+                raise RolloutError("update_weights got no tensors")
+            self.finish_weight_update(strict=strict)
+        except BaseException:
+            self.abort_weight_update()
+            raise
+        stats["seconds"] = time.perf_counter() - t0
+        return stats
 
     def reload_from_path(self, path: str) -> float:
         """Every engine reloads all weights from an HF checkpoint directory (benchmark baseline); seconds."""
         t0 = time.perf_counter()
         self._gather([(i, self._call(i, "reload_from_path", str(path))) for i in range(self.num_engines)], "reload")
         return time.perf_counter() - t0
+
+    def sleep(self, level: int = 1) -> None:
+        """GPU colocated mode: every engine frees its KV cache and offloads (1) or drops (2) its weights."""
+        self._gather([(i, self._call(i, "sleep", level)) for i in range(self.num_engines)], "sleep")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo :meth:`sleep` (``tags``: "weights", "kv_cache"; None = everything)."""
+        self._gather([(i, self._call(i, "wake_up", tags)) for i in range(self.num_engines)], "wake_up")
 
     def reset_prefix_cache(self) -> None:
         self._gather([(i, self._call(i, "reset_prefix_cache")) for i in range(self.num_engines)], "prefix reset")

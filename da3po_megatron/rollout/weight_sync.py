@@ -1,0 +1,116 @@
+"""Megatron policy -> vLLM engines weight sync, in memory, in bounded buckets (the "one mapping, two uses" of DESIGN).
+
+The policy's ``state_dict_for_export()`` yields ``(global Megatron name, full tensor)`` one tensor at a time on the
+first TP rank of each PP stage; the bridge's ``megatron_to_hf`` turns each into its HF tensors (split QKV, gate/up,
+vocabulary padding removed); :meth:`RolloutClient.push_weights` packs those into safetensors buckets of at most
+``bucket_mb`` MiB and loads them into every engine inside one layerwise-reload session; the prefix cache is reset
+at the end. Memory bound on the sending side: one gathered Megatron tensor plus at most two buckets.
+
+Entry points:
+
+- :func:`sync_policy_to_engines` -- one process holds the whole export (TP=1/PP=1 policy, a torchrun rank 0, tests);
+- :func:`push_policy_weights` -- inside each policy rank (a Ray actor of the PolicyGroup): every rank iterates the
+  collective export, the TP-rank-0 ranks of DP replica 0 (one per PP stage) push; the driver brackets it with
+  ``client.begin_weight_update()`` / ``client.finish_weight_update()``. Several PP stages may push concurrently: an
+  engine loads buckets in any order within one session.
+- :func:`hf_state_tensors` -- a Hugging Face model's ``state_dict`` as the stream (tests, HF-side tools).
+- :func:`save_and_reload` -- the slow baseline the benchmark compares against: write an HF checkpoint to disk and have
+  every engine reload it.
+
+On GPU the same stream can instead go through vLLM's CUDA-IPC / NCCL weight-transfer engines
+(:mod:`da3po_megatron.rollout.gpu_transfer`). Left out: LoRA-only sync, quantised (fp8) weight sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from da3po_megatron.rollout.client import RolloutClient
+
+
+def to_hf(export_iter: Iterable[tuple[str, torch.Tensor]], hf_config: dict[str, Any] | str | Path
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Map a stream of (global Megatron name, full tensor) to (HF name, tensor) with the bridge's ``megatron_to_hf``.
+
+    ``hf_config``: the HF config dict or the checkpoint directory holding config.json.
+    """
+    from da3po_megatron.bridge.mapping import megatron_to_hf
+    from da3po_megatron.megatron.model import load_hf_config
+
+    hf = hf_config if isinstance(hf_config, dict) else load_hf_config(hf_config)
+    for name, tensor in export_iter:
+        try:
+            pairs = megatron_to_hf(name, tensor, hf)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"weight sync: cannot map Megatron tensor {name!r} {tuple(tensor.shape)} to HF: {e}"
+                             ) from e
+        yield from pairs
+
+
+def sync_policy_to_engines(policy_export_iter: Iterable[tuple[str, torch.Tensor]],
+                           hf_config: dict[str, Any] | str | Path, client: RolloutClient, bucket_mb: float = 256,
+                           dtype: torch.dtype | None = None) -> dict:
+    """Stream a whole Megatron export into every engine: HF mapping, buckets, load, prefix-cache reset.
+
+    Returns ``{"seconds", "bytes", "buckets", "tensors", "max_bucket_bytes", "gbps"}`` (bytes per engine).
+    """
+    t0 = time.perf_counter()
+    stats = client.update_weights(to_hf(policy_export_iter, hf_config), bucket_mb=bucket_mb, dtype=dtype)
+    stats["seconds"] = time.perf_counter() - t0
+    stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9
+    return stats
+
+
+def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 256,
+                        dtype: torch.dtype | None = None) -> dict:
+    """Collective on every policy rank (inside a ``client.begin/finish_weight_update`` bracket on the driver).
+
+    ``worker`` is a :class:`~da3po_megatron.megatron.policy.PolicyWorker` (needs ``state_dict_for_export()``,
+    ``hf``, ``tp_rank``, ``dp_rank``). Every rank iterates the export (its TP gathers are collective); ranks with TP
+    rank 0 in DP replica 0 push their stage's tensors. Returns this rank's push stats (zeros where it pushed nothing).
+    """
+    export = worker.state_dict_for_export()
+    if getattr(worker, "dp_rank", 0) != 0 or getattr(worker, "tp_rank", 0) != 0:
+        for _ in export:  # take part in the collectives, push nothing
+            pass
+        return {"seconds": 0.0, "bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
+    return client.push_weights(to_hf(export, worker.hf), bucket_mb=bucket_mb, dtype=dtype)
+
+
+def hf_state_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A ``transformers`` model's weights as the HF-named stream (tied ``lm_head.weight`` left out)."""
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        yield name, tensor
+
+
+def save_and_reload(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, client: RolloutClient,
+                    model_path: str | Path | None = None) -> dict:
+    """The disk path: write the tensors as an HF safetensors checkpoint (config/tokenizer files copied from
+    ``model_path``), then every engine reloads it from disk. Returns seconds for save, reload and total."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if model_path is not None:
+        for f in Path(model_path).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
+                shutil.copy2(f, out / f.name)
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in named_tensors}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    n_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    del state
+    t_save = time.perf_counter() - t0
+    t_reload = client.reload_from_path(str(out))
+    return {"save_seconds": t_save, "reload_seconds": t_reload, "seconds": time.perf_counter() - t0,
+            "bytes": n_bytes}
