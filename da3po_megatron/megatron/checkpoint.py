@@ -1,0 +1,240 @@
+"""Megatron ``dist_checkpointing`` checkpoints of the policy: model (resharding-safe), optimizer, scheduler, RNG.
+
+On-disk layout (a contract with the bridge's converter, which writes the same ``model/`` part)::
+
+    DIR/model/          dist_checkpointing.save(gpt_model.sharded_state_dict(), DIR/"model")   (torch_dist format)
+    DIR/optimizer/      the distributed optimizer's sharded state ("dp_reshardable": same TP x PP, any DP)
+    DIR/rng/rank_R.pt   python / numpy / torch / Megatron-tracker RNG states of global rank R
+    DIR/meta.json       format, parallel layout, step, scheduler state, sharding type
+    DIR/hf/             the HF config + tokenizer files of the model (for Megatron -> HF conversion)
+
+The model part uses Megatron's sharded state dict, whose keys are global (layer numbers offset by the pipeline stage,
+tensor-parallel shards described as slices of the full tensor), so a checkpoint saved at one TP x PP layout loads at
+any other (the approach of Megatron-LM's ``dist_checkpointing``). The optimizer state is saved in the
+``dp_reshardable`` format: each rank writes its own buffer shards with no communication, which reloads at the same
+TP x PP (DP may change); at another layout :func:`load_policy` loads the model and skips the optimizer (says so).
+Facts (megatron-core 0.16.1): the ``dp_reshardable`` load must run under ``torch.no_grad()``; ``fully_reshardable``
+fails with KeyError 'step'; ``psutil`` must be installed (the torch_dist writer subprocess needs it); a script that
+saves needs an ``if __name__ == "__main__":`` guard (the writer spawns a Manager).
+
+Every function here is collective: call it on all ranks of the world.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+FORMAT = "da3po-megatron/1"
+OPTIMIZER_SHARDING = "dp_reshardable"
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _strategies(fully_parallel: bool, checkpoint_dir: Path | None = None):
+    """(save or load) sharded strategy: the default one, optionally wrapped to spread the work over DP ranks."""
+    if not fully_parallel:
+        return None
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if checkpoint_dir is None:
+        return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(checkpoint_dir)), group)
+
+
+def _fresh_dir(path: Path) -> None:
+    """Create an empty directory on rank 0 (dist_checkpointing needs it to exist), then barrier."""
+    if _rank() == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    _barrier()
+
+
+def save_model(model: torch.nn.Module, directory: str | Path, fully_parallel: bool = False) -> None:
+    """Save a (bare, not DDP-wrapped) GPTModel's sharded state dict to ``directory`` (collective)."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    _fresh_dir(directory)
+    dist_checkpointing.save(model.sharded_state_dict(), str(directory), sharded_strategy=_strategies(fully_parallel))
+
+
+def load_model(model: torch.nn.Module, directory: str | Path, fully_parallel: bool = False) -> None:
+    """Load a model checkpoint saved at any TP x PP layout into this rank's GPTModel stage (collective)."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    if not (directory / "metadata.json").exists():
+        raise FileNotFoundError(f"no Megatron dist checkpoint at {directory} (metadata.json missing)")
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(directory),
+                                    sharded_strategy=_strategies(fully_parallel, directory))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise KeyError(f"checkpoint {directory} lacks model tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        log.warning("checkpoint %s has tensors this model does not use: %s", directory, unexpected[:8])
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+    }
+
+
+def save_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, *, step: int,
+                hf_dir: str | Path | None = None, extra: dict[str, Any] | None = None,
+                fully_parallel: bool = False) -> None:
+    """Save model + optimizer + scheduler + RNG of every rank to ``path`` (collective; layout in module docstring)."""
+    from megatron.core import dist_checkpointing
+
+    from da3po_megatron.megatron.runtime import rng_state
+
+    path = Path(path)
+    if _rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    bare = _unwrap(model)
+    save_model(bare, path / "model", fully_parallel=fully_parallel)
+    _fresh_dir(path / "optimizer")
+    model_sd = bare.sharded_state_dict()
+    opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=False,
+                                          metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING})
+    dist_checkpointing.save(opt_sd, str(path / "optimizer"), sharded_strategy=_strategies(fully_parallel))
+    if _rank() == 0:
+        (path / "rng").mkdir(exist_ok=True)
+    _barrier()
+    torch.save(rng_state(), path / "rng" / f"rank_{_rank()}.pt")
+    if _rank() == 0:
+        meta = {
+            "format": FORMAT,
+            "step": int(step),
+            "layout": _layout(),
+            "optimizer_sharding_type": OPTIMIZER_SHARDING,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            **(extra or {}),
+        }
+        (path / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        if hf_dir is not None:
+            (path / "hf").mkdir(exist_ok=True)
+            for name in HF_FILES:
+                src = Path(hf_dir) / name
+                if src.exists():
+                    shutil.copy2(src, path / "hf" / name)
+    _barrier()
+
+
+def _restore_adam_step(optimizer, state) -> None:
+    """Put the saved Adam step back into torch Adam's per-parameter state.
+
+    megatron-core 0.16.1's ``dp_reshardable`` load keeps each parameter's ``step`` as a local non-persistent object
+    (the value live at load time), expecting the step to come from ``param_groups`` -- which is true for TE / Apex
+    FusedAdam, but torch's Adam (the fallback without them, e.g. on CPU) reads ``state[p]["step"]``, so the bias
+    correction would continue from the pre-load step. Harmless where the step already matches.
+    """
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    states = state if isinstance(state, list) else [state]
+    for opt, st in zip(chained, states):
+        groups = (st or {}).get("optimizer", {}).get("param_groups", [])
+        steps = {g["step"] for g in groups if g.get("step") is not None}
+        if len(steps) != 1:
+            continue
+        step = float(steps.pop())
+        inner = getattr(opt, "optimizer", None)
+        for pstate in getattr(inner, "state", {}).values():
+            if "step" in pstate and torch.is_tensor(pstate["step"]):
+                pstate["step"] = torch.tensor(step, dtype=pstate["step"].dtype, device=pstate["step"].device)
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    p = Path(path) / "meta.json"
+    if not p.exists():
+        raise FileNotFoundError(f"{p} not found: not a da3po-megatron checkpoint")
+    return json.loads(p.read_text())
+
+
+def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, *,
+                load_optimizer: bool | None = None, fully_parallel: bool = False) -> dict[str, Any]:
+    """Load what :func:`save_policy` wrote (collective). Returns the meta dict plus what was loaded.
+
+    ``load_optimizer``: None = when the saved TP x PP equals the current one (the only case ``dp_reshardable``
+    supports), True = required (error at another layout), False = model only. RNG states are restored when the world
+    size is unchanged. After a model-only load the optimizer's fp32 main weights are refreshed from the model.
+    """
+    from megatron.core import dist_checkpointing
+
+    from da3po_megatron.megatron.runtime import set_rng_state
+
+    path = Path(path)
+    meta = read_meta(path)
+    now = _layout()
+    saved = meta["layout"]
+    same_mp = all(saved[k] == now[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                  "context_parallel_size"))
+    if load_optimizer and not same_mp:
+        raise ValueError(
+            f"optimizer state in {path} was saved at TP={saved['tensor_model_parallel_size']} "
+            f"PP={saved['pipeline_model_parallel_size']} and can only be loaded at the same TP x PP (now "
+            f"TP={now['tensor_model_parallel_size']} PP={now['pipeline_model_parallel_size']}); "
+            f"load with load_optimizer=False for the model only")
+    do_opt = same_mp if load_optimizer is None else load_optimizer
+    bare = _unwrap(model)
+    load_model(bare, path / "model", fully_parallel=fully_parallel)
+    if do_opt and optimizer is not None:
+        model_sd = bare.sharded_state_dict()
+        with torch.no_grad():  # dp_reshardable load writes into parameters' buffers
+            opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                                  metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING})
+            state = dist_checkpointing.load(opt_sd, str(path / "optimizer"),
+                                            sharded_strategy=_strategies(fully_parallel, path / "optimizer"))
+            optimizer.load_state_dict(state)
+            _restore_adam_step(optimizer, state)
+    elif optimizer is not None:
+        log.warning("loading model only from %s (saved layout %s, current %s)", path, saved, now)
+        optimizer.reload_model_params()
+    if scheduler is not None and meta.get("scheduler"):
+        scheduler.num_steps = 0  # OptimizerParamScheduler.load_state_dict ADDS the saved step count to the current
+        scheduler.load_state_dict(meta["scheduler"])
+    rng_file = path / "rng" / f"rank_{_rank()}.pt"
+    restored_rng = saved["world_size"] == now["world_size"] and saved == now and rng_file.exists()
+    if restored_rng:
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    _barrier()
+    return {**meta, "loaded_optimizer": bool(do_opt and optimizer is not None), "restored_rng": restored_rng}

@@ -1,0 +1,641 @@
+"""The megatron-core policy actor: log-probs, the DA3PO train step, Megatron DDP + distributed optimizer, checkpoints.
+
+:class:`PolicyWorker` is one rank of the training world. It is a plain class: a ``torchrun`` process builds one
+directly, :mod:`da3po_megatron.megatron.actor_group` wraps one per rank in a Ray actor. Every public method is
+collective (called on ALL ranks in lock-step with the same arguments) and returns the same result on every rank; the
+driver reads rank 0's.
+
+What it implements (paper equations as in DESIGN.md):
+
+- ``compute_logprobs``: log pi(o_t | q, o_<t) of every response token, forward-only through Megatron's pipeline
+  schedule, vocab-parallel (logits stay split over TP ranks: Megatron's ``vocab_parallel_cross_entropy`` or the
+  project's fused kernel); responses are sharded over DP ranks and the results gathered back in batch order.
+- ``train_step``: one RL update, the clipped surrogate of Eq. 5/11 with the algorithm's aggregation (GRPO Eq. 4,
+  DAPO / DA3PO token-level Eq. 9, GSPO sequence ratio; :func:`da3po_megatron.algorithms.losses.policy_loss`, or the
+  fused DAA-loss kernel for the token-level losses). DAA (Eq. 14) is applied by the trainer to the advantages it
+  sends; the policy does not amplify again. The batch is split into ``ppo_mini_batch_size`` mini-batches (one
+  optimizer step each, ``ppo_epochs`` passes), each mini-batch over DP ranks (token-balanced) and into micro-batches
+  by token budget (packed sequences, :mod:`.batching`). The loss uses the GLOBAL normaliser of the mini-batch (its
+  response tokens, or responses, summed over DP ranks first), so the gradient does not depend on how the mini-batch
+  is split (the contract in ``losses.py``; verl's ``global_batch_info``, NeMo-RL's ``global_valid_toks``).
+- Megatron ``DistributedDataParallel`` (fp32 gradient reduction) + ``get_megatron_optimizer`` (Adam, distributed
+  optimizer; bf16 params with fp32 master weights on GPU, fp32 on CPU), gradient clipping by global norm.
+- LR schedule: Megatron's ``OptimizerParamScheduler``, stepped once per ``train_step`` (= one RL step, as verl
+  does), BEFORE the updates: RL step k (1-based) uses lr * k / warmup during warmup, then constant or cosine decay to
+  ``min_lr`` at ``total_steps``. Weight decay is constant (Megatron's ``wd_mult`` keeps it off biases and norms).
+- ``save`` / ``load``: :mod:`.checkpoint` (model resharding-safe across TP/PP; optimizer at the same TP x PP).
+- ``state_dict_for_export``: full tensors with global Megatron names for the bridge / vLLM weight sync.
+
+Left out: context parallelism (CUDA only, not wired), virtual pipeline stages, KL-to-reference and entropy bonus
+terms (DAPO / DA3PO use neither), dual-clip PPO.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, balance_across_dp, microbatches
+from da3po_megatron.megatron.model import (
+    ModelOptions,
+    build_gpt_model,
+    load_hf_config,
+    transformer_config,
+    use_te,
+    vocab_sizes,
+)
+from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_parallel, node_ip
+
+log = logging.getLogger(__name__)
+
+ALGORITHMS = ("grpo", "dapo", "gspo", "da3po")
+LOSS_BACKENDS = ("torch", "kernel")
+LR_DECAY_STYLES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """Adam + schedule (Megatron ``OptimizerConfig`` names where they exist).
+
+    Attributes:
+        lr: peak learning rate (paper: 1e-6 for Qwen3-4B/8B-Base).
+        min_lr: the cosine schedule's final learning rate.
+        weight_decay: decoupled (AdamW) weight decay; not applied to biases and norms.
+        adam_beta1 / adam_beta2 / adam_eps: Adam's moments and epsilon.
+        clip_grad: clip the global gradient norm (over all TP/PP/DP shards) to this value; 0 = no clipping.
+        lr_warmup_steps: RL steps of linear warmup (train_step k uses lr * k / warmup).
+        lr_decay_style: "constant" or "cosine" (from lr at the end of warmup to min_lr at total_steps).
+        total_steps: RL steps of the run (the schedule's horizon).
+        use_distributed_optimizer: shard optimizer state (and fp32 master weights) over DP ranks (ZeRO-1).
+    """
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    total_steps: int = 1000
+    use_distributed_optimizer: bool = True
+
+    def validate(self) -> None:
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style must be one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.total_steps <= self.lr_warmup_steps:
+            raise ValueError(f"total_steps ({self.total_steps}) must exceed lr_warmup_steps ({self.lr_warmup_steps})")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The policy loss.
+
+    Attributes:
+        algorithm: grpo | dapo | gspo | da3po: picks ratio level and aggregation from ``POLICY_LOSS_PRESETS``.
+        clip_ratio_low / clip_ratio_high: eps_low / eps_high of Eq. 11; None = the algorithm's preset.
+        backend: "torch" (Megatron vocab-parallel log-probs + ``losses.policy_loss``) or "kernel" (the fused DAA-loss
+            kernel for the token-level losses dapo / da3po; its vocab-parallel log-probs otherwise).
+        kernel_backend: the kernel's own backend: "auto" | "triton" | "chunked" | "reference".
+        compute_entropy: report the mean token entropy of pi_theta (a metric; no entropy term in the loss).
+    """
+
+    algorithm: str = "da3po"
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    backend: str = "torch"
+    kernel_backend: str = "auto"
+    compute_entropy: bool = True
+
+    def resolved(self) -> dict[str, Any]:
+        from da3po_megatron.algorithms.losses import POLICY_LOSS_PRESETS
+
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"loss algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.backend not in LOSS_BACKENDS:
+            raise ValueError(f"loss backend must be one of {LOSS_BACKENDS}, got {self.backend!r}")
+        p = dict(POLICY_LOSS_PRESETS[self.algorithm])
+        if self.clip_ratio_low is not None:
+            p["clip_ratio_low"] = self.clip_ratio_low
+        if self.clip_ratio_high is not None:
+            p["clip_ratio_high"] = self.clip_ratio_high
+        return p
+
+
+@dataclass(frozen=True)
+class BatchingOptions:
+    """Mini- and micro-batching.
+
+    Attributes:
+        max_tokens_per_microbatch: token budget of one micro-batch (prompt + response tokens, packed); a sequence
+            longer than this is an error.
+        ppo_mini_batch_size: responses per optimizer step (0 = the whole batch in one step).
+        ppo_epochs: passes over the batch (each mini-batch is one optimizer step per pass).
+        packing: pack several sequences per row (block-diagonal mask / THD); False = one padded row per sequence.
+        logprob_max_tokens_per_microbatch: budget for ``compute_logprobs`` (forward only; 0 = 2x the training one).
+    """
+
+    max_tokens_per_microbatch: int = 8192
+    ppo_mini_batch_size: int = 0
+    ppo_epochs: int = 1
+    packing: bool = True
+    logprob_max_tokens_per_microbatch: int = 0
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Everything a :class:`PolicyWorker` needs besides its rank and rendezvous (picklable, for Ray)."""
+
+    hf_dir: str
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    model: ModelOptions = field(default_factory=ModelOptions)
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    loss: LossOptions = field(default_factory=LossOptions)
+    batching: BatchingOptions = field(default_factory=BatchingOptions)
+    seed: int = 1234
+    load_hf_weights: bool = True
+
+
+def validate_config(cfg: PolicyConfig, world_size: int) -> None:
+    """Check the parallel layout against the world and the model before any process group exists.
+
+    Raises ValueError naming the numbers: world not divisible by TP x PP (x CP), heads / KV heads not divisible by
+    TP, layers not divisible by PP; and invalid optimizer / loss / batching options.
+    """
+    cfg.layout.validate(world_size)
+    hf = load_hf_config(cfg.hf_dir)
+    tp, pp = cfg.layout.tensor_model_parallel_size, cfg.layout.pipeline_model_parallel_size
+    transformer_config(hf, cfg.model, tp, pp, cfg.layout.context_parallel_size)
+    cfg.optimizer.validate()
+    cfg.loss.resolved()
+    b = cfg.batching
+    if b.max_tokens_per_microbatch < 1 or b.ppo_epochs < 1 or b.ppo_mini_batch_size < 0:
+        raise ValueError(f"need max_tokens_per_microbatch >= 1, ppo_epochs >= 1, ppo_mini_batch_size >= 0; got {b}")
+
+
+class PolicyWorker:
+    """One rank of the policy world. Use ``PolicyWorker().init(cfg, rank=..., ...)`` or ``PolicyWorker(cfg, ...)``."""
+
+    def __init__(self, cfg: PolicyConfig | None = None, **init_kwargs: Any) -> None:
+        self.cfg: PolicyConfig | None = None
+        self.step = 0
+        if cfg is not None:
+            self.init(cfg, **init_kwargs)
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def rendezvous_address() -> tuple[str, int]:
+        """(address, port) for the world's rendezvous, as seen from other nodes; called on rank 0's host."""
+        return node_ip(), free_port()
+
+    def init(self, cfg: PolicyConfig, *, rank: int | None = None, world_size: int | None = None,
+             master_addr: str | None = None, master_port: int | None = None) -> dict[str, Any]:
+        """Join the world, build the model stage, load weights, wrap in DDP, build optimizer and LR schedule."""
+        import os
+
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        validate_config(cfg, world_size)
+        self.cfg = cfg
+        self.loss_params = cfg.loss.resolved()
+        init_parallel(cfg.layout, rank=rank, world_size=world_size, master_addr=master_addr,
+                      master_port=master_port, seed=cfg.seed)
+        self.hf = load_hf_config(cfg.hf_dir)
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.dp = ps.get_data_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        self.vocab, self.padded_vocab = vocab_sizes(self.hf, self.tp, cfg.model.make_vocab_size_divisible_by)
+        self.thd = use_te(cfg.model) and cfg.batching.packing
+        pad = self.hf.get("pad_token_id")
+        self.pad_id = int(pad) if isinstance(pad, int) else 0
+
+        model = self._gpt = build_gpt_model(self.hf, cfg.model)
+        self.hf_loaded = self.load_hf(cfg.hf_dir) if cfg.load_hf_weights else False
+        dtype = model.config.params_dtype
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        o = cfg.optimizer
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=o.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=o.total_steps,
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=o.total_steps,
+            wd_incr_style="constant",
+        )
+        config = model.config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.model.no_sync
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.step = 0
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        """Where this rank sits and what it holds."""
+        n_params = sum(p.numel() for p in self._bare.parameters())
+        return {
+            "rank": dist.get_rank(), "world_size": dist.get_world_size(), "tp_rank": self.tp_rank,
+            "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "tp": self.tp, "pp": self.pp, "dp": self.dp,
+            "local_params": n_params, "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab,
+            "hf_loaded": self.hf_loaded, "device": str(self.device), "thd": self.thd, "step": self.step,
+        }
+
+    @property
+    def _bare(self) -> torch.nn.Module:
+        """This rank's GPTModel stage, without the DDP wrapper."""
+        return self._gpt
+
+    def load_hf(self, hf_dir: str | Path) -> bool:
+        """Fill this rank's shard from an HF checkpoint with the bridge's ``load_hf_weights`` (collective-free).
+
+        Returns False (random initialisation kept, with a warning) when the bridge is not installed or the directory
+        has no weights. After a load the optimizer's fp32 master weights are refreshed.
+        """
+        try:
+            from da3po_megatron.bridge import load_hf_weights
+        except ImportError as e:
+            log.warning("bridge not available (%s): keeping the random initialisation", e)
+            return False
+        if not any(Path(hf_dir).glob("*.safetensors")):
+            log.warning("no *.safetensors in %s: keeping the random initialisation", hf_dir)
+            return False
+        load_hf_weights(self._gpt, str(hf_dir))
+        if hasattr(self, "optimizer"):
+            self.optimizer.reload_model_params()
+        return True
+
+    # ------------------------------------------------------------------ the Megatron schedule
+    def _run_schedule(self, mbs: list[MicroBatch], loss_builder, forward_only: bool) -> list:
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator).to(self.device)
+            kwargs = {}
+            if mb.cu_seqlens is not None:
+                kwargs["packed_seq_params"] = PackedSeqParams(
+                    qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                    max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
+            return output, partial(loss_builder, mb)
+
+        fb = get_forward_backward_func()
+        return fb(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    def _response_logits(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """``[N, V_local]`` logits at the positions that score response tokens; padded vocab columns masked."""
+        flat = output.reshape(-1, output.shape[-1]).index_select(0, mb.token_index)
+        if self.padded_vocab > self.vocab:
+            v_local = output.shape[-1]
+            cols = torch.arange(v_local, device=flat.device) + self.tp_rank * v_local
+            flat = flat.masked_fill(cols >= self.vocab, torch.finfo(flat.dtype).min)
+        return flat
+
+    def _logprobs(self, logits: torch.Tensor, targets: torch.Tensor, entropy: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Vocab-parallel log-probs (differentiable) and entropy (detached) of ``[N, V_local]`` logits."""
+        if self.cfg.loss.backend == "kernel":
+            from da3po_megatron.kernels import vocab_parallel_logprobs
+
+            lp, ent = vocab_parallel_logprobs(logits, targets, self.tp_rank * logits.shape[-1], self.tp_group,
+                                              compute_entropy=entropy, backend=self.cfg.loss.kernel_backend)
+            return lp, None if ent is None else ent.detach()
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        ent = _vocab_parallel_entropy(logits, self.tp_group) if entropy else None
+        # Megatron's cross entropy works in place on float32 logits: ``logits`` is a fresh gather, not used after
+        lp = -vocab_parallel_cross_entropy(logits, targets)
+        return lp, ent
+
+    # ------------------------------------------------------------------ log-probs
+    def compute_logprobs(self, batch: PolicyBatch, return_entropy: bool = False, packing: bool | None = None
+                         ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
+        """Per-token log-probs of each response given its prompt (and entropies with ``return_entropy``).
+
+        ``packing`` overrides ``BatchingOptions.packing`` for this call (packed and padded give the same values).
+        """
+        packing = self.cfg.batching.packing if packing is None else packing
+        budget = self.cfg.batching.logprob_max_tokens_per_microbatch or 2 * self.cfg.batching.max_tokens_per_microbatch
+        offsets = [0]
+        for r in batch.response_ids:
+            offsets.append(offsets[-1] + len(r))
+        total = offsets[-1]
+        out_lp = torch.zeros(total, dtype=torch.float32, device=self.device)
+        out_ent = torch.zeros(total if return_entropy else 0, dtype=torch.float32, device=self.device)
+        shard = balance_across_dp(batch.lengths(), self.dp)[self.dp_rank]
+        mbs = microbatches(batch, shard, budget, packing=packing, thd=self.thd and packing,
+                           pad_id=self.pad_id) if shard else []
+
+        def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = False):
+            logits = self._response_logits(output, mb)
+            lp, ent = self._logprobs(logits, mb.token_targets, return_entropy)
+            if self.tp_rank == 0:
+                dest = torch.tensor([offsets[mb.rows[s]] for s in mb.token_seq.tolist()], dtype=torch.long,
+                                    device=self.device) + mb.token_pos
+                out_lp[dest] = lp.float()
+                if ent is not None:
+                    out_ent[dest] = ent.float()
+            return None
+
+        self.model.eval()
+        with torch.no_grad():
+            if mbs:
+                self._run_schedule(mbs, collect, forward_only=True)
+        # exactly one rank (last stage, TP rank 0 of the owning DP rank) holds each value: the sum is exact
+        packed = torch.cat([out_lp, out_ent])
+        dist.all_reduce(packed)
+        lps = packed[:total].tolist()
+        result = [lps[offsets[i]:offsets[i + 1]] for i in range(len(batch))]
+        if not return_entropy:
+            return result
+        ents = packed[total:].tolist()
+        return result, [ents[offsets[i]:offsets[i + 1]] for i in range(len(batch))]
+
+    # ------------------------------------------------------------------ training
+    def _loss(self, mb: MicroBatch, output: torch.Tensor, *, num_microbatches: int, global_tokens: torch.Tensor,
+              global_seqs: torch.Tensor):
+        from da3po_megatron.algorithms.losses import policy_loss
+
+        p = self.loss_params
+        entropy = self.cfg.loss.compute_entropy
+        logits = self._response_logits(output, mb)
+        n = mb.num_response_tokens
+        old_flat = mb.old_logprobs[mb.token_seq, mb.token_pos]
+        fused = (self.cfg.loss.backend == "kernel" and p["ratio_level"] == "token"
+                 and p["loss_agg_mode"] == "token-mean")
+        if fused:
+            from da3po_megatron.kernels import daa_policy_loss
+
+            adv_flat = mb.advantages[mb.token_seq]
+            loss_sum, lp, ent, km = daa_policy_loss(
+                logits, mb.token_targets, old_flat, adv_flat, torch.ones_like(old_flat),
+                clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
+                vocab_start=self.tp_rank * logits.shape[-1], tp_group=self.tp_group, compute_entropy=entropy,
+                backend=self.cfg.loss.kernel_backend)
+            loss = loss_sum / global_tokens.clamp_min(1)
+            clip_low, clip_high = km["clip_low_count"], km["clip_high_count"]
+            lp = lp.detach()
+            ent = None if ent is None else ent.detach()
+        else:
+            lp, ent = self._logprobs(logits, mb.token_targets, entropy)
+            loss, m = policy_loss(
+                mb.unflatten(lp), mb.old_logprobs, mb.advantages, mb.response_mask,
+                clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
+                ratio_level=p["ratio_level"], loss_agg_mode=p["loss_agg_mode"],
+                global_num_tokens=global_tokens, global_num_seqs=global_seqs)
+            clip_low, clip_high = m["clipfrac_low"] * n, m["clipfrac_high"] * n
+            lp = lp.detach()
+        if n == 0:  # no response token: keep the graph connected for Megatron's backward
+            loss = loss + 0.0 * output.sum()
+        with torch.no_grad():
+            log_ratio = (lp.float() - old_flat).clamp(-20.0, 20.0)
+            kl_sum = ((log_ratio.exp() - 1.0) - log_ratio).sum()  # Schulman's k3 estimator of KL(pi_old||pi)
+            stats = torch.stack([
+                loss.detach().float().reshape(()),
+                torch.as_tensor(clip_low, dtype=torch.float32, device=self.device).reshape(()),
+                torch.as_tensor(clip_high, dtype=torch.float32, device=self.device).reshape(()),
+                kl_sum.float(),
+                ent.float().sum() if ent is not None else torch.zeros((), device=self.device),
+                torch.tensor(float(n), device=self.device),
+            ])
+        # Megatron divides a 2-tuple loss by num_microbatches and DDP averages gradients over DP: undo both so the
+        # summed gradient is that of the globally normalised mini-batch loss (losses.py's contract)
+        return loss * num_microbatches * self.dp, {"stats": stats}
+
+    def train_step(self, batch: PolicyBatch) -> dict[str, float]:
+        """One RL update on ``batch`` (mini-batches x epochs optimizer steps); returns metrics (same on all ranks)."""
+        if batch.old_logprobs is None or batch.advantages is None:
+            raise ValueError("train_step needs PolicyBatch.old_logprobs and PolicyBatch.advantages")
+        b = self.cfg.batching
+        n = len(batch)
+        size = b.ppo_mini_batch_size or n
+        minis = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+        for rows in minis:
+            if len(rows) < self.dp:
+                raise ValueError(f"a mini-batch of {len(rows)} responses cannot be split over {self.dp} data-parallel "
+                                 f"ranks (batch {n}, ppo_mini_batch_size {b.ppo_mini_batch_size})")
+        lengths = batch.lengths()
+        self.scheduler.step(1)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.model.train()
+        t0 = time.perf_counter()
+        stats = torch.zeros(6, dtype=torch.float64, device=self.device)
+        grad_norms: list[float] = []
+        n_mb = 0
+        skipped = 0
+        for _ in range(b.ppo_epochs):
+            for rows in minis:
+                shard = [rows[k] for k in balance_across_dp([lengths[i] for i in rows], self.dp)[self.dp_rank]]
+                mbs = microbatches(batch, shard, b.max_tokens_per_microbatch, packing=b.packing, thd=self.thd,
+                                   pad_id=self.pad_id)
+                counts = torch.tensor(
+                    [sum(len(batch.response_ids[i]) for i in shard),
+                     sum(1 for i in shard if batch.response_ids[i])], dtype=torch.float32, device=self.device)
+                dist.all_reduce(counts, group=self.dp_group)
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                out = self._run_schedule(mbs, partial(self._loss, num_microbatches=len(mbs),
+                                                      global_tokens=counts[0], global_seqs=counts[1]),
+                                         forward_only=False)
+                ok, grad_norm, _ = self.optimizer.step()
+                skipped += 0 if ok else 1
+                grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+                n_mb += len(mbs)
+                if self.is_last_stage and self.tp_rank == 0:
+                    for d in out:
+                        stats += d["stats"].double()
+        elapsed = time.perf_counter() - t0
+        dist.all_reduce(stats)  # only last-stage TP-rank-0 ranks contributed: sums over DP ranks
+        updates = len(minis) * b.ppo_epochs
+        n_tok = max(stats[5].item(), 1.0)
+        self.step += 1
+        total_tokens = sum(lengths) * b.ppo_epochs
+        return {
+            "loss": stats[0].item() / updates,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "lr": lr,
+            "clipfrac_low": stats[1].item() / n_tok,
+            "clipfrac_high": stats[2].item() / n_tok,
+            "approx_kl": stats[3].item() / n_tok,
+            "entropy": stats[4].item() / n_tok if self.cfg.loss.compute_entropy else float("nan"),
+            "response_tokens": stats[5].item() / b.ppo_epochs,
+            "tokens_per_s": total_tokens / elapsed if elapsed > 0 else float("inf"),
+            "num_microbatches": n_mb,
+            "num_updates": updates,
+            "skipped_updates": skipped,
+            "step": self.step,
+            "time_s": elapsed,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | Path, fully_parallel: bool = False) -> None:
+        """Model + optimizer + scheduler + RNG via ``dist_checkpointing`` (see :mod:`.checkpoint`)."""
+        from da3po_megatron.megatron.checkpoint import save_policy
+
+        save_policy(path, self.model, self.optimizer, self.scheduler, step=self.step, hf_dir=self.cfg.hf_dir,
+                    extra={"policy_config": _jsonable(asdict(self.cfg)), "vocab_size": self.vocab,
+                           "padded_vocab_size": self.padded_vocab},
+                    fully_parallel=fully_parallel)
+
+    def load(self, path: str | Path, load_optimizer: bool | None = None, fully_parallel: bool = False
+             ) -> dict[str, Any]:
+        """Load a checkpoint saved at any TP x PP (optimizer: same TP x PP only; see :func:`checkpoint.load_policy`)."""
+        from da3po_megatron.megatron.checkpoint import load_policy
+
+        meta = load_policy(path, self.model, self.optimizer, self.scheduler, load_optimizer=load_optimizer,
+                           fully_parallel=fully_parallel)
+        self.step = int(meta.get("step", 0))
+        return {k: meta[k] for k in ("step", "layout", "loaded_optimizer", "restored_rng")}
+
+    def save_model(self, path: str | Path) -> None:
+        """The model part only (what the bridge's converter writes/reads)."""
+        from da3po_megatron.megatron.checkpoint import save_model
+
+        save_model(self._bare, path)
+
+    def load_model(self, path: str | Path) -> None:
+        from da3po_megatron.megatron.checkpoint import load_model
+
+        load_model(self._bare, path)
+        self.optimizer.reload_model_params()
+
+    # ------------------------------------------------------------------ export
+    def state_dict_for_export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective generator of ``(global Megatron name, full tensor)`` for the bridge / weight sync.
+
+        Every rank must iterate it to the end (the TP all-gathers are collective). Tensors are yielded on the ranks
+        with TP rank 0 -- of every PP stage and every DP replica (replicas yield identical tensors: use DP rank 0's);
+        other ranks yield nothing. Within a stage the order is the model's ``named_parameters()`` order (embedding,
+        layers in order, final norm, output layer); stages are not ordered with respect to each other (each stage's
+        TP-rank-0 process yields its own layers, with layer numbers made global: local + PP offset). One gathered
+        tensor exists at a time (bounded memory). Tensor-parallel shards are gathered to the TP=1 layout (the fused
+        gate|up ``linear_fc1`` is re-interleaved to [gate; up]); the vocabulary padding is removed from the
+        embedding and output layer, so exported tensors do not depend on the layout. With tied embeddings the last
+        stage's copy of the output weight is not yielded. Tensors are views or fresh copies of the live weights in the
+        model's dtype: do not modify them; copy what you keep past the next ``train_step``.
+        """
+        model = self._bare
+        offsets = {}
+        for i, layer in enumerate(model.decoder.layers):
+            offsets[i] = layer.layer_number - 1
+        tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
+        glu = bool(model.config.gated_linear_unit)
+        layer_re = re.compile(r"^decoder\.layers\.(\d+)\.")
+        for name, param in model.named_parameters():
+            if tied and name == "output_layer.weight":
+                continue
+            tensor = param.detach()
+            if self.tp > 1 and getattr(param, "tensor_model_parallel", False):
+                dim = param.partition_dim
+                shards = [torch.empty_like(tensor) for _ in range(self.tp)]
+                dist.all_gather(shards, tensor.contiguous(), group=self.tp_group)
+                if glu and (name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")):
+                    halves = [s.chunk(2, dim=0) for s in shards]
+                    tensor = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+                else:
+                    tensor = torch.cat(shards, dim=dim)
+                del shards
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                tensor = tensor[: self.vocab]
+            m = layer_re.match(name)
+            if m:
+                name = f"decoder.layers.{offsets[int(m.group(1))]}." + name[m.end():]
+            if self.tp_rank == 0:
+                yield name, tensor
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole export as a CPU dict on TP-rank-0 ranks (small models and tests only), {} elsewhere."""
+        return {k: v.detach().cpu().clone() for k, v in self.state_dict_for_export()}
+
+    def shutdown(self) -> None:
+        from da3po_megatron.megatron.runtime import destroy_parallel
+
+        destroy_parallel()
+
+
+def _vocab_parallel_entropy(logits: torch.Tensor, tp_group, chunk: int = 4096) -> torch.Tensor:
+    """Entropy of softmax over the TP-split vocabulary, ``[N, V_local]`` -> ``[N]`` (no gradient, chunked)."""
+    out = []
+    with torch.no_grad():
+        for z in logits.split(chunk, dim=0):
+            z = z.float()
+            m = z.max(dim=-1).values
+            if tp_group is not None and dist.get_world_size(tp_group) > 1:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+            e = torch.exp(z - m.unsqueeze(-1))
+            s = torch.stack([e.sum(-1), (e * z).sum(-1)])
+            if tp_group is not None and dist.get_world_size(tp_group) > 1:
+                dist.all_reduce(s, group=tp_group)
+            out.append(torch.log(s[0]) + m - s[1] / s[0])
+    return torch.cat(out) if out else logits.new_zeros((0,), dtype=torch.float32)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj if not (isinstance(obj, float) and math.isnan(obj)) else None
+    return str(obj)
