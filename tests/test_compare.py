@@ -1,0 +1,287 @@
+"""The algorithm-comparison runner and report (da3po_megatron/eval/compare.py, tools/compare_algorithms.py).
+
+Fast tests build synthetic ``metrics.jsonl`` files with known curves (so every table value is computable by hand);
+the slow test runs ``tools/compare_algorithms.py --smoke`` through the real trainer (megatron-core, vLLM, Ray) twice,
+the second time checking that finished runs are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from da3po_megatron.eval import compare as C
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKETS = (1, 2, 3, 4)
+START = {1: 0.9, 2: 0.7, 3: 0.5, 4: 0.25}  # starting policy's held-out avg@4 per bucket
+
+
+def write_run(run_dir: Path, steps: int, samples_per_step: float, eval_acc, train_acc, eval_every: int = 2,
+              start: dict[int, float] | None = None, filtered: float = 0.0, daa: float = 0.0) -> Path:
+    """A fake run: eval_acc(step) / train_acc(step) give the overall values; bucket b gets value - 0.1 * (b - 1)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = start or START
+    rows = [{"step": 0, "eval/synthetic/avg@4": sum(start.values()) / len(start), "eval/synthetic/greedy": 0.5,
+             **{f"eval/synthetic/bucket{b}/avg@4": v for b, v in start.items()},
+             **{f"eval/synthetic/bucket{b}/greedy": 0.5 for b in BUCKETS}}]
+    for s in range(1, steps + 1):
+        r = {"step": s, "acc/mean": train_acc(s), "gen/cumulative_samples": samples_per_step * s,
+             "gen/cumulative_tokens": 10 * samples_per_step * s, "filter/frac_filtered": filtered,
+             "daa/activation_frac": daa, "daa/lambda_mean": 2.0 if daa else 1.0, "time/step": 1.0,
+             "theory/0.0-0.5/adv_correct_kept": 1.5, "theory/0.0-0.5/adv_correct_all": 1.0,
+             "theory/0.0-0.5/alpha_plus": 1.4, "theory/0.0-0.5/adv_incorrect_kept": -1.2,
+             "theory/0.0-0.5/adv_incorrect_all": -1.0, "theory/0.0-0.5/alpha_minus": 1.1,
+             **{f"gen/acc_bucket/{b}": train_acc(s) - 0.1 * (b - 1) for b in BUCKETS}}
+        if s % eval_every == 0 or s == steps:
+            e = eval_acc(s)
+            r.update({"eval/synthetic/avg@4": e, "eval/synthetic/greedy": e,
+                      **{f"eval/synthetic/bucket{b}/avg@4": e - 0.1 * (b - 1) for b in BUCKETS},
+                      **{f"eval/synthetic/bucket{b}/greedy": e for b in BUCKETS}})
+        rows.append(r)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+# ---------------------------------------------------------------------------------------------------- methods, grid
+
+
+def test_method_specs_map_to_the_config_overrides_of_each_preset():
+    m = C.parse_method("da3po:1.5")
+    assert m.overrides == ("algorithm.name=da3po", "daa.mode=constant", "daa.lambda_=1.5") and m.daa
+    assert m.baseline == "dapo" and m.filters and m.slug == "da3po_1.5"
+    assert C.parse_method("da3po:adaptive").overrides == ("algorithm.name=da3po", "daa.mode=adaptive")
+    assert C.parse_method("da3po").overrides == ("algorithm.name=da3po",)
+    g = C.parse_method("grpo")
+    assert g.overrides == ("algorithm.name=grpo", "daa.enable=false") and not g.daa and not g.filters
+    g2 = C.parse_method("grpo:2")
+    assert "daa.enable=true" in g2.overrides and g2.daa and g2.baseline == "grpo"
+
+
+def test_method_spec_errors_name_the_spec():
+    with pytest.raises(ValueError, match="'ppo'"):
+        C.parse_method("ppo")
+    with pytest.raises(ValueError, match="da3po:big"):
+        C.parse_method("da3po:big")
+    with pytest.raises(ValueError, match="twice"):
+        C.parse_methods("dapo,dapo")
+
+
+def test_method_overrides_are_valid_config_for_the_real_loader():
+    from da3po_megatron.config import load_config
+
+    for spec in ("grpo", "dapo", "gspo", "da3po:2.5", "da3po:adaptive", "gspo:2"):
+        m = C.parse_method(spec)
+        cfg = load_config(REPO / "examples/compare_cpu.yaml", ["model.path=x", *m.overrides])
+        assert cfg.daa_enabled == m.daa and cfg.filter_groups == m.filters
+        if spec == "da3po:2.5":
+            assert cfg.daa.lambda_ == 2.5 and cfg.daa.mode == "constant"
+        if spec == "da3po:adaptive":
+            assert cfg.daa.mode == "adaptive"
+
+
+def test_grid_is_seed_major_and_commands_carry_seed_steps_and_method(tmp_path):
+    specs = C.grid_specs(C.parse_methods("grpo,da3po:2"), [0, 1], 7, tmp_path)
+    assert [(s.method.label, s.seed) for s in specs] == [("grpo", 0), ("da3po:2", 0), ("grpo", 1), ("da3po:2", 1)]
+    cmd = C.train_command(specs[1], "base.yaml", "warm", ["eval.k=2"])
+    assert cmd[1:5] == ["-m", "da3po_megatron.cli", "train", "--config"]
+    for item in ("model.path=warm", f"trainer.run_dir={tmp_path / 'da3po_2' / 'seed0'}", "trainer.seed=0",
+                 "trainer.total_steps=7", "daa.lambda_=2", "algorithm.name=da3po"):
+        assert item in cmd
+    assert cmd[-1] == "eval.k=2"  # user overrides last: they win
+
+
+def test_resumability_status_from_done_marker_or_final_step(tmp_path):
+    d = tmp_path / "run"
+    assert C.run_status(d, 10) == "new"
+    write_run(d, 4, 10, lambda s: 0.5, lambda s: 0.5)
+    assert C.run_status(d, 10) == "partial" and C.last_step(d) == 4
+    assert C.run_status(d, 4) == "done"  # the final step is in metrics.jsonl
+    (d / "DONE").write_text(json.dumps({"total_steps": 10}))
+    assert C.run_status(d, 10) == "done"
+    assert C.run_status(d, 12) == "partial"  # more steps requested than the marker covers: resume
+    (d / "DONE").write_text("garbage")
+    assert C.run_status(d, 10) == "partial"
+
+
+def test_run_grid_skips_finished_runs_without_starting_the_trainer(tmp_path):
+    specs = C.grid_specs(C.parse_methods("grpo,da3po:2"), [0], 3, tmp_path)
+    for s in specs:
+        write_run(s.run_dir, 3, 10, lambda s: 0.5, lambda s: 0.5)
+    lines: list[str] = []
+    t0 = time.perf_counter()
+    recs = C.run_grid(specs, "does-not-exist.yaml", "no-model", log=lines.append)
+    assert time.perf_counter() - t0 < 1.0
+    assert [r["status"] for r in recs] == ["done", "done"] and all("skipped" in x for x in lines)
+    assert not (specs[0].run_dir / "train.log").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- statistics
+
+
+def test_interpolation_is_linear_and_never_extrapolates():
+    assert C.interp_at([0, 10, 20], [0.0, 1.0, 0.0], 5) == pytest.approx(0.5)
+    assert C.interp_at([0, 10, 20], [0.0, 1.0, 0.0], 15) == pytest.approx(0.5)
+    assert C.interp_at([0, 10], [0.2, 0.4], 10) == pytest.approx(0.4)
+    assert C.interp_at([0, 10], [0.2, 0.4], 10.5) is None
+    assert C.interp_at([5, 10], [0.2, 0.4], 0) is None
+    assert C.interp_at([0, 10, 10], [0.0, 0.3, 0.5], 10) == pytest.approx(0.5)  # repeated x: last value wins
+    assert C.interp_at([], [], 1) is None
+
+
+def test_trailing_mean_and_mean_std():
+    assert C.trailing_mean([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
+    m, s, n = C.mean_std([1.0, 2.0, 3.0])
+    assert (m, s, n) == (2.0, 1.0, 3)
+    assert C.mean_std([0.5]) == (0.5, 0.0, 1)
+    assert math.isnan(C.mean_std([])[0])
+
+
+def test_equal_samples_reads_each_run_at_the_same_generated_sample_budget(tmp_path):
+    # "dapo" spends 2x samples per step. At step 10 both have eval 0.1*... but at 100 samples dapo is at step 5.
+    grpo = write_run(tmp_path / "g", 10, 10, lambda s: 0.05 * s, lambda s: 0.05 * s)
+    dapo = write_run(tmp_path / "d", 10, 20, lambda s: 0.06 * s, lambda s: 0.06 * s)
+    rows_g, rows_d = C.read_metrics(grpo), C.read_metrics(dapo)
+    key = "eval/synthetic/avg@4"
+    start = sum(START.values()) / len(START)
+    # equal steps: step 10
+    assert C.curve_at(rows_g, key, 10) == pytest.approx(0.5)
+    assert C.curve_at(rows_d, key, 10) == pytest.approx(0.6)
+    # equal samples: 100 samples = grpo step 10, dapo step 5 (eval at 4 and 6: 80 and 120 samples -> midpoint)
+    assert C.curve_at(rows_g, key, 100, "gen/cumulative_samples") == pytest.approx(0.5)
+    assert C.curve_at(rows_d, key, 100, "gen/cumulative_samples") == pytest.approx((0.24 + 0.36) / 2)
+    # between the starting eval (0 samples) and the first eval (step 2 = 40 samples)
+    assert C.curve_at(rows_d, key, 20, "gen/cumulative_samples") == pytest.approx((start + 0.12) / 2)
+    assert C.curve_at(rows_d, key, 201, "gen/cumulative_samples") is None
+    # training accuracy: trailing mean over 2 steps, then interpolated in samples
+    assert C.curve_at(rows_d, "acc/mean", 100, "gen/cumulative_samples", window=2) == pytest.approx(0.27)
+
+
+def test_table_points_are_the_last_common_eval_step_and_the_largest_common_budget(tmp_path):
+    specs = C.grid_specs(C.parse_methods("grpo,dapo"), [0, 1], 10, tmp_path)
+    for s in specs:
+        write_run(s.run_dir, 10 if s.seed == 0 else 9, 10 if s.method.label == "grpo" else 25, lambda s: 0.5,
+                  lambda s: 0.5, eval_every=4)
+    d = C.prepare(C.parse_methods("grpo,dapo"), C.load_grid(specs))
+    assert d.k == 4 and d.buckets == list(BUCKETS)
+    assert d.step_point.x == 8  # steps 4, 8 common; 10 and 9 are final evals of different runs
+    assert [p.x for p in d.sample_points] == [45, 90]  # grpo seed 1 reached 9 x 10 samples
+    assert d.hard == [4]  # starting avg@4 < tau = 0.5 (strict: bucket 3 at 0.5 is not hard)
+
+
+def test_compare_means_screens_at_two_standard_errors():
+    c = C.compare_means("a", [0.60, 0.62, 0.64], "b", [0.50, 0.52, 0.54])
+    assert c.diff == pytest.approx(0.10) and c.se == pytest.approx(math.sqrt(2 * 0.02**2 / 3))
+    assert c.outcome == "better"
+    assert C.compare_means("a", [0.50, 0.52, 0.54], "b", [0.60, 0.62, 0.64]).outcome == "worse"
+    noisy = C.compare_means("a", [0.50, 0.60, 0.70], "b", [0.45, 0.55, 0.65])  # diff 0.05, SE ~0.082
+    assert noisy.outcome == "no significant difference"
+    assert C.compare_means("a", [0.5], "b", [0.4, 0.5]).outcome == "undetermined"
+    assert C.compare_means("a", [0.5, 0.5], "b", [0.5, 0.5]).outcome == "no significant difference"
+
+
+def _grid(tmp_path, methods: str, eval_of, seeds=(0, 1, 2), steps=8, spp=None):
+    ms = C.parse_methods(methods)
+    specs = C.grid_specs(ms, list(seeds), steps, tmp_path / "runs")
+    for s in specs:
+        e = eval_of(s.method.label, s.seed)
+        write_run(s.run_dir, steps, (spp or {}).get(s.method.label, 16), lambda st, e=e: min(1.0, e * st / steps),
+                  lambda st, e=e: min(1.0, e * st / steps), filtered=0.3 if s.method.filters else 0.0,
+                  daa=0.1 if s.method.daa else 0.0)
+    return ms, specs
+
+
+def test_report_verdict_says_better_when_daa_beats_its_baseline_beyond_two_se(tmp_path):
+    ms, specs = _grid(tmp_path, "grpo,dapo,da3po:2",
+                      lambda m, s: {"grpo": 0.5, "dapo": 0.5, "da3po:2": 0.7}[m] + 0.01 * s)
+    report = C.build_report(specs, ms, tmp_path / "rep", command="python tools/compare_algorithms.py ...",
+                            figures=False)
+    text = report.read_text()
+    assert "significantly better than its baseline in 4 of 4" in text  # {steps, samples} x {all, hard buckets}
+    assert "da3po:2 vs dapo (its baseline): +20.0 pts" in text
+    summary = json.loads((tmp_path / "rep/summary.json").read_text())
+    assert summary["verdict"]["own_baseline_counts"]["better"] == 4
+    assert summary["tables"]["step 8"]["heldout"]["da3po:2"]["all"][0] == pytest.approx(0.71)
+    assert summary["tables"]["step 8"]["heldout"]["da3po:2"]["b2"][0] == pytest.approx(0.61)
+    assert summary["tables"]["step 8"]["heldout"]["grpo"]["all"][1] == pytest.approx(0.01)
+
+
+def test_report_verdict_says_no_significant_difference_within_two_se(tmp_path):
+    noise = {0: -0.1, 1: 0.0, 2: 0.1}
+    ms, specs = _grid(tmp_path, "dapo,da3po:2,da3po:adaptive",
+                      lambda m, s: 0.5 + noise[s] + (0.02 if m.startswith("da3po") else 0.0))
+    text = C.build_report(specs, ms, tmp_path / "rep", figures=False).read_text()
+    assert "**No significant difference**: in all" in text
+    assert "better" not in text.split("## Verdict")[1].split("## ")[0].replace("0 better", "")
+
+
+def test_report_holds_equal_step_and_equal_sample_tables_per_bucket_figures_and_logs(tmp_path):
+    ms, specs = _grid(tmp_path, "grpo,da3po:2", lambda m, s: 0.6, spp={"grpo": 16, "da3po:2": 32})
+    page = tmp_path / "docs" / "results.md"
+    C.build_report(specs, ms, tmp_path / "rep", page=page, base_config="examples/compare_cpu.yaml")
+    text = (tmp_path / "rep/report.md").read_text()
+    assert "## Equal training steps (step 8)" in text
+    assert "## Equal generated samples (128 samples)" in text and "## Equal generated samples (64 samples)" in text
+    assert "| method | seeds | all | hard | b1 | b2 | b3 | b4 |" in text
+    # at 128 samples da3po:2 (32/step) is at step 4: eval 0.6 * 4 / 8 = 0.3 overall
+    summary = json.loads((tmp_path / "rep/summary.json").read_text())
+    assert summary["tables"]["128 samples"]["heldout"]["da3po:2"]["all"][0] == pytest.approx(0.3)
+    assert summary["tables"]["128 samples"]["heldout"]["grpo"]["all"][0] == pytest.approx(0.6)
+    assert summary["hard_buckets"] == [4]
+    for name in ("train_acc_vs_steps", "train_acc_vs_samples", "train_acc_vs_tokens", "heldout_vs_steps",
+                 "heldout_vs_samples", "heldout_buckets_vs_samples", "heldout_by_bucket", "filtered_frac",
+                 "daa_activation", "theory_diagnostic"):
+        png = tmp_path / "rep/figures" / f"{name}.png"
+        assert png.read_bytes()[:4] == b"\x89PNG", name
+        assert f"](figures/{name}.png)" in text
+    assert "](../rep/figures/heldout_by_bucket.png)" in page.read_text()
+    assert (tmp_path / "rep/logs/da3po_2/seed2.jsonl").read_text() == (specs[-1].run_dir / "metrics.jsonl"
+                                                                         ).read_text()
+
+
+def test_report_names_missing_and_unfinished_runs(tmp_path):
+    ms, specs = _grid(tmp_path, "dapo,da3po:2", lambda m, s: 0.5, seeds=(0,))
+    extra = C.grid_specs(ms, [1], 8, tmp_path / "runs")
+    write_run(extra[0].run_dir, 3, 16, lambda s: 0.5, lambda s: 0.5)
+    text = C.build_report(specs + extra, ms, tmp_path / "rep", figures=False).read_text()
+    assert "no metrics: da3po:2 seed 1" in text and "unfinished: dapo seed 1 (step 3 of 8)" in text
+    assert "undetermined" in text  # 1 seed of da3po:2
+
+
+def test_tool_report_only_rebuilds_from_existing_runs(tmp_path):
+    runs = tmp_path / "runs"
+    ms, specs = _grid(tmp_path, "dapo,da3po:2", lambda m, s: 0.5)
+    r = subprocess.run([sys.executable, "tools/compare_algorithms.py", "--report-only", "--methods", "dapo,da3po:2",
+                        "--seeds", "0,1,2", "--steps", "8", "--out", str(tmp_path / "rep"), "--runs-dir", str(runs),
+                        "--no-figures"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "## Equal training steps (step 8)" in (tmp_path / "rep/report.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------- real trainer
+
+
+@pytest.mark.slow
+def test_smoke_grid_runs_through_the_real_trainer_and_skips_finished_runs_when_rerun(tmp_path):
+    out, runs = tmp_path / "rep", tmp_path / "runs"
+    cmd = [sys.executable, "tools/compare_algorithms.py", "--smoke", "--out", str(out), "--runs-dir", str(runs)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DA3PO_RAY_TMP": str(tmp_path / "ray")}
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    logs = "\n".join(p.read_text()[-3000:] for p in runs.glob("*/seed0/train.log"))
+    assert r.returncode == 0, r.stdout + r.stderr + logs
+    for slug in ("grpo", "da3po_2"):
+        assert C.run_status(runs / slug / "seed0", 2) == "done"
+        assert (out / "logs" / slug / "seed0.jsonl").exists()
+    text = (out / "report.md").read_text()
+    assert "## Equal training steps (step 2)" in text and "## Verdict" in text
+    t0 = time.perf_counter()
+    r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert r2.returncode == 0 and r2.stdout.count("done, skipped") == 2, r2.stdout + r2.stderr
+    assert time.perf_counter() - t0 < 60
