@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"compare_algorithms: error: {e}", file=sys.stderr)
             return 1
-        records = C.run_grid(specs, a.base, warmup_dir, overrides, timeout_s=a.run_timeout or None)
+        try:
+            records = C.run_grid(specs, a.base, warmup_dir, overrides, timeout_s=a.run_timeout or None)
+        except C.Stop as e:
+            print(f"compare_algorithms: stopped: {e}; re-run the same command to resume", flush=True)
+            return 143
     report = C.build_report(specs, methods, a.out, command=command, base_config=a.base, records=records,
                             window=a.window, z=a.z, warmup_dir=warmup_dir, page=a.page,
                             figures=not a.no_figures)

@@ -213,29 +213,51 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+class Stop(Exception):
+    """The grid runner was asked to stop (SIGUSR1 / SIGTERM): the current run checkpointed and exited."""
+
+
 def _run_logged(cmd: list[str], log_path: Path, timeout_s: float | None) -> tuple[int, float]:
-    """Run ``cmd`` in its own process group, stdout+stderr appended to ``log_path``. On timeout: SIGTERM (the trainer
-    checkpoints after its current step and exits -- resumable), then SIGKILL of the group after 180 s."""
+    """Run ``cmd`` in its own process group, stdout+stderr appended to ``log_path``.
+
+    SIGUSR1 / SIGTERM to this process (Slurm's time-limit warning, scancel) is forwarded to the child as SIGUSR1 --
+    the trainer checkpoints after its current step and exits -- and then :class:`Stop` is raised so the grid ends;
+    the next invocation resumes. On timeout: the same SIGUSR1, then SIGKILL of the group after 180 s.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    stop = []
     with log_path.open("a") as log:
         log.write(f"\n$ {shlex.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True)
+
+        def forward(signum, frame) -> None:  # noqa: ARG001
+            stop.append(signum)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)  # the driver only: SIGUSR1 would kill its helper processes
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
         try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(timeout=180)
+                rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = 124
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=180)
-            raise
+                proc.send_signal(signal.SIGUSR1)
+                try:
+                    proc.wait(timeout=180)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                rc = 124
+            except KeyboardInterrupt:
+                proc.send_signal(signal.SIGUSR1)
+                proc.wait(timeout=180)
+                raise
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    if stop:
+        raise Stop(f"signal {stop[0]}: {shlex.join(cmd[:6])} ... checkpointed and exited (exit {rc})")
     return rc, time.perf_counter() - t0
 
 
