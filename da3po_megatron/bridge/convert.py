@@ -1,0 +1,375 @@
+"""``da3po convert``: checkpoint conversion between Hugging Face and Megatron (dist_checkpointing, torch_dist).
+
+Directions::
+
+    da3po convert hf-to-megatron --hf HF_DIR --out CKPT_DIR --tp N --pp N [--force] [--verify]
+    da3po convert megatron-to-hf --ckpt CKPT_DIR --out HF_DIR [--max-shard-size 5GB] [--force] [--verify]
+
+Megatron checkpoint layout (shared with the policy's checkpoints, :mod:`da3po_megatron.megatron.checkpoint`)::
+
+    CKPT_DIR/model/      megatron.core.dist_checkpointing.save(model.sharded_state_dict(), ...)  (torch_dist)
+    CKPT_DIR/hf/         HF config.json, generation_config.json, tokenizer files (copied back out by megatron-to-hf)
+    CKPT_DIR/meta.json   format, layout, source, vocabulary sizes
+
+hf-to-megatron spawns TP x PP processes (gloo on CPU, NCCL on GPU); each builds its GPTModel stage, reads only its
+slices of the HF safetensors and saves its shard. Peak memory per process: its shard + one tensor slice.
+megatron-to-hf reads a checkpoint saved at *any* TP x PP in one process, without building a model: it streams
+one layer at a time out of the checkpoint (PyTorch DCP slice reads) and writes safetensors shards of at most
+``--max-shard-size``. Peak memory: one layer + one output shard + the embedding.
+
+``--verify`` runs both models on a few random token sequences and prints the max absolute logit difference between
+Megatron and transformers (float32 is expected to agree to ~1e-5); it exits with status 3 above ``--verify-tol``.
+Verification builds the full transformers model in one process (plus, for megatron-to-hf, a Megatron model at
+``--verify-tp`` x ``--verify-pp``): it is the one step whose memory is not bounded by a layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from da3po_megatron.bridge import mapping
+from da3po_megatron.bridge.hf_io import ShardedSafetensorsWriter, copy_side_files, parse_size
+from da3po_megatron.megatron.model import load_hf_config, model_family, vocab_sizes
+
+FORMAT = "da3po-megatron/1"  # same as da3po_megatron.megatron.checkpoint.FORMAT
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConversionError(RuntimeError):
+    """A user-facing conversion failure (bad input, existing output, failed verification)."""
+
+
+def _say(msg: str) -> None:
+    print(f"[convert] {msg}", flush=True)
+
+
+def hf_dtype_name(hf: dict[str, Any]) -> str | None:
+    """The checkpoint dtype the HF config declares (``dtype`` in transformers 5, ``torch_dtype`` before)."""
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    return str(name).replace("torch.", "") if name else None
+
+
+def _prepare_out(out: Path, force: bool, protect: list[Path]) -> None:
+    out = out.resolve()
+    for p in protect:
+        p = p.resolve()
+        if out == p or p.is_relative_to(out):
+            raise ConversionError(f"output {out} would overwrite the input {p}")
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise ConversionError(f"output {out} exists and is not empty; pass --force to overwrite it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def check_hf_checkpoint(hf_dir: str | Path, hf: dict[str, Any] | None = None) -> list[str]:
+    """Check every HF tensor the mapping needs exists with the shape the config implies (headers only, no reads).
+
+    Raises ValueError / KeyError naming the tensor; returns HF tensors the mapping does not use (e.g. a redundant
+    ``lm_head.weight`` of a tied model), which are dropped by the conversion.
+    """
+    from da3po_megatron.bridge.hf_io import SafetensorsReader
+
+    hf = hf or load_hf_config(hf_dir)
+    model_family(hf)
+    reader = SafetensorsReader(hf_dir)
+    used: set[str] = set()
+    d = mapping.Dims.of(hf)
+    for rule in mapping.rules(hf):
+        if rule.megatron == "output_layer.weight" and d.tied:
+            continue
+        for layer in range(d.layers) if rule.per_layer else [None]:
+            names = mapping.hf_names(rule, layer)
+            mapping._check_hf_shapes(rule, names, reader, hf)
+            used.update(names)
+    return sorted(set(reader.names()) - used)
+
+
+# ------------------------------------------------------------------------------------------- worker processes
+
+
+def _forward_logits(model, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits [b, s, V_padded] of a (TP x PP) GPTModel on every rank of the last stage, else None."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = tokens.shape
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+
+    def step(_data, m):
+        return m(tokens, pos, None), (lambda out, non_loss_data=False: out)
+
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([None]), model=[model], num_microbatches=1, seq_length=s,
+            micro_batch_size=b, forward_only=True, collect_non_loss_data=True)
+    if not ps.is_pipeline_last_stage():
+        return None
+    return gather_from_tensor_model_parallel_region(out[0]).float().cpu()
+
+
+def _verify_rank(model, task: dict[str, Any]) -> None:
+    """On the last stage: compare Megatron logits with transformers' on ``task['hf_dir']``; TP rank 0 writes JSON."""
+    from megatron.core import parallel_state as ps
+
+    hf = load_hf_config(task["hf_dir"])
+    gen = torch.Generator().manual_seed(task.get("seed", 0))
+    tokens = torch.randint(0, int(hf["vocab_size"]), (task.get("batch", 3), task.get("seq_len", 24)), generator=gen)
+    logits = _forward_logits(model, tokens)
+    if logits is None or ps.get_tensor_model_parallel_rank() != 0:
+        return
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(task["hf_dir"], dtype=torch.float32)
+    with torch.no_grad():
+        ref = ref_model(tokens).logits.float()
+    del ref_model
+    mine = logits[..., : ref.shape[-1]]
+    result = {"max_abs_diff": float((mine - ref).abs().max()), "max_abs_logit": float(ref.abs().max()),
+              "tokens": list(tokens.shape), "padded_vocab": int(logits.shape[-1])}
+    Path(task["result"]).write_text(json.dumps(result))
+
+
+def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
+    from da3po_megatron.bridge.megatron_io import load_hf_weights
+    from da3po_megatron.megatron.checkpoint import load_model, save_model
+    from da3po_megatron.megatron.model import ModelOptions, build_gpt_model
+    from da3po_megatron.megatron.runtime import ParallelLayout, destroy_parallel, init_parallel
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    tp, pp = task["tp"], task["pp"]
+    init_parallel(ParallelLayout(tp, pp), rank=rank, world_size=world, master_port=port)
+    try:
+        options = ModelOptions(params_dtype=task["params_dtype"],
+                               make_vocab_size_divisible_by=task["make_vocab_size_divisible_by"])
+        model = build_gpt_model(task["config_dir"], options)
+        model.eval()
+        t0 = time.perf_counter()
+        if task["mode"] == "hf-to-megatron":
+            n = load_hf_weights(model, task["hf_dir"])
+            if rank == 0:
+                _say(f"rank 0: loaded {n} parameters from {task['hf_dir']} in {time.perf_counter() - t0:.2f}s")
+            save_model(model, task["model_dir"])
+            if rank == 0:
+                _say(f"saved {task['model_dir']} (TP={tp} PP={pp}) in {time.perf_counter() - t0:.2f}s")
+        if task.get("verify"):
+            with torch.no_grad():  # re-read what was written: verification checks the files, not memory
+                for p in model.parameters():
+                    p.zero_()
+            load_model(model, task["model_dir"])
+            _verify_rank(model, task)
+    finally:
+        destroy_parallel()
+
+
+def _spawn(task: dict[str, Any]) -> None:
+    import torch.multiprocessing as mp
+
+    from da3po_megatron.megatron.runtime import free_port
+
+    world = task["tp"] * task["pp"]
+    if torch.cuda.is_available() and world > torch.cuda.device_count():
+        raise ConversionError(f"TP x PP = {world} processes need {world} GPUs, {torch.cuda.device_count()} visible")
+    try:
+        mp.start_processes(_worker, args=(world, free_port(), task), nprocs=world, join=True, start_method="spawn")
+    except mp.ProcessRaisedException as e:  # the worker's traceback is in the message; its last line is the error
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise ConversionError(f"a conversion process failed: {lines[-1] if lines else e}") from e
+    except mp.ProcessExitedException as e:
+        raise ConversionError(f"a conversion process died: {e}") from e
+
+
+def _check_verify(result_file: Path, tol: float | None, dtype: str) -> dict[str, Any]:
+    if not result_file.exists():
+        raise ConversionError("verification produced no result (see worker output above)")
+    r = json.loads(result_file.read_text())
+    limit = tol if tol is not None else (1e-4 if dtype == "float32" else 2e-2 * max(1.0, r["max_abs_logit"]))
+    _say(f"verify: max |logits_megatron - logits_transformers| = {r['max_abs_diff']:.3g} "
+         f"(max |logit| {r['max_abs_logit']:.3g}, tokens {r['tokens']}, tolerance {limit:.3g})")
+    r["tolerance"] = limit
+    if not r["max_abs_diff"] <= limit:
+        raise ConversionError(f"verification failed: max abs logit difference {r['max_abs_diff']:.3g} > {limit:.3g}")
+    return r
+
+
+# ------------------------------------------------------------------------------------------- the two directions
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, *, force: bool = False,
+                   verify: bool = False, params_dtype: str | None = None, make_vocab_size_divisible_by: int = 1,
+                   verify_tol: float | None = None) -> dict[str, Any]:
+    """Convert an HF checkpoint directory into ``out/{model,hf,meta.json}`` at TP x PP; returns the meta dict."""
+    t0 = time.perf_counter()
+    hf_dir, out = Path(hf_dir), Path(out)
+    hf = load_hf_config(hf_dir)
+    family = model_family(hf)
+    dropped = check_hf_checkpoint(hf_dir, hf)
+    if dropped:
+        _say(f"note: {len(dropped)} HF tensors are not used by the mapping and are dropped: {dropped[:4]}")
+    dtype = params_dtype or ("bfloat16" if hf_dtype_name(hf) == "bfloat16" else "float32")
+    if dtype not in ("float32", "bfloat16"):
+        raise ConversionError(f"--params-dtype must be float32 or bfloat16, got {dtype!r}")
+    _prepare_out(out, force, [hf_dir])
+    copied = copy_side_files(hf_dir, out / "hf")
+    _say(f"{hf.get('architectures', [family])[0]} ({family}): {hf['num_hidden_layers']} layers, hidden "
+         f"{hf['hidden_size']} -> {out} at TP={tp} PP={pp}, params {dtype}; copied {len(copied)} HF side files")
+    with tempfile.TemporaryDirectory() as tmp:
+        task = dict(mode="hf-to-megatron", tp=tp, pp=pp, hf_dir=str(hf_dir), config_dir=str(out / "hf"),
+                    model_dir=str(out / "model"), params_dtype=dtype,
+                    make_vocab_size_divisible_by=make_vocab_size_divisible_by, verify=verify,
+                    result=str(Path(tmp) / "verify.json"))
+        _spawn(task)
+        vocab, padded = vocab_sizes(hf, tp, make_vocab_size_divisible_by)
+        meta = {
+            "format": FORMAT,
+            "step": 0,
+            "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                       "context_parallel_size": 1, "data_parallel_size": 1, "world_size": tp * pp},
+            "converted_from": str(hf_dir.resolve()),
+            "architecture": hf.get("architectures", [family])[0],
+            "params_dtype": dtype,
+            "vocab_size": vocab,
+            "padded_vocab_size": padded,
+            "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+            "has_optimizer": False,
+        }
+        if verify:
+            meta["verify"] = _check_verify(Path(task["result"]), verify_tol, dtype)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    _say(f"done in {time.perf_counter() - t0:.1f}s")
+    return meta
+
+
+def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, verify: bool = False,
+                   max_shard_size: str | int = "5GB", dtype: str = "auto", verify_tp: int = 1, verify_pp: int = 1,
+                   verify_tol: float | None = None) -> dict[str, Any]:
+    """Convert ``ckpt/{model,hf}`` (any TP x PP) into an HF directory, streaming layer by layer."""
+    from da3po_megatron.bridge.megatron_io import CheckpointReader, iter_checkpoint
+
+    t0 = time.perf_counter()
+    ckpt, out = Path(ckpt), Path(out)
+    if not (ckpt / "hf" / "config.json").exists():
+        raise ConversionError(f"{ckpt} is not a da3po-megatron checkpoint: {ckpt / 'hf' / 'config.json'} missing")
+    reader = CheckpointReader(ckpt / "model")
+    hf = load_hf_config(ckpt / "hf")
+    model_family(hf)
+    saved_dtype = reader.tensors["embedding.word_embeddings.weight"][1]
+    want = hf_dtype_name(hf) if dtype == "auto" else dtype
+    out_dtype = DTYPES.get(want or "", saved_dtype)
+    _prepare_out(out, force, [ckpt])
+    copy_side_files(ckpt / "hf", out)
+    if dtype != "auto":
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["dtype"] = dtype
+        cfg.pop("torch_dtype", None)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    _say(f"{ckpt} -> {out}: {hf['num_hidden_layers']} layers, saved {str(saved_dtype).replace('torch.', '')} -> "
+         f"{str(out_dtype).replace('torch.', '')}, shards <= {max_shard_size}")
+    writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size), out_dtype, progress=_say)
+    n = 0
+    for name, tensor in iter_checkpoint(ckpt / "model", hf, progress=_say):
+        for hf_name, t in mapping.megatron_to_hf(name, tensor, hf):
+            writer.add(hf_name, t)
+            n += 1
+    files = writer.close()
+    expected = {n for r in mapping.rules(hf) for n in (mapping.hf_names(r, None) if not r.per_layer else
+                [h for i in range(int(hf["num_hidden_layers"])) for h in mapping.hf_names(r, i)])}
+    if mapping.Dims.of(hf).tied:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - writer.seen)
+    if missing:
+        raise ConversionError(f"checkpoint {ckpt / 'model'} lacks tensors for HF {missing[:6]}")
+    _say(f"wrote {n} tensors ({writer.total_bytes / 2**20:.1f} MiB) in {len(files)} file(s) in "
+         f"{time.perf_counter() - t0:.1f}s")
+    result: dict[str, Any] = {"tensors": n, "files": files, "bytes": writer.total_bytes}
+    if verify:
+        padded = reader.tensors["embedding.word_embeddings.weight"][0][0]
+        if padded % verify_tp:
+            raise ConversionError(f"padded vocabulary {padded} is not divisible by --verify-tp {verify_tp}")
+        with tempfile.TemporaryDirectory() as tmp:
+            task = dict(mode="verify", tp=verify_tp, pp=verify_pp, hf_dir=str(out), config_dir=str(ckpt / "hf"),
+                        model_dir=str(ckpt / "model"), verify=True, result=str(Path(tmp) / "verify.json"),
+                        params_dtype="bfloat16" if saved_dtype == torch.bfloat16 else "float32",
+                        make_vocab_size_divisible_by=padded // verify_tp)
+            _say(f"verify: loading {ckpt / 'model'} at TP={verify_tp} PP={verify_pp}")
+            _spawn(task)
+            result["verify"] = _check_verify(Path(task["result"]), verify_tol, task["params_dtype"])
+    return result
+
+
+# ------------------------------------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="da3po convert", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  da3po convert hf-to-megatron --hf Qwen3-4B-Base --out ckpt/qwen3-4b-tp2 --tp 2 --verify\n"
+               "  da3po convert megatron-to-hf --ckpt ckpt/qwen3-4b-tp2 --out Qwen3-4B-back --verify")
+    sub = ap.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    a = sub.add_parser("hf-to-megatron", help="HF safetensors directory -> Megatron dist checkpoint (TP x PP)",
+                       description="Spawn TP x PP processes; each loads its shard from the HF files and saves it "
+                                   "with megatron.core.dist_checkpointing (torch_dist) to OUT/model.")
+    a.add_argument("--hf", required=True, help="HF checkpoint directory (config.json, *.safetensors, tokenizer)")
+    a.add_argument("--out", required=True, help="output checkpoint directory (OUT/model, OUT/hf, OUT/meta.json)")
+    a.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size (default 1)")
+    a.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size (default 1)")
+    a.add_argument("--params-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="dtype of the saved parameters (default: bfloat16 if the HF config says so, else float32)")
+    a.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
+                   help="pad the vocabulary to a multiple of this x TP (default 1: only what TP needs)")
+    b = sub.add_parser("megatron-to-hf", help="Megatron dist checkpoint (any TP x PP) -> HF safetensors directory",
+                       description="Stream the checkpoint layer by layer into HF safetensors shards, copy config and "
+                                   "tokenizer from CKPT/hf.")
+    b.add_argument("--ckpt", required=True, help="checkpoint directory with model/ and hf/ (a converter output or a "
+                                                 "policy checkpoint)")
+    b.add_argument("--out", required=True, help="output HF directory")
+    b.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    b.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="dtype of the written tensors (default auto: the HF config's dtype)")
+    b.add_argument("--verify-tp", type=int, default=1, help="TP of the Megatron model built by --verify (default 1)")
+    b.add_argument("--verify-pp", type=int, default=1, help="PP of the Megatron model built by --verify (default 1)")
+    for p in (a, b):
+        p.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
+        p.add_argument("--verify", action="store_true",
+                       help="compare Megatron and transformers logits on random tokens, print the max abs diff")
+        p.add_argument("--verify-tol", type=float, default=None,
+                       help="max abs logit difference accepted by --verify (default 1e-4 float32, 2%% of max |logit| "
+                            "bfloat16)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.direction == "hf-to-megatron":
+            hf_to_megatron(args.hf, args.out, args.tp, args.pp, force=args.force, verify=args.verify,
+                           params_dtype=args.params_dtype,
+                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                           verify_tol=args.verify_tol)
+        else:
+            megatron_to_hf(args.ckpt, args.out, force=args.force, verify=args.verify,
+                           max_shard_size=args.max_shard_size, dtype=args.dtype, verify_tp=args.verify_tp,
+                           verify_pp=args.verify_pp, verify_tol=args.verify_tol)
+    except (ConversionError, ValueError, KeyError, FileNotFoundError) as e:
+        print(f"da3po convert: error: {e}", file=sys.stderr)
+        return 3 if isinstance(e, ConversionError) and str(e).startswith("verification failed") else 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

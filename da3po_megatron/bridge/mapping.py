@@ -1,0 +1,364 @@
+"""The HF <-> Megatron parameter mapping, written once: names, QKV / gate-up layouts, TP shards, vocabulary padding.
+
+One declarative table (:func:`rules`) lists, for a Hugging Face config of a supported family (Qwen3, Qwen2/2.5,
+Llama 3), every Megatron ``GPTModel`` parameter with the HF tensors it is made of, how they are combined (``kind``)
+and how the result is split across tensor-parallel ranks (``tp_dim``). Every use goes through it:
+
+* import, shard-aware (:func:`hf_to_megatron_shard`): the TP slice of one Megatron parameter built from *slices* of HF
+  tensors read lazily (``safe_open(...).get_slice``), so a rank reads only what it holds;
+* export, streaming (:func:`megatron_to_hf`): one full (TP-gathered) Megatron tensor -> its HF tensors, used by the
+  offline converter and by the in-memory weight sync to vLLM, tensor by tensor;
+* TP gather/split of a live parameter (:func:`full_from_tp_shards`, :func:`tp_shard_of_full`).
+
+Layouts (Megatron's, megatron-core 0.16.1):
+
+* ``linear_qkv`` rows are interleaved per query group g = 0..G-1: ``[q_g (H/G x head_dim rows), k_g (head_dim),
+  v_g (head_dim)]``; a TP rank holds G/TP whole groups, so the full tensor is the plain concatenation of the TP shards.
+  Biases (Qwen2) follow the same rows.
+* ``linear_fc1`` fuses SwiGLU's gate and up projections. Each TP rank holds ``[gate_shard; up_shard]``; the *full*
+  tensor used here (and in Megatron's dist checkpoints) is ``[gate; up]``, which is not the concatenation of the TP
+  shards: :func:`full_from_tp_shards` / :func:`tp_shard_of_full` do the re-ordering.
+* ``linear_proj`` / ``linear_fc2`` are row-parallel (split along the input dim 1); everything column-parallel along 0.
+* The vocabulary (``embedding.word_embeddings`` / ``output_layer``) is split along rows and padded to
+  ``padded_vocab_size`` (a multiple of TP): zero rows on import, stripped on export.
+* Norms: the local layer spec has ``input_layernorm`` / ``pre_mlp_layernorm``; Transformer-Engine's spec fuses them
+  into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` (Megatron's dist checkpoint always uses the
+  TE names). Both names map to the same HF tensors. QK-norm (Qwen3): ``q_layernorm`` / ``k_layernorm``.
+* Tied embeddings: HF has no ``lm_head.weight``; a Megatron last pipeline stage without the embedding still owns an
+  ``output_layer.weight`` copy, imported from ``model.embed_tokens.weight`` and skipped on export.
+
+Why an own table and not mbridge: mbridge 0.15.1 is not a dependency of this project, and on CPU it needs five
+workarounds (TE forced off, local-spec norm names added by hand, ``rope_theta`` for transformers 5, config overrides,
+a ``.cuda()`` remap) -- more code than this table, which has three families of the same dense GQA+SwiGLU shape.
+The names and layouts follow Megatron-LM's ``tools/checkpoint`` loaders and verl / slime / mbridge's Qwen bridges.
+
+Deliberately left out: MoE, MLA, multi-token prediction, bias-ful MLPs, non-SwiGLU activations (the model builder
+rejects them), virtual pipeline stages (layer numbers are read from the built model, so they would work, untested).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from da3po_megatron.megatron.model import head_dim, model_family
+
+# Both layer-spec spellings of the two pre-norms, normalised to the local-spec name used in the table.
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron parameter and the HF tensors it is made of.
+
+    Attributes:
+        megatron: the Megatron name; per-layer rules hold the suffix after ``decoder.layers.{i}.``.
+        hf: HF names (``{i}`` = global layer number) in the order ``kind`` combines them.
+        kind: ``copy`` (one tensor), ``qkv`` (q, k, v interleaved per query group), ``gate_up`` ([gate; up]),
+            ``vocab`` (one tensor, rows padded to the padded vocabulary).
+        tp_dim: dimension split across TP ranks (None = replicated on every TP rank).
+        per_layer: whether ``megatron`` / ``hf`` are per-layer templates.
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
+    tp_dim: int | None
+    per_layer: bool = True
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes the layouts depend on, read from the HF config."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int
+    layers: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def of(cls, hf: dict[str, Any]) -> Dims:
+        family = model_family(hf)  # raises for unsupported architectures
+        heads = int(hf["num_attention_heads"])
+        return cls(
+            hidden=int(hf["hidden_size"]),
+            ffn=int(hf["intermediate_size"]),
+            heads=heads,
+            groups=int(hf.get("num_key_value_heads") or heads),
+            head_dim=head_dim(hf),
+            vocab=int(hf["vocab_size"]),
+            layers=int(hf["num_hidden_layers"]),
+            tied=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+        )
+
+
+def rules(hf: dict[str, Any]) -> list[Rule]:
+    """The mapping table for this HF config (which rules exist depends on QKV bias, QK-norm, tying)."""
+    d = Dims.of(hf)
+    a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    table = [
+        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0, per_layer=False),
+        Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None, per_layer=False),
+        # Tied: the last stage's copy of the embedding (exists only when PP > 1); never exported.
+        Rule("output_layer.weight", ("model.embed_tokens.weight",) if d.tied else ("lm_head.weight",), "vocab", 0,
+             per_layer=False),
+        Rule("input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "copy", None),
+        Rule("self_attention.linear_qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+             "qkv", 0),
+        Rule("self_attention.linear_proj.weight", (a + "o_proj.weight",), "copy", 1),
+        Rule("pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",), "copy", None),
+        Rule("mlp.linear_fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up", 0),
+        Rule("mlp.linear_fc2.weight", (m + "down_proj.weight",), "copy", 1),
+    ]
+    if d.qkv_bias:
+        table.append(Rule("self_attention.linear_qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                          "qkv", 0))
+    if d.qk_norm:
+        table += [Rule("self_attention.q_layernorm.weight", (a + "q_norm.weight",), "copy", None),
+                  Rule("self_attention.k_layernorm.weight", (a + "k_norm.weight",), "copy", None)]
+    return table
+
+
+def _rule_index(hf: dict[str, Any]) -> dict[str, Rule]:
+    return {r.megatron: r for r in rules(hf)}
+
+
+def resolve(name: str, hf: dict[str, Any]) -> tuple[Rule, int | None]:
+    """(rule, global layer number or None) for a global Megatron parameter name of either layer spec."""
+    index = _rule_index(hf)
+    layer = None
+    key = name
+    mt = _LAYER_RE.match(name)
+    if mt:
+        layer, key = int(mt.group(1)), _TE_ALIASES.get(mt.group(2), mt.group(2))
+        n = int(hf["num_hidden_layers"])
+        if layer >= n:
+            raise ValueError(f"Megatron tensor {name!r}: layer {layer} out of range (the HF config has {n} layers)")
+    rule = index.get(key)
+    if rule is None or rule.per_layer != (layer is not None):
+        raise ValueError(f"no HF mapping for Megatron tensor {name!r} ({hf.get('architectures')}); known: "
+                         f"{sorted(index)}")
+    return rule, layer
+
+
+def hf_names(rule: Rule, layer: int | None) -> list[str]:
+    return [h.format(i=layer) for h in rule.hf]
+
+
+def expected_hf_shapes(rule: Rule, hf: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The shapes the HF tensors of ``rule`` must have, from the config (for clear shape errors)."""
+    d = Dims.of(hf)
+    q, kv = d.heads * d.head_dim, d.groups * d.head_dim
+    weight = rule.megatron.endswith("weight")
+    if rule.kind == "vocab":
+        return [(d.vocab, d.hidden)]
+    if rule.kind == "qkv":
+        return [(q, d.hidden), (kv, d.hidden), (kv, d.hidden)] if weight else [(q,), (kv,), (kv,)]
+    if rule.kind == "gate_up":
+        return [(d.ffn, d.hidden)] * 2
+    return [{
+        "decoder.final_layernorm.weight": (d.hidden,),
+        "input_layernorm.weight": (d.hidden,),
+        "pre_mlp_layernorm.weight": (d.hidden,),
+        "self_attention.linear_proj.weight": (d.hidden, q),
+        "mlp.linear_fc2.weight": (d.hidden, d.ffn),
+        "self_attention.q_layernorm.weight": (d.head_dim,),
+        "self_attention.k_layernorm.weight": (d.head_dim,),
+    }[rule.megatron]]
+
+
+def full_megatron_shape(rule: Rule, hf: dict[str, Any], padded_vocab: int | None = None) -> tuple[int, ...]:
+    """Shape of the full (TP-gathered) Megatron tensor of ``rule``."""
+    d = Dims.of(hf)
+    shapes = expected_hf_shapes(rule, hf)
+    if rule.kind == "vocab":
+        return (padded_vocab or d.vocab, d.hidden)
+    if rule.kind in ("qkv", "gate_up"):
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+    return shapes[0]
+
+
+# --------------------------------------------------------------------------------------------------- import
+
+
+class Reader:
+    """Where HF tensors come from: ``shape(name)`` and ``read(name, dim, start, stop)`` (a slice along ``dim``;
+    ``dim=None`` = the whole tensor). :class:`da3po_megatron.bridge.hf_io.SafetensorsReader` reads lazily from files;
+    :class:`DictReader` serves an in-memory state dict."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def where(self, name: str) -> str:
+        return "the HF state dict"
+
+
+class DictReader(Reader):
+    """A :class:`Reader` over an in-memory ``{hf_name: tensor}``."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def _get(self, name: str) -> torch.Tensor:
+        if name not in self.state:
+            raise KeyError(f"HF tensor {name!r} not found in {self.where(name)}")
+        return self.state[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._get(name).shape)
+
+    def read(self, name, dim=None, start=0, stop=None):
+        t = self._get(name)
+        return t if dim is None else t.narrow(dim, start, (t.shape[dim] if stop is None else stop) - start)
+
+
+def _check_hf_shapes(rule: Rule, names: list[str], reader: Reader, hf: dict[str, Any]) -> None:
+    for name, want in zip(names, expected_hf_shapes(rule, hf)):
+        got = reader.shape(name)
+        if tuple(got) != tuple(want):
+            raise ValueError(f"HF tensor {name!r} in {reader.where(name)} has shape {tuple(got)}, expected "
+                             f"{tuple(want)} from the config (hidden_size / heads / head_dim / vocab_size)")
+
+
+def hf_to_megatron_shard(name: str, reader: Reader, hf: dict[str, Any], tp_rank: int = 0, tp_size: int = 1,
+                         padded_vocab: int | None = None) -> torch.Tensor:
+    """The TP-rank-``tp_rank`` shard of Megatron parameter ``name`` (global layer number), reading only the HF rows /
+    columns that shard needs. ``padded_vocab`` defaults to the unpadded vocabulary."""
+    rule, layer = resolve(name, hf)
+    names = hf_names(rule, layer)
+    _check_hf_shapes(rule, names, reader, hf)
+    d = Dims.of(hf)
+    if rule.kind == "vocab":
+        padded = padded_vocab or d.vocab
+        if padded < d.vocab or padded % tp_size:
+            raise ValueError(f"{name}: padded vocabulary {padded} must be >= vocab_size {d.vocab} and a multiple "
+                             f"of TP={tp_size}")
+        rows = padded // tp_size
+        lo, hi = tp_rank * rows, (tp_rank + 1) * rows
+        real = reader.read(names[0], 0, min(lo, d.vocab), min(hi, d.vocab))
+        if real.shape[0] == rows:
+            return real
+        pad = torch.zeros(rows - real.shape[0], d.hidden, dtype=real.dtype)
+        return torch.cat([real, pad], 0)
+    if rule.kind == "qkv":
+        if d.groups % tp_size or d.heads % d.groups:
+            raise ValueError(f"{name}: {d.groups} query groups / {d.heads} heads cannot be split over TP={tp_size}")
+        g = d.groups // tp_size
+        nq = d.heads // d.groups * d.head_dim
+        q = reader.read(names[0], 0, tp_rank * g * nq, (tp_rank + 1) * g * nq)
+        k = reader.read(names[1], 0, tp_rank * g * d.head_dim, (tp_rank + 1) * g * d.head_dim)
+        v = reader.read(names[2], 0, tp_rank * g * d.head_dim, (tp_rank + 1) * g * d.head_dim)
+        rest = tuple(q.shape[1:])
+        out = torch.cat([q.reshape(g, nq, *rest), k.reshape(g, d.head_dim, *rest),
+                         v.reshape(g, d.head_dim, *rest)], 1)
+        return out.reshape(g * (nq + 2 * d.head_dim), *rest)
+    if rule.kind == "gate_up":
+        if d.ffn % tp_size:
+            raise ValueError(f"{name}: intermediate_size {d.ffn} is not divisible by TP={tp_size}")
+        f = d.ffn // tp_size
+        return torch.cat([reader.read(n, 0, tp_rank * f, (tp_rank + 1) * f) for n in names], 0)
+    if rule.tp_dim is None:
+        return reader.read(names[0])
+    size = reader.shape(names[0])[rule.tp_dim]
+    if size % tp_size:
+        raise ValueError(f"{name}: dim {rule.tp_dim} of {names[0]} ({size}) is not divisible by TP={tp_size}")
+    part = size // tp_size
+    return reader.read(names[0], rule.tp_dim, tp_rank * part, (tp_rank + 1) * part)
+
+
+def hf_to_megatron(name: str, hf_state: dict[str, torch.Tensor] | Reader, hf: dict[str, Any],
+                   padded_vocab: int | None = None) -> torch.Tensor:
+    """The full (unsharded) Megatron tensor ``name`` from HF tensors."""
+    reader = hf_state if isinstance(hf_state, Reader) else DictReader(hf_state)
+    return hf_to_megatron_shard(name, reader, hf, 0, 1, padded_vocab)
+
+
+# --------------------------------------------------------------------------------------------------- export
+
+
+def megatron_to_hf(name: str, tensor: torch.Tensor, hf: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one full (TP-gathered, global layer number) Megatron tensor; ``[]`` for the last stage's
+    copy of tied embeddings. Vocabulary padding is stripped. Returned tensors are views of ``tensor`` where possible
+    (callers that keep them beyond ``tensor``'s lifetime should ``clone()``)."""
+    rule, layer = resolve(name, hf)
+    d = Dims.of(hf)
+    names = hf_names(rule, layer)
+    want = full_megatron_shape(rule, hf, tensor.shape[0] if rule.kind == "vocab" else None)
+    if tuple(tensor.shape) != tuple(want):
+        raise ValueError(f"Megatron tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)} for "
+                         f"the HF config (a TP shard instead of the full tensor?)")
+    if rule.kind == "vocab":
+        if name == "output_layer.weight" and d.tied:
+            return []
+        if tensor.shape[0] < d.vocab:
+            raise ValueError(f"Megatron tensor {name!r} has {tensor.shape[0]} rows < vocab_size {d.vocab}")
+        return [(names[0], tensor[: d.vocab])]
+    if rule.kind == "qkv":
+        nq = d.heads // d.groups * d.head_dim
+        rest = tuple(tensor.shape[1:])
+        q, k, v = tensor.reshape(d.groups, nq + 2 * d.head_dim, *rest).split([nq, d.head_dim, d.head_dim], 1)
+        return [(names[0], q.reshape(d.heads * d.head_dim, *rest)),
+                (names[1], k.reshape(d.groups * d.head_dim, *rest)),
+                (names[2], v.reshape(d.groups * d.head_dim, *rest))]
+    if rule.kind == "gate_up":
+        gate, up = tensor.chunk(2, 0)
+        return [(names[0], gate), (names[1], up)]
+    return [(names[0], tensor)]
+
+
+def hf_names_for(name: str, hf: dict[str, Any]) -> list[str]:
+    """The HF names Megatron tensor ``name`` maps to (no tensor needed)."""
+    rule, layer = resolve(name, hf)
+    if rule.megatron == "output_layer.weight" and Dims.of(hf).tied:
+        return []
+    return hf_names(rule, layer)
+
+
+# --------------------------------------------------------------------------------------------------- TP layout
+
+
+def full_from_tp_shards(name: str, shards: list[torch.Tensor], hf: dict[str, Any]) -> torch.Tensor:
+    """Join the TP shards (rank order) of Megatron parameter ``name`` into the full tensor of this module's layout."""
+    rule, _ = resolve(name, hf)
+    if rule.tp_dim is None or len(shards) == 1:
+        return shards[0]
+    if rule.kind == "gate_up":
+        halves = [s.chunk(2, 0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    return torch.cat(shards, rule.tp_dim)
+
+
+def tp_shard_of_full(name: str, full: torch.Tensor, hf: dict[str, Any], tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The inverse of :func:`full_from_tp_shards` for one rank."""
+    rule, _ = resolve(name, hf)
+    if rule.tp_dim is None:
+        return full
+    if rule.kind == "gate_up":
+        gate, up = full.chunk(2, 0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], 0)
+    return full.chunk(tp_size, rule.tp_dim)[tp_rank]
+
+
+def layer_name(name: str, global_layer: Callable[[int], int]) -> str:
+    """Rename ``decoder.layers.{local}.x`` to its global layer number (``global_layer(local)``)."""
+    mt = _LAYER_RE.match(name)
+    return f"decoder.layers.{global_layer(int(mt.group(1)))}.{mt.group(2)}" if mt else name

@@ -1,0 +1,230 @@
+"""The HF <-> Megatron mapping (da3po_megatron.bridge) on tiny random HF models of each family, real megatron-core
+(CPU, gloo, one process) and real transformers: layouts, TP shards, vocabulary padding, logits equality, clear errors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from da3po_megatron import tiny
+from da3po_megatron.bridge import mapping
+from da3po_megatron.bridge.hf_io import SafetensorsReader, ShardedSafetensorsWriter
+from da3po_megatron.megatron.model import load_hf_config
+
+FAMILIES = [("qwen3", False), ("qwen3", True), ("qwen2", False), ("llama", False)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[tuple[str, bool], Path]:
+    out = {}
+    for family, tied in FAMILIES:
+        d = tmp_path_factory.mktemp(f"{family}{'_tied' if tied else ''}")
+        tiny.build_model(d, family, seed=3, tie_word_embeddings=tied)
+        out[(family, tied)] = d
+    return out
+
+
+def _megatron_names(hf: dict) -> list[str]:
+    names = []
+    for r in mapping.rules(hf):
+        if r.megatron == "output_layer.weight" and hf.get("tie_word_embeddings"):
+            continue
+        names += [f"decoder.layers.{i}.{r.megatron}" for i in range(hf["num_hidden_layers"])] if r.per_layer \
+            else [r.megatron]
+    return names
+
+
+# ----------------------------------------------------------------------------------------- pure mapping
+
+
+def _qkv_hf(heads=8, groups=2, hd=4, hidden=3):
+    q = torch.arange(heads * hd * hidden, dtype=torch.float32).reshape(heads * hd, hidden)
+    k = 1000 + torch.arange(groups * hd * hidden, dtype=torch.float32).reshape(groups * hd, hidden)
+    v = 2000 + torch.arange(groups * hd * hidden, dtype=torch.float32).reshape(groups * hd, hidden)
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": hidden, "intermediate_size": 6,
+           "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": hd, "vocab_size": 10,
+           "num_hidden_layers": 1}
+    a = "model.layers.0.self_attn."
+    return cfg, {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
+
+
+def test_qkv_rows_are_interleaved_per_query_group_and_tp_shards_hold_whole_groups():
+    cfg, state = _qkv_hf()
+    q, k, v = state.values()
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    full = mapping.hf_to_megatron(name, state, cfg)
+    # group g: 4 query heads of head_dim 4 (16 rows), then k_g (4 rows), then v_g (4 rows)
+    expected = torch.cat([q[:16], k[:4], v[:4], q[16:], k[4:], v[4:]])
+    assert torch.equal(full, expected)
+    shards = [mapping.hf_to_megatron_shard(name, mapping.DictReader(state), cfg, r, 2) for r in range(2)]
+    assert torch.equal(shards[0], expected[:24]) and torch.equal(torch.cat(shards), full)
+    assert torch.equal(mapping.full_from_tp_shards(name, shards, cfg), full)
+    back = dict(mapping.megatron_to_hf(name, full, cfg))
+    assert all(torch.equal(back[n], state[n]) for n in state)
+
+
+def test_gate_up_fused_with_each_tp_rank_holding_its_gate_and_up_slices():
+    cfg, _ = _qkv_hf()
+    gate = torch.arange(18, dtype=torch.float32).reshape(6, 3)
+    up = 100 + gate
+    state = {"model.layers.0.mlp.gate_proj.weight": gate, "model.layers.0.mlp.up_proj.weight": up}
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    full = mapping.hf_to_megatron(name, state, cfg)
+    assert torch.equal(full, torch.cat([gate, up]))
+    for tp in (2, 3):
+        shards = [mapping.hf_to_megatron_shard(name, mapping.DictReader(state), cfg, r, tp) for r in range(tp)]
+        rows = 6 // tp
+        assert torch.equal(shards[1], torch.cat([gate[rows:2 * rows], up[rows:2 * rows]]))
+        assert all(torch.equal(s, mapping.tp_shard_of_full(name, full, cfg, r, tp)) for r, s in enumerate(shards))
+        assert torch.equal(mapping.full_from_tp_shards(name, shards, cfg), full)
+    assert [n for n, _ in mapping.megatron_to_hf(name, full, cfg)] == list(state)
+
+
+def test_vocab_padding_adds_zero_rows_on_import_and_is_stripped_on_export():
+    cfg, _ = _qkv_hf()
+    emb = torch.randn(10, 3)
+    state = {"model.embed_tokens.weight": emb}
+    shards = [mapping.hf_to_megatron_shard("embedding.word_embeddings.weight", mapping.DictReader(state), cfg, r, 4,
+                                           padded_vocab=12) for r in range(4)]
+    full = torch.cat(shards)
+    assert full.shape == (12, 3) and torch.equal(full[:10], emb) and not full[10:].any()
+    assert shards[3].shape == (3, 3)
+    (hf_name, back), = mapping.megatron_to_hf("embedding.word_embeddings.weight", full, cfg)
+    assert hf_name == "model.embed_tokens.weight" and torch.equal(back, emb)
+
+
+def test_transformer_engine_and_local_spec_norm_names_map_to_the_same_hf_tensors():
+    cfg, _ = _qkv_hf()
+    assert mapping.hf_names_for("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", cfg) == \
+        mapping.hf_names_for("decoder.layers.0.input_layernorm.weight", cfg) == \
+        ["model.layers.0.input_layernorm.weight"]
+    assert mapping.hf_names_for("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", cfg) == \
+        mapping.hf_names_for("decoder.layers.0.pre_mlp_layernorm.weight", cfg) == \
+        ["model.layers.0.post_attention_layernorm.weight"]
+
+
+@pytest.mark.parametrize("family,tied", FAMILIES)
+def test_every_hf_tensor_round_trips_bit_exactly_through_full_megatron_tensors(models, family, tied):
+    d = models[(family, tied)]
+    hf = load_hf_config(d)
+    state = load_file(str(d / "model.safetensors"))
+    back = {}
+    for name in _megatron_names(hf):
+        back.update(mapping.megatron_to_hf(name, mapping.hf_to_megatron(name, state, hf, padded_vocab=130), hf))
+    assert sorted(back) == sorted(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert ("lm_head.weight" in state) == (not tied)
+
+
+def test_unsupported_architecture_is_named_in_the_error():
+    cfg, state = _qkv_hf()
+    cfg["architectures"] = ["MixtralForCausalLM"]
+    with pytest.raises(ValueError, match="MixtralForCausalLM"):
+        mapping.hf_to_megatron("decoder.layers.0.self_attention.linear_qkv.weight", state, cfg)
+
+
+def test_unknown_megatron_tensor_and_wrong_full_shape_are_named_in_the_error():
+    cfg, state = _qkv_hf()
+    with pytest.raises(ValueError, match="decoder.layers.0.mlp.router.weight"):
+        mapping.megatron_to_hf("decoder.layers.0.mlp.router.weight", torch.zeros(1), cfg)
+    with pytest.raises(ValueError, match=r"linear_qkv\.weight.*\(24, 3\)"):  # a TP shard passed as the full tensor
+        mapping.megatron_to_hf("decoder.layers.0.self_attention.linear_qkv.weight", torch.zeros(24, 3), cfg)
+
+
+def test_mismatched_hf_shape_is_named_in_the_error(models, tmp_path):
+    from da3po_megatron.bridge.convert import check_hf_checkpoint
+
+    src = models[("qwen2", False)]
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(src / "model.safetensors"))
+    state["model.layers.1.self_attn.k_proj.bias"] = torch.zeros(7)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias.*\(7,\).*\(64,\)"):
+        check_hf_checkpoint(tmp_path)
+    cfg = load_hf_config(tmp_path)
+    with pytest.raises(ValueError, match="k_proj.bias"):
+        mapping.hf_to_megatron_shard("decoder.layers.1.self_attention.linear_qkv.bias", SafetensorsReader(tmp_path),
+                                     cfg)
+
+
+def test_sharded_writer_splits_files_writes_an_index_and_transformers_loads_it(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = models[("llama", False)]
+    state = load_file(str(src / "model.safetensors"))
+    writer = ShardedSafetensorsWriter(tmp_path, "100KB", progress=lambda _: None)
+    for k, v in state.items():
+        writer.add(k, v)
+    files = writer.close()
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(state) and set(index["weight_map"].values()) == set(files)
+    for f in ("config.json",):
+        (tmp_path / f).write_bytes((src / f).read_bytes())
+    a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    b = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    tokens = torch.randint(0, 100, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(a(tokens).logits, b(tokens).logits)
+
+
+# ----------------------------------------------------------------------------------------- real megatron-core
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    """A one-process gloo world with TP = PP = 1 (real megatron-core parallel state)."""
+    from megatron.core import parallel_state as ps
+
+    from da3po_megatron.megatron.runtime import ParallelLayout, destroy_parallel, init_parallel
+
+    fresh = not ps.model_parallel_is_initialized()
+    init_parallel(ParallelLayout(1, 1), rank=0, world_size=1)
+    yield
+    if fresh:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("family,tied", FAMILIES)
+def test_megatron_logits_equal_transformers_logits_and_export_reproduces_hf(models, megatron_world, family, tied):
+    from transformers import AutoModelForCausalLM
+
+    from da3po_megatron.bridge.megatron_io import export_state_dict, load_hf_weights
+    from da3po_megatron.megatron.model import ModelOptions, build_gpt_model
+
+    d = models[(family, tied)]
+    hf = load_hf_config(d)
+    # make_vocab_size_divisible_by=3 pads 128 -> 129 rows: padding must not change the real logits
+    model = build_gpt_model(d, ModelOptions(make_vocab_size_divisible_by=3)).eval()
+    assert load_hf_weights(model, d) == sum(1 for _ in model.parameters())
+    assert model.vocab_size == 129 and not model.embedding.word_embeddings.weight[128:].any()
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    tokens = torch.randint(0, hf["vocab_size"], (3, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens, torch.arange(21).expand(3, -1), None)[..., : hf["vocab_size"]]
+        theirs = ref(tokens).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"{family} tied={tied}: max |megatron - transformers| logits = {diff:.2e} (max |logit| "
+          f"{theirs.abs().max().item():.2f})")
+    assert diff < 1e-4
+    exported = {}
+    for name, t in export_state_dict(model, hf):
+        exported.update(mapping.megatron_to_hf(name, t, hf))
+    state = load_file(str(d / "model.safetensors"))
+    assert sorted(exported) == sorted(state) and all(torch.equal(exported[k], state[k]) for k in state)
+
+
+def test_loading_into_a_model_of_another_config_names_the_tensor(models, megatron_world):
+    from da3po_megatron.bridge.megatron_io import load_hf_weights
+    from da3po_megatron.megatron.model import build_gpt_model
+
+    hf = load_hf_config(models[("qwen3", False)])
+    model = build_gpt_model({**hf, "intermediate_size": 96})  # the HF files hold intermediate_size 128
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight.*\(128, 64\).*\(96, 64\)"):
+        load_hf_weights(model, models[("qwen3", False)], {**hf, "intermediate_size": 96})
