@@ -143,6 +143,25 @@ def _verify_rank(model, task: dict[str, Any]) -> None:
     Path(task["result"]).write_text(json.dumps(result))
 
 
+def _verify_export(model, task: dict[str, Any], rank: int) -> None:
+    """The weight-sync path: export_state_dict (TP gather) + megatron_to_hf must give back the source HF tensors."""
+    from da3po_megatron.bridge.hf_io import SafetensorsReader
+    from da3po_megatron.bridge.megatron_io import export_state_dict
+
+    hf = load_hf_config(task["hf_dir"])
+    reader = SafetensorsReader(task["hf_dir"])
+    checked, bad = 0, []
+    for name, full in export_state_dict(model, hf):
+        for hf_name, t in mapping.megatron_to_hf(name, full, hf):
+            src = reader.read(hf_name).to(t.dtype)
+            checked += 1
+            if not torch.equal(t.cpu(), src):
+                bad.append(hf_name)
+    if checked:
+        Path(task["result"]).with_name(f"export_{rank}.json").write_text(json.dumps({"checked": checked,
+                                                                                       "mismatched": bad}))
+
+
 def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
     from da3po_megatron.bridge.megatron_io import load_hf_weights
     from da3po_megatron.megatron.checkpoint import load_model, save_model
@@ -171,6 +190,8 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
                     p.zero_()
             load_model(model, task["model_dir"])
             _verify_rank(model, task)
+            if task["mode"] == "hf-to-megatron":
+                _verify_export(model, task, rank)
     finally:
         destroy_parallel()
 
@@ -248,6 +269,13 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         }
         if verify:
             meta["verify"] = _check_verify(Path(task["result"]), verify_tol, dtype)
+            exports = [json.loads(p.read_text()) for p in Path(tmp).glob("export_*.json")]
+            checked, bad = sum(e["checked"] for e in exports), [b for e in exports for b in e["mismatched"]]
+            _say(f"verify: export path (TP gather + megatron_to_hf) reproduced {checked - len(bad)}/{checked} HF "
+                 f"tensors exactly")
+            meta["verify"]["export_checked"] = checked
+            if bad or not checked:
+                raise ConversionError(f"verification failed: exported tensors differ from the HF source: {bad[:6]}")
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     _say(f"done in {time.perf_counter() - t0:.1f}s")
     return meta
