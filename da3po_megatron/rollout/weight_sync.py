@@ -9,8 +9,9 @@ at the end. Memory bound on the sending side: one gathered Megatron tensor plus 
 Entry points:
 
 - :func:`sync_policy_to_engines` -- one process holds the whole export (TP=1/PP=1 policy, a torchrun rank 0, tests);
-- :func:`push_policy_weights` -- inside each policy rank (a Ray actor of the PolicyGroup): every rank iterates the
-  collective export, the TP-rank-0 ranks of DP replica 0 (one per PP stage) push; the driver brackets it with
+- :func:`sync_policy_group_to_engines` -- the Ray policy (``PolicyGroup``): :func:`push_policy_weights` runs inside
+  every policy rank (``run_on_all``); every rank iterates the collective export, the TP-rank-0 ranks of DP replica 0
+  (one per PP stage) push their buckets straight to the engine actors; the driver brackets it with
   ``client.begin_weight_update()`` / ``client.finish_weight_update()``. Several PP stages may push concurrently: an
   engine loads buckets in any order within one session.
 - :func:`hf_state_tensors` -- a Hugging Face model's ``state_dict`` as the stream (tests, HF-side tools).
@@ -80,6 +81,31 @@ def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 2
             pass
         return {"seconds": 0.0, "bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
     return client.push_weights(to_hf(export, worker.hf), bucket_mb=bucket_mb, dtype=dtype)
+
+
+def sync_policy_group_to_engines(policy_group: Any, client: RolloutClient, bucket_mb: float = 256,
+                                 dtype: torch.dtype | None = None, strict: bool = True) -> dict:
+    """The Ray-side sync: ``client.begin_weight_update()``, :func:`push_policy_weights` on every policy rank (through
+    ``PolicyGroup.run_on_all``; each pushing rank sends its buckets straight to the engine actors, nothing passes
+    through the driver), ``client.finish_weight_update()`` (prefix caches reset).
+
+    Returns the summed push stats with the wall time of the whole sync (``seconds``) and ``gbps`` (bytes per engine
+    / seconds).
+    """
+    t0 = time.perf_counter()
+    client.begin_weight_update()
+    try:
+        parts = policy_group.run_on_all(push_policy_weights, client, bucket_mb, dtype)
+        client.finish_weight_update(strict=strict)
+    except BaseException:
+        client.abort_weight_update()
+        raise
+    stats = {k: sum(p[k] for p in parts) for k in ("bytes", "buckets", "tensors")}
+    stats["max_bucket_bytes"] = max(p["max_bucket_bytes"] for p in parts)
+    stats["pushing_ranks"] = sum(1 for p in parts if p["buckets"])
+    stats["seconds"] = time.perf_counter() - t0
+    stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9
+    return stats
 
 
 def hf_state_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
