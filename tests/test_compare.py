@@ -174,6 +174,9 @@ def test_table_points_are_the_last_common_eval_step_and_the_largest_common_budge
     assert d.step_point.x == 8  # steps 4, 8 common; 10 and 9 are final evals of different runs
     assert [p.x for p in d.sample_points] == [45, 90]  # grpo seed 1 reached 9 x 10 samples
     assert d.hard == [4]  # starting avg@4 < tau = 0.5 (strict: bucket 3 at 0.5 is not hard)
+    strong = C.prepare(C.parse_methods("grpo,dapo"), C.load_grid(specs), start_acc={1: 0.9, 2: 0.6, 3: 0.8, 4: 0.7},
+                       tau=0.5)
+    assert strong.hard == [2] and "lowest" in strong.hard_rule  # none below tau: the hardest quarter
 
 
 def test_compare_means_screens_at_two_standard_errors():

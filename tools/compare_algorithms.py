@@ -33,7 +33,9 @@ SMOKE_OVERRIDES = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "ro
                    "data.synthetic.max_digits=3", "data.synthetic.train_per_bucket=16",
                    "data.synthetic.eval_per_bucket=2", "eval.every=1", "eval.k=2", "algorithm.max_generation_rounds=8",
                    "trainer.save_every=0", "trainer.tensorboard=false"]
-SMOKE_WARMUP_ARGS = "--steps 80 --batch-size 32 --eval-per-bucket 8"
+# The smoke grid shares the demo's starting policy (same warm-up command and defaults as scripts/demo.sh): a shorter
+# warm-up leaves a policy that never answers, so dynamic sampling could not fill a batch.
+SMOKE_WARMUP_DIR = Path("outputs/demo/warmup")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "<runs-dir>/warmup)")
     p.add_argument("--warmup-args", default="", help="extra arguments of `python -m da3po_megatron.data.warmup`")
     p.add_argument("--page", type=Path, default=None, help="also write the report here (figure links relative to it)")
-    p.add_argument("--smoke", action="store_true", help=f"{SMOKE_METHODS} x seed 0 x 2 steps, tiniest settings")
+    p.add_argument("--smoke", action="store_true", help=f"{SMOKE_METHODS} x seed 0 x 2 steps, tiniest settings; "
+                                                        f"warm-up shared with the demo ({SMOKE_WARMUP_DIR})")
     p.add_argument("--report-only", action="store_true", help="do not train: rebuild the report from existing runs")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures (faster report)")
     p.add_argument("--run-timeout", type=float, default=0, help="seconds per run before SIGTERM (checkpoint + exit; "
@@ -71,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if steps is None:
         return 2
     runs_dir = a.runs_dir or Path("runs/compare") / a.out.name
-    warmup_dir = a.warmup_dir or runs_dir / "warmup"
-    warmup_args = shlex.split(a.warmup_args or (SMOKE_WARMUP_ARGS if a.smoke else ""))
+    warmup_dir = a.warmup_dir or (SMOKE_WARMUP_DIR if a.smoke else runs_dir / "warmup")
+    warmup_args = shlex.split(a.warmup_args)
     specs = C.grid_specs(methods, seeds, steps, runs_dir)
     command = shlex.join(["python", "tools/compare_algorithms.py", *argv])
 
