@@ -123,6 +123,19 @@ def test_run_grid_skips_finished_runs_without_starting_the_trainer(tmp_path):
     assert not (specs[0].run_dir / "train.log").exists()
 
 
+def test_run_grid_records_a_failed_run_and_leaves_it_resumable(tmp_path):
+    specs = C.grid_specs(C.parse_methods("dapo"), [0], 3, tmp_path)
+    lines: list[str] = []
+    recs = C.run_grid(specs, tmp_path / "missing.yaml", "no-model", log=lines.append)  # the real CLI: config error
+    assert recs[0]["status"] == "failed" and recs[0]["rc"] == 2
+    d = specs[0].run_dir
+    assert not (d / "DONE").exists() and C.run_status(d, 3) == "partial"
+    assert "config file not found" in (d / "train.log").read_text()
+    info = json.loads((d / "compare_run.json").read_text())
+    assert info["attempts"][0]["rc"] == 2 and "trainer.seed=0" in info["attempts"][0]["cmd"]
+    assert "FAILED (exit 2" in lines[-1]
+
+
 # ---------------------------------------------------------------------------------------------------- statistics
 
 

@@ -303,9 +303,11 @@ def run_grid(specs: Sequence[RunSpec], base_config: str | Path, model_path: str 
                           "count); the resumed run mixes settings", stacklevel=2)
         log(f"[{i}/{len(specs)}] {name}: {'resuming' if status == 'partial' else 'starting'} "
             f"(log: {spec.run_dir / 'train.log'})")
+        from_step = last_step(spec.run_dir)
         rc, wall = _run_logged(cmd, spec.run_dir / "train.log", timeout_s)
-        info["attempts"].append({"cmd": cmd, "rc": rc, "wall_s": round(wall, 1), "from_step": last_step(spec.run_dir)
-                                 if status == "new" else None, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+        info["attempts"].append({"cmd": cmd, "rc": rc, "wall_s": round(wall, 1), "from_step": from_step,
+                                 "to_step": last_step(spec.run_dir),
+                                 "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")})
         info["wall_s_total"] = round(sum(a["wall_s"] for a in info["attempts"]), 1)
         info_path.write_text(json.dumps(info, indent=2) + "\n")
         reached = last_step(spec.run_dir)
