@@ -101,7 +101,9 @@ def daa_policy_loss(
         mask: [...] token weights (1 = response token, 0 = padding/prompt); a token counts as valid when mask > 0.
         clip_ratio_low / clip_ratio_high: eps_low / eps_high of Eq. 11 (DAPO: 0.2 / 0.28).
         tp_group: tensor-parallel group over which the vocab is split (None: the whole vocab is local).
-        correct, p_hat, daa_lambda, daa_tau: DAA (Eq. 14): A~ = lambda A where correct and p_hat < tau.
+        correct, p_hat, daa_lambda, daa_tau: DAA (Eq. 14): A~ = lambda A where correct and p_hat < tau; correct and
+            p_hat broadcast to targets' shape ([B, 1] per response works); daa_lambda is a float (paper: 2.0) or a
+            tensor broadcastable likewise (adaptive DAA).
         compute_entropy: also return the per-token entropy of the full (global-vocab) distribution.
         backend: "auto" | "triton" | "chunked" | "reference" (see the module docstring).
         chunk_tokens: tokens per chunk of the chunked path (default: ~128 MiB per float32 chunk buffer).
