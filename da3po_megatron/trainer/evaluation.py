@@ -51,7 +51,7 @@ def evaluate_during_training(run: Any) -> dict[str, float]:
     if benchmarks:
         from da3po_megatron.eval.runner import evaluate, flat_metrics
 
-        result = evaluate(run.rollout, benchmarks, k=cfg.eval.k, limit=cfg.eval.limit,
+        result = evaluate(run.rollout, benchmarks, k=cfg.eval.k, limit=cfg.eval.limit, template=cfg.eval.template,
                           data_dir=cfg.eval.data_dir or None, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
                           max_tokens=cfg.rollout.max_response_length, reward_pool=run.rewards, progress=False)
         out.update(flat_metrics(result))

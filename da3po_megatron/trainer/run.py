@@ -105,7 +105,13 @@ class Run:
         init_ray(cfg)
         t0 = time.perf_counter()
         self.policy = PolicyGroup.from_config(cfg)
-        engine_cfg = EngineConfig.from_config(cfg)
+        r = cfg.rollout
+        engine_cfg = EngineConfig(
+            model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
+            dtype=cfg.model.params_dtype if r.dtype == "auto" else r.dtype,
+            max_model_len=r.max_prompt_length + r.max_response_length,
+            kv_cache_memory_bytes=None if torch.cuda.is_available() else r.kv_cache_memory_bytes,
+            gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed, enable_sleep_mode=r.colocate)
         self.rollout = RolloutClient.ray(engine_cfg, num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                          num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
@@ -160,24 +166,32 @@ class Run:
 
     # ------------------------------------------------------------------------------------------------ training
     def old_logprobs(self, batch: PolicyBatch) -> tuple[PolicyBatch, dict[str, float]]:
-        """pi_old for the ratio, and the rollout-vs-policy log-prob mismatch of the sampled tokens."""
-        from da3po_megatron.rollout.consistency import compare_logprobs, sample_indices
+        """pi_old for the ratio, and the rollout-vs-policy log-prob mismatch of the sampled tokens (logged every step:
+        the trainer/engine mismatch problem). With ``actor.use_rollout_logprobs`` only a ``rollout.
+        logprob_check_fraction`` sample of responses is recomputed, for the mismatch metric alone."""
+        import math
+        import random as _random
+
+        from da3po_megatron.rollout.consistency import logprob_diff_metrics
 
         rollout_lp = batch.old_logprobs
         if self.cfg.actor.use_rollout_logprobs:
-            idx = sample_indices(len(batch), self.cfg.rollout.logprob_check_fraction, seed=self.step)
+            n = len(batch)
+            k = min(n, math.ceil(self.cfg.rollout.logprob_check_fraction * n))
+            idx = sorted(_random.Random(self.step).sample(range(n), k))
+            if not idx:
+                return batch, {}
             sub = PolicyBatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx])
-            policy_lp = self.policy.compute_logprobs(sub)
-            return batch, compare_logprobs([rollout_lp[i] for i in idx], policy_lp)
+            return batch, logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
         policy_lp = self.policy.compute_logprobs(batch)
-        mismatch = compare_logprobs(rollout_lp, policy_lp)
+        mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
         batch.old_logprobs = [list(x) for x in policy_lp]
         return batch, mismatch
 
     def sync_weights(self) -> dict[str, float]:
-        from da3po_megatron.rollout.weight_sync import sync_policy_to_engines
+        from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
 
-        return sync_policy_to_engines(self.policy, self.rollout, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+        return sync_policy_group_to_engines(self.policy, self.rollout, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
 
     # ------------------------------------------------------------------------------------------------ metrics
     def step_metrics(self, groups, generated, daa, mismatch, train_metrics, sync, phase_seconds, step_seconds
@@ -204,7 +218,7 @@ class Run:
         m["data/skipped_rows"] = float(self.data_skipped_rows)
         m.update(daa)
         m.update(B.theory_stats(generated, groups, cfg.algorithm.advantage_eps))
-        m.update({f"rollout/{k}": float(v) for k, v in mismatch.items()})
+        m.update({k: float(v) for k, v in mismatch.items()})
         m.update({f"train/{k}": float(v) for k, v in train_metrics.items() if isinstance(v, int | float)})
         m.update({f"sync/{k}": float(v) for k, v in sync.items() if isinstance(v, int | float)})
         m.update({f"time/{k}": v for k, v in phase_seconds.items()})
