@@ -168,3 +168,17 @@ def test_backend_entropy_is_none_unless_requested(backend):
     _, logp, ent, _ = daa_policy_loss(c.logits, c.targets, c.old_logprobs, c.advantages, c.mask, **KW,
                                       backend=backend, **BACKEND_KW[backend])
     assert ent is None and logp.shape == (1, 3) and logp.dtype == torch.float32
+
+
+def test_backend_minus_inf_logits_of_masked_vocab_give_finite_entropy_and_gradients(backend):
+    if backend is None:
+        return
+    c = random_case(B, T, V, seed=random.randrange(2**31))
+    banned = torch.ones(V, dtype=torch.bool)
+    banned[c.targets.unique()] = False
+    c.logits[..., banned] = float("-inf")  # e.g. padded vocabulary entries masked with -inf
+    want = run_loss(reference_daa_policy_loss, c, **KW, compute_entropy=True)
+    got = run_loss(_loss_fn(backend), c, **KW, compute_entropy=True)
+    assert torch.isfinite(got["entropy"]).all() and torch.isfinite(got["dlogits"]).all()
+    assert torch.all(got["dlogits"][..., banned] == 0)
+    assert_same_outputs(want, got, torch.float32, f"{backend} -inf logits")

@@ -29,6 +29,7 @@ def stats_kernel(
     v_local,
     BLOCK_V: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr,
+    SHIFTED_LOGIT_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -44,7 +45,7 @@ def stats_kernel(
         e = tl.exp(z - m_new)
         if COMPUTE_ENTROPY:
             shift = tl.where(s > 0.0, m - m_new, 0.0) * s  # m = -inf before the first block, where s = 0
-            zs = tl.where(valid, z - m_new, 0.0)
+            zs = tl.where(valid, tl.maximum(z - m_new, SHIFTED_LOGIT_FLOOR), 0.0)  # floor: -inf logits
             w = scale * (w + shift) + tl.sum(e * zs, axis=0)
         s = s * scale + tl.sum(e, axis=0)
         m = m_new
@@ -130,6 +131,7 @@ def dlogits_kernel(
     v_local,
     BLOCK_V: tl.constexpr,
     HAS_ENT_GRAD: tl.constexpr,
+    SHIFTED_LOGIT_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -144,7 +146,7 @@ def dlogits_kernel(
         cols = off + tl.arange(0, BLOCK_V)
         valid = cols < v_local
         z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-        logp = z - lse
+        logp = tl.maximum(z - lse, SHIFTED_LOGIT_FLOOR)
         p = tl.exp(logp)
         if HAS_ENT_GRAD:
             d = -p * (g + g_ent * (logp + ent))

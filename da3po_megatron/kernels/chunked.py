@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .common import (
+    SHIFTED_LOGIT_FLOOR,
     amplify_advantages,
     check_clip,
     check_daa_args,
@@ -48,7 +49,7 @@ def chunk_stats(
     tgt = torch.where(in_shard, z.gather(1, idx[:, None]).squeeze(1).float(), 0.0)
     zf = z.to(torch.float32, copy=True)
     m = zf.max(dim=-1).values
-    zf.sub_(m[:, None])  # z - m, in place
+    zf.sub_(m[:, None]).clamp_(min=SHIFTED_LOGIT_FLOOR)  # z - m, in place (floor: -inf logits, see common)
     e = torch.exp(zf)
     s = e.sum(-1)
     w = e.mul_(zf).sum(-1) if compute_entropy else None
@@ -66,7 +67,7 @@ def chunk_dlogits(
 ) -> torch.Tensor:
     """d/dz of sum_t g_logp_t logp_t + g_entropy_t H_t for one chunk, float32 [n, V_local]."""
     v_local = z.shape[-1]
-    logp_all = z.to(torch.float32, copy=True).sub_(lse[:, None])  # log p_j
+    logp_all = z.to(torch.float32, copy=True).sub_(lse[:, None]).clamp_(min=SHIFTED_LOGIT_FLOOR)  # log p_j
     d = torch.exp(logp_all)  # p_j
     if g_entropy is not None:
         coef = logp_all.add_(entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None])

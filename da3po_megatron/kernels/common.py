@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 
 METRIC_KEYS = ("clip_low_count", "clip_high_count", "token_count")
+# floor for shifted logits (z - max, z - lse) in the entropy terms: exp() is exactly 0 in float32 far above it, so it
+# changes no value, but a -inf logit (a masked vocab entry) then gives 0 * finite instead of 0 * inf = NaN
+SHIFTED_LOGIT_FLOOR = -1e4
 # log-ratio clamp before exp (verl; same constant as da3po_megatron.algorithms.losses.LOG_RATIO_CLAMP)
 LOG_RATIO_CLAMP = 20.0
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .common import (
+    SHIFTED_LOGIT_FLOOR,
     amplify_advantages,
     check_clip,
     check_daa_args,
@@ -58,7 +59,7 @@ def reference_logprobs_2d(
         logsm = torch.log_softmax(z, dim=-1)  # the materialised float32 [N, V] log-softmax
         # a target outside the vocabulary (e.g. a padding id) gathers the logit 0, as in the TP case: logp = -lse
         logp = torch.where(in_shard, logsm.gather(1, idx[:, None]).squeeze(1), -torch.logsumexp(z, dim=-1))
-        entropy = -(logsm.exp() * logsm).sum(-1) if compute_entropy else None
+        entropy = -(logsm.exp() * logsm.clamp(min=SHIFTED_LOGIT_FLOOR)).sum(-1) if compute_entropy else None
         return logp, entropy
     m = z.detach().max(dim=-1).values
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
@@ -70,8 +71,8 @@ def reference_logprobs_2d(
     logp = tgt - lse
     entropy = None
     if compute_entropy:
-        w = _AllReduceSumReplicated.apply((e * z).sum(-1), tp_group)
-        entropy = lse - w / s
+        w = _AllReduceSumReplicated.apply((e * (z - m[:, None]).clamp(min=SHIFTED_LOGIT_FLOOR)).sum(-1), tp_group)
+        entropy = torch.log(s) - w / s  # = lse - sum_j p_j z_j
     return logp, entropy
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .common import (
     LOG_RATIO_CLAMP,
+    SHIFTED_LOGIT_FLOOR,
     check_clip,
     check_daa_args,
     combine_vocab_stats,
@@ -116,7 +117,8 @@ def triton_stats(
     if n > 0:
         k.stats[(n,)](
             logits, logits.stride(0), targets, m, s, w, tgt, vocab_start, v_local,
-            BLOCK_V=block_v, COMPUTE_ENTROPY=compute_entropy, num_warps=_num_warps(block_v),
+            BLOCK_V=block_v, COMPUTE_ENTROPY=compute_entropy, SHIFTED_LOGIT_FLOOR=SHIFTED_LOGIT_FLOOR,
+            num_warps=_num_warps(block_v),
         )
     return combine_vocab_stats(m, s, w if compute_entropy else None, tgt, group)
 
@@ -143,7 +145,8 @@ def triton_dlogits(
     if n > 0:
         k.dlogits[(n,)](
             logits, logits.stride(0), out, out.stride(0), targets, lse, g_logp, ent, g_ent, vocab_start, v_local,
-            BLOCK_V=block_v, HAS_ENT_GRAD=has_ent, num_warps=_num_warps(block_v),
+            BLOCK_V=block_v, HAS_ENT_GRAD=has_ent, SHIFTED_LOGIT_FLOOR=SHIFTED_LOGIT_FLOOR,
+            num_warps=_num_warps(block_v),
         )
     return out
 
