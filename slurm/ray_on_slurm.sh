@@ -16,6 +16,8 @@
 #   RAY_HEAD_IP              head address workers and drivers connect to (default: `hostname --ip-address`, first one)
 #   RAY_START_ARGS           extra arguments for every `ray start` (e.g. --object-store-memory=...)
 #   RAY_HEAD_ARGS            extra arguments for the head only (default --include-dashboard=false)
+#   RAY_AUTH_MODE=token      Ray's token authentication; with token (default) and no RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH,
+#                            a fresh random token is made for this job and exported to every node and the driver
 # Exports: RAY_ADDRESS=<head ip>:<port>, RAY_HEAD_NODE, RAY_NODES (space-separated hostnames), RAY_NUM_NODES.
 
 ray_on_slurm_log() { echo "[ray_on_slurm $(date +%T)] $*"; }
@@ -39,6 +41,13 @@ ray_on_slurm_start() {
   local port=${RAY_PORT:-6379} gpus=${RAY_GPUS_PER_NODE:-${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}}
   local cpus=${RAY_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}} timeout=${RAY_JOIN_TIMEOUT:-300}
   export RAY_TMPDIR=${RAY_TMPDIR:-/tmp/ray_j$SLURM_JOB_ID}
+  # Explicit auth mode: left unset, Ray >= 2.5x switches a head to token mode whenever ~/.ray/auth_token exists (any
+  # local `ray.init()` on a shared home writes one) while drivers and workers stay disabled, and nothing can connect.
+  export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+  if [[ $RAY_AUTH_MODE == token && -z ${RAY_AUTH_TOKEN:-} && -z ${RAY_AUTH_TOKEN_PATH:-} ]]; then
+    RAY_AUTH_TOKEN=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')  # 256 bits, like `ray get-auth-token --generate`
+    export RAY_AUTH_TOKEN
+  fi
 
   # The head goes on the node running this script, so the driver started here finds a local raylet.
   local head=${SLURMD_NODENAME:-$(hostname -s)} nodes=() n

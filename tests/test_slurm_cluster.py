@@ -27,8 +27,17 @@ COUNTER = "python scripts/local_slurm/counter_driver.py --steps 40 --sleep 0.25"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
+# The cluster's shape, passed to every local_slurm.sh call (a different shape would reconfigure it). Fake GPUs: each
+# node advertises gres gpu:2 backed by dummy devices, so GPU requests and their path into Ray are exercised on CPU.
+CLUSTER_ENV = {"NODES": "3", "NODE_CPUS": "2", "FAKE_GPUS": "2"}
+
+
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, **kw)
+
+
+def _local_slurm(action: str, timeout: float) -> subprocess.CompletedProcess:
+    return _run(["bash", str(LOCAL_SLURM), action], env={**os.environ, **CLUSTER_ENV}, timeout=timeout)
 
 
 @pytest.fixture(scope="session")
@@ -37,11 +46,11 @@ def local_slurm() -> Iterator[None]:
     it)."""
     if os.geteuid() != 0:
         pytest.fail("the Slurm tests need root (network namespaces, slurm daemons); deselect them with -m 'not slurm'")
-    r = _run(["bash", str(LOCAL_SLURM), "up"], timeout=600)
+    r = _local_slurm("up", timeout=600)
     assert r.returncode == 0, f"local_slurm.sh up failed:\n{r.stdout}\n{r.stderr}"
     yield
     if os.environ.get("DA3PO_KEEP_SLURM") != "1":
-        r = _run(["bash", str(LOCAL_SLURM), "down"], timeout=300)
+        r = _local_slurm("down", timeout=300)
         assert r.returncode == 0, f"local_slurm.sh down failed:\n{r.stdout}\n{r.stderr}"
 
 
@@ -99,12 +108,12 @@ def _no_leftover_ray(job_id: str) -> None:
 
 def test_local_slurm_up_is_idempotent_and_status_reports_every_node(local_slurm: None) -> None:
     t0 = time.time()
-    r = _run(["bash", str(LOCAL_SLURM), "up"], timeout=120)
+    r = _local_slurm("up", timeout=120)
     elapsed = time.time() - t0
     assert r.returncode == 0, r.stderr
     assert "daemons already running" in r.stdout, r.stdout
     assert elapsed < 10, f"`up` on a running cluster took {elapsed:.1f}s"
-    s = _run(["bash", str(LOCAL_SLURM), "status"], timeout=60)
+    s = _local_slurm("status", timeout=60)
     assert s.returncode == 0, s.stdout + s.stderr
     for n in (1, 2, 3):
         assert re.search(rf"^node{n} (idle|mix|alloc)", s.stdout, flags=re.M), s.stdout
@@ -116,11 +125,19 @@ def test_local_slurm_up_is_idempotent_and_status_reports_every_node(local_slurm:
 
 def test_two_node_job_starts_ray_on_both_nodes_and_places_one_actor_per_node(local_slurm: None, tmp_path: Path) -> None:
     log = tmp_path / "probe.out"
-    job = _sbatch("slurm/train.sbatch", log, _train_env(tmp_path / "run", RAY_PROBE), "--nodes=2")
+    # A stray ~/.ray/auth_token (written by any local ray.init() on a shared home) once made the head demand a token
+    # that nobody else had; the job must work regardless.
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("0" * 64)
+    env = _train_env(tmp_path / "run", RAY_PROBE, HOME=str(home))
+    job = _sbatch("slurm/train.sbatch", log, env, "--nodes=2", "--gpus-per-node=2")
     info = _wait_finished(job, log)
     out = _log(log)
     assert info["JobState"] == "COMPLETED", f"job {job} {info['JobState']}:\n{out[-4000:]}"
     assert re.search(r"all 2 nodes joined in [\d.]+s: \['node1', 'node2'\]", out), out[-4000:]
+    assert "2 CPUs + 2 GPUs per node" in out, "GPUs per node must default to what Slurm allocated"
+    assert "cluster CPUs=4 GPUs=4" in out, out[-4000:]
     assert re.search(r"^RAY_PROBE_OK nodes=2 hosts=node1,node2 ", out, flags=re.M), out[-4000:]
     actors = re.findall(r"^actor \d: hostname=(\S+) SLURMD_NODENAME=(\S+)", out, flags=re.M)
     assert sorted(actors) == [("node1", "node1"), ("node2", "node2")], actors

@@ -27,7 +27,9 @@ def main() -> int:
     t0 = time.time()
     ray.init(log_to_driver=False)
     nodes = [n for n in ray.nodes() if n["Alive"]]
-    print(f"connected to {os.environ.get('RAY_ADDRESS')}: {len(nodes)} alive nodes", flush=True)
+    res = ray.cluster_resources()
+    print(f"connected to {os.environ.get('RAY_ADDRESS')}: {len(nodes)} alive nodes, "
+          f"cluster CPUs={res.get('CPU', 0):g} GPUs={res.get('GPU', 0):g}", flush=True)
     pg = placement_group([{"CPU": 1}] * len(nodes), strategy="STRICT_SPREAD")
     ray.get(pg.ready(), timeout=120)
     actors = [
