@@ -95,7 +95,7 @@ hosts_block() {  # $1 = add|remove: our block in /etc/hosts (rewritten in place:
 
 up_network() {
   if [[ ! -e /run/netns/lslurm1 ]]; then
-    ip netns add lslurm-probe 2>/dev/null || die "cannot create network namespaces (needs CAP_SYS_ADMIN + CAP_NET_ADMIN)"
+    ip netns add lslurm-probe 2>/dev/null || die "cannot create network namespaces (needs CAP_NET_ADMIN)"
     ip netns del lslurm-probe
     unshare --uts true 2>/dev/null || die "cannot create UTS namespaces (unshare --uts)"
   fi

@@ -12,12 +12,13 @@
 #   RAY_GPUS_PER_NODE        GPUs each Ray node advertises (default: $GPUS_PER_NODE, else $SLURM_GPUS_ON_NODE, else 0)
 #   RAY_CPUS_PER_NODE        CPUs each Ray node advertises and its srun step gets (default: $SLURM_CPUS_ON_NODE)
 #   RAY_JOIN_TIMEOUT=300     seconds to wait for all nodes to join before failing
-#   RAY_TMPDIR               Ray's temp dir root; each node uses $RAY_TMPDIR/<hostname> (default /tmp/ray_j$SLURM_JOB_ID)
+#   RAY_TMPDIR               Ray's temp dir root, $RAY_TMPDIR/<hostname> per node (default /tmp/ray_j$SLURM_JOB_ID)
 #   RAY_HEAD_IP              head address workers and drivers connect to (default: `hostname --ip-address`, first one)
 #   RAY_START_ARGS           extra arguments for every `ray start` (e.g. --object-store-memory=...)
 #   RAY_HEAD_ARGS            extra arguments for the head only (default --include-dashboard=false)
-#   RAY_AUTH_MODE=token      Ray's token authentication; with token (default) and no RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH,
-#                            a fresh random token is made for this job and exported to every node and the driver
+#   RAY_AUTH_MODE=token      Ray's token authentication; with token (default) and neither RAY_AUTH_TOKEN nor
+#                            RAY_AUTH_TOKEN_PATH set, a fresh random token is made for this job and exported to every
+#                            node and the driver
 # Exports: RAY_ADDRESS=<head ip>:<port>, RAY_HEAD_NODE, RAY_NODES (space-separated hostnames), RAY_NUM_NODES.
 
 ray_on_slurm_log() { echo "[ray_on_slurm $(date +%T)] $*"; }
