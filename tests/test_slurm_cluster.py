@@ -54,11 +54,12 @@ def local_slurm() -> Iterator[None]:
         assert r.returncode == 0, f"local_slurm.sh down failed:\n{r.stdout}\n{r.stderr}"
 
 
-def _train_env(run_dir: Path, driver: str, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+def _train_env(run_dir: Path | None, driver: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RUN_DIR", "OVERRIDES")}
+    if run_dir is not None:  # None: train.sbatch takes the config's trainer.run_dir
+        env["RUN_DIR"] = str(run_dir)
     env.update(
         CONFIG="examples/tiny_cpu_da3po.yaml",  # what the real trainer would read; the stand-in drivers ignore it
-        RUN_DIR=str(run_dir),
         DA3PO_VENV=sys.prefix,
         DA3PO_DRIVER=driver,  # delete this line (and the driver argument) to run the real `da3po train`
         OMP_NUM_THREADS="1",
@@ -171,13 +172,16 @@ def test_preempted_job_checkpoints_requeues_and_resumes_from_the_saved_step(loca
 
 def test_ray_bringup_failure_fails_the_job_with_a_clear_error_and_stops_ray(local_slurm: None, tmp_path: Path) -> None:
     log = tmp_path / "bad.out"
-    env = _train_env(tmp_path / "run", RAY_PROBE, RAY_HEAD_IP="10.250.0.99", RAY_JOIN_TIMEOUT="4")
+    # also: without RUN_DIR the script takes the config's trainer.run_dir (after OVERRIDES) from the trainer's CLI
+    env = _train_env(None, RAY_PROBE, RAY_HEAD_IP="10.250.0.99", RAY_JOIN_TIMEOUT="4",
+                     OVERRIDES=f"trainer.run_dir={tmp_path / 'from_config'}")
     job = _sbatch("slurm/train.sbatch", log, env, "--nodes=2")
     info = _wait_finished(job, log)
     out = _log(log)
     assert info["JobState"] == "FAILED", f"{info['JobState']}:\n{out[-4000:]}"
     assert "did not open 10.250.0.99:6379 within 4s" in out, out[-4000:]
     assert "RAY_PROBE" not in out, "the driver must not start when Ray is not up"
+    assert (tmp_path / "from_config").is_dir(), "RUN_DIR must default to the config's trainer.run_dir"
     _no_leftover_ray(job)
 
 
