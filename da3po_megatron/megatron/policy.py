@@ -20,8 +20,8 @@ What it implements (paper equations as in DESIGN.md):
   is split (the contract in ``losses.py``; verl's ``global_batch_info``, NeMo-RL's ``global_valid_toks``).
 - Megatron ``DistributedDataParallel`` (fp32 gradient reduction) + ``get_megatron_optimizer`` (Adam, distributed
   optimizer; bf16 params with fp32 master weights on GPU, fp32 on CPU), gradient clipping by global norm.
-- LR schedule: Megatron's ``OptimizerParamScheduler``, stepped once per ``train_step`` (= one RL step, as verl
-  does), BEFORE the updates: RL step k (1-based) uses lr * k / warmup during warmup, then constant or cosine decay to
+- LR schedule: Megatron's ``OptimizerParamScheduler``, stepped once per optimizer step (as Megatron-LM does), just
+  BEFORE it: optimizer step k (1-based) uses lr * k / warmup during warmup, then constant or cosine decay to
   ``min_lr`` at ``total_steps``. Weight decay is constant (Megatron's ``wd_mult`` keeps it off biases and norms).
 - ``save`` / ``load``: :mod:`.checkpoint` (model resharding-safe across TP/PP; optimizer at the same TP x PP).
 - ``state_dict_for_export``: full tensors with global Megatron names for the bridge / vLLM weight sync.
@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from da3po_megatron.megatron import cpu_compat
 from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, balance_across_dp, microbatches
 from da3po_megatron.megatron.model import (
     ModelOptions,
@@ -73,9 +74,9 @@ class OptimizerOptions:
         weight_decay: decoupled (AdamW) weight decay; not applied to biases and norms.
         adam_beta1 / adam_beta2 / adam_eps: Adam's moments and epsilon.
         clip_grad: clip the global gradient norm (over all TP/PP/DP shards) to this value; 0 = no clipping.
-        lr_warmup_steps: RL steps of linear warmup (train_step k uses lr * k / warmup).
+        lr_warmup_steps: optimizer steps of linear warmup (optimizer step k uses lr * k / warmup).
         lr_decay_style: "constant" or "cosine" (from lr at the end of warmup to min_lr at total_steps).
-        total_steps: RL steps of the run (the schedule's horizon).
+        total_steps: optimizer steps of the run, the schedule's horizon (RL steps x mini-batches x ppo_epochs).
         use_distributed_optimizer: shard optimizer state (and fp32 master weights) over DP ranks (ZeRO-1).
     """
 
@@ -107,6 +108,7 @@ class LossOptions:
     Attributes:
         algorithm: grpo | dapo | gspo | da3po: picks ratio level and aggregation from ``POLICY_LOSS_PRESETS``.
         clip_ratio_low / clip_ratio_high: eps_low / eps_high of Eq. 11; None = the algorithm's preset.
+        loss_agg_mode: None = the preset's; "token-mean" (Eq. 9) or "seq-mean-token-mean" (Eq. 4).
         backend: "torch" (Megatron vocab-parallel log-probs + ``losses.policy_loss``) or "kernel" (the fused DAA-loss
             kernel for the token-level losses dapo / da3po; its vocab-parallel log-probs otherwise).
         kernel_backend: the kernel's own backend: "auto" | "triton" | "chunked" | "reference".
@@ -116,6 +118,7 @@ class LossOptions:
     algorithm: str = "da3po"
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
+    loss_agg_mode: str | None = None
     backend: str = "torch"
     kernel_backend: str = "auto"
     compute_entropy: bool = True
@@ -132,6 +135,10 @@ class LossOptions:
             p["clip_ratio_low"] = self.clip_ratio_low
         if self.clip_ratio_high is not None:
             p["clip_ratio_high"] = self.clip_ratio_high
+        if self.loss_agg_mode is not None:
+            if self.loss_agg_mode not in ("token-mean", "seq-mean-token-mean"):
+                raise ValueError(f"loss_agg_mode must be token-mean or seq-mean-token-mean, got {self.loss_agg_mode!r}")
+            p["loss_agg_mode"] = self.loss_agg_mode
         return p
 
 
@@ -282,6 +289,14 @@ class PolicyWorker:
         self.step = 0
         return self.info()
 
+    def execute(self, fn, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(self, *args, **kwargs)`` on this rank (how a Ray driver runs e.g. the weight-sync push).
+
+        Collective when ``fn`` is (e.g. when it iterates :meth:`state_dict_for_export`).
+        """
+        cpu_compat.apply_if_needed()  # Ray may run actor methods on another thread than init's
+        return fn(self, *args, **kwargs)
+
     def info(self) -> dict[str, Any]:
         """Where this rank sits and what it holds."""
         n_params = sum(p.numel() for p in self._bare.parameters())
@@ -375,6 +390,7 @@ class PolicyWorker:
 
         ``packing`` overrides ``BatchingOptions.packing`` for this call (packed and padded give the same values).
         """
+        cpu_compat.apply_if_needed()
         packing = self.cfg.batching.packing if packing is None else packing
         budget = self.cfg.batching.logprob_max_tokens_per_microbatch or 2 * self.cfg.batching.max_tokens_per_microbatch
         offsets = [0]
@@ -465,6 +481,7 @@ class PolicyWorker:
 
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
         """One RL update on ``batch`` (mini-batches x epochs optimizer steps); returns metrics (same on all ranks)."""
+        cpu_compat.apply_if_needed()
         if batch.old_logprobs is None or batch.advantages is None:
             raise ValueError("train_step needs PolicyBatch.old_logprobs and PolicyBatch.advantages")
         b = self.cfg.batching
@@ -476,8 +493,6 @@ class PolicyWorker:
                 raise ValueError(f"a mini-batch of {len(rows)} responses cannot be split over {self.dp} data-parallel "
                                  f"ranks (batch {n}, ppo_mini_batch_size {b.ppo_mini_batch_size})")
         lengths = batch.lengths()
-        self.scheduler.step(1)
-        lr = float(self.optimizer.param_groups[0]["lr"])
         self.model.train()
         t0 = time.perf_counter()
         stats = torch.zeros(6, dtype=torch.float64, device=self.device)
@@ -498,6 +513,8 @@ class PolicyWorker:
                 out = self._run_schedule(mbs, partial(self._loss, num_microbatches=len(mbs),
                                                       global_tokens=counts[0], global_seqs=counts[1]),
                                          forward_only=False)
+                self.scheduler.step(1)
+                lr = float(self.optimizer.param_groups[0]["lr"])
                 ok, grad_norm, _ = self.optimizer.step()
                 skipped += 0 if ok else 1
                 grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
@@ -575,6 +592,7 @@ class PolicyWorker:
         stage's copy of the output weight is not yielded. Tensors are views or fresh copies of the live weights in the
         model's dtype: do not modify them; copy what you keep past the next ``train_step``.
         """
+        cpu_compat.apply_if_needed()
         model = self._bare
         offsets = {}
         for i, layer in enumerate(model.decoder.layers):

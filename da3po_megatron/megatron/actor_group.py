@@ -1,0 +1,242 @@
+"""``PolicyGroup``: the policy world as Ray actors, one :class:`~da3po_megatron.megatron.policy.PolicyWorker` per rank.
+
+The driver (the RL loop) sees one object with the worker's methods. Each call is sent to ALL ranks at once (they run
+in lock-step: Megatron's collectives need every rank) and rank 0's result is returned. Set-up: rank 0's actor picks
+the rendezvous address (its node's IP as Ray sees it and a free port) and every actor joins the torch.distributed
+world with it (NCCL on GPU, gloo on CPU). Resources per actor: ``num_cpus`` / ``num_gpus``; optionally a placement
+group, packed (ranks fill nodes in order, so Megatron's TP groups -- consecutive ranks -- stay within a node) or
+spread over nodes. This follows the one-actor-per-rank "worker group" of verl and NeMo-RL, written here for
+Megatron's :class:`PolicyWorker`.
+
+Failures: when a rank's actor dies or raises, the world is broken (the other ranks would wait in a collective): the
+group kills all its actors and raises :class:`PolicyGroupError` naming the rank, the method and the cause.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.megatron.policy import PolicyConfig, PolicyWorker
+
+PLACEMENTS = (None, "pack", "spread", "strict_pack", "strict_spread")
+
+
+class PolicyGroupError(RuntimeError):
+    """A policy rank died or failed; the group has been shut down."""
+
+
+class PolicyGroup:
+    """``world_size`` Ray actors, one per rank, forming one Megatron world.
+
+    Args:
+        cfg: the policy configuration (layout, model, optimizer, loss, batching).
+        world_size: number of ranks (TP x PP x CP x DP).
+        num_cpus_per_rank / num_gpus_per_rank: Ray resources per actor (GPU default: 1 when the Ray cluster has at
+            least ``world_size`` GPUs, else 0).
+        placement: None (Ray's default scheduling) or a placement-group strategy: "pack", "spread", "strict_pack",
+            "strict_spread" (one bundle per rank, rank i on bundle i).
+        env: extra environment variables for the actors (``OMP_NUM_THREADS`` defaults to ``num_cpus_per_rank``).
+        name_prefix: Ray actor names ``{prefix}-rank{i}`` (None = anonymous).
+        start_timeout_s: how long to wait for resources / the placement group.
+    """
+
+    def __init__(self, cfg: PolicyConfig, world_size: int, *, num_cpus_per_rank: float = 1,
+                 num_gpus_per_rank: float | None = None, placement: str | None = None,
+                 env: dict[str, str] | None = None, name_prefix: str | None = None,
+                 start_timeout_s: float = 600.0) -> None:
+        import ray
+
+        from da3po_megatron.megatron.policy import validate_config
+
+        if not ray.is_initialized():
+            raise RuntimeError("PolicyGroup needs ray.init() first")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        validate_config(cfg, world_size)  # fail in the driver, before any actor starts
+        self.cfg = cfg
+        self.world_size = world_size
+        self.actors: list[Any] = []
+        self._pg = None
+        if num_gpus_per_rank is None:
+            num_gpus_per_rank = 1.0 if ray.cluster_resources().get("GPU", 0) >= world_size else 0.0
+        opts: dict[str, Any] = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, max_restarts=0,
+                                    max_concurrency=1)
+        env_vars = {"OMP_NUM_THREADS": str(max(1, int(num_cpus_per_rank))), **(env or {})}
+        opts["runtime_env"] = {"env_vars": env_vars}
+        if placement is not None:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
+            self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement.upper())
+            ready, _ = ray.wait([self._pg.ready()], timeout=start_timeout_s)
+            if not ready:
+                raise PolicyGroupError(f"placement group of {world_size} x {bundle} ({placement}) not ready after "
+                                       f"{start_timeout_s:.0f} s: not enough resources in the Ray cluster "
+                                       f"({ray.cluster_resources()})")
+        actor_cls = ray.remote(PolicyWorker)
+        for rank in range(world_size):
+            o = dict(opts)
+            if name_prefix:
+                o["name"] = f"{name_prefix}-rank{rank}"
+            if self._pg is not None:
+                o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=rank)
+            self.actors.append(actor_cls.options(**o).remote())
+        t0 = time.perf_counter()
+        addr, port = self._gather([(0, self.actors[0].rendezvous_address.remote())], "rendezvous")[0]
+        self.master_addr, self.master_port = addr, port
+        self.infos = self._gather(
+            [(r, a.init.remote(cfg, rank=r, world_size=world_size, master_addr=addr, master_port=port))
+             for r, a in enumerate(self.actors)], "init")
+        self.start_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ construction from the run config
+    @classmethod
+    def from_config(cls, cfg: Any) -> PolicyGroup:
+        """Build from the project's run :class:`da3po_megatron.config.Config`."""
+        return cls(policy_config_from_run_config(cfg), cfg.policy_world_size,
+                   num_cpus_per_rank=cfg.ray.num_cpus_per_policy_rank,
+                   num_gpus_per_rank=cfg.ray.num_gpus_per_policy_rank,
+                   placement="strict_spread" if cfg.ray.spread_policy_nodes else None,
+                   name_prefix=None)
+
+    # ------------------------------------------------------------------ plumbing
+    def _gather(self, pending: list[tuple[int, Any]], method: str) -> list[Any]:
+        """Results of (rank, ref) pairs in rank order; the first failure shuts the group down and raises."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        refs = {ref: rank for rank, ref in pending}
+        results: dict[int, Any] = {}
+        remaining = list(refs)
+        while remaining:
+            done, remaining = ray.wait(remaining, num_returns=1)
+            ref = done[0]
+            rank = refs[ref]
+            try:
+                results[rank] = ray.get(ref)
+            except RayActorError as e:
+                self.shutdown()
+                raise PolicyGroupError(f"policy rank {rank} died during {method}: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''}") from e
+            except RayTaskError as e:
+                self.shutdown()
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                raise PolicyGroupError(f"policy rank {rank} failed in {method}: {type(cause).__name__}: "
+                                       f"{cause}") from e
+        return [results[rank] for rank, _ in pending]
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every rank (lock-step) and return all ranks' results, in rank order."""
+        if not self.actors:
+            raise PolicyGroupError(f"policy group is shut down; cannot call {method}")
+        return self._gather([(r, getattr(a, method).remote(*args, **kwargs)) for r, a in enumerate(self.actors)],
+                            method)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on every rank and return rank 0's result."""
+        return self.call_all(method, *args, **kwargs)[0]
+
+    def run_on_all(self, fn, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(worker, *args, **kwargs)`` inside every rank's actor (e.g. the weight-sync push); all results."""
+        return self.call_all("execute", fn, *args, **kwargs)
+
+    # ------------------------------------------------------------------ the worker's API
+    def compute_logprobs(self, batch: PolicyBatch, return_entropy: bool = False, packing: bool | None = None):
+        return self.call("compute_logprobs", batch, return_entropy=return_entropy, packing=packing)
+
+    def train_step(self, batch: PolicyBatch) -> dict[str, float]:
+        return self.call("train_step", batch)
+
+    def save(self, path: str, fully_parallel: bool = False) -> None:
+        self.call("save", str(path), fully_parallel=fully_parallel)
+
+    def load(self, path: str, load_optimizer: bool | None = None, fully_parallel: bool = False) -> dict[str, Any]:
+        return self.call("load", str(path), load_optimizer=load_optimizer, fully_parallel=fully_parallel)
+
+    def save_model(self, path: str) -> None:
+        self.call("save_model", str(path))
+
+    def load_model(self, path: str) -> None:
+        self.call("load_model", str(path))
+
+    def load_hf(self, hf_dir: str) -> bool:
+        return self.call("load_hf", str(hf_dir))
+
+    def info(self) -> list[dict[str, Any]]:
+        """Every rank's :meth:`PolicyWorker.info` (rank order)."""
+        return self.call_all("info")
+
+    def export_state_dict(self) -> dict[str, Any]:
+        """The full exported model (global Megatron names) merged from all stages; small models / tests only."""
+        merged: dict[str, Any] = {}
+        for part in self.call_all("export_state_dict"):
+            merged.update(part)
+        return merged
+
+    def shutdown(self) -> None:
+        """Kill the actors (and the placement group). Idempotent."""
+        import ray
+
+        actors, self.actors = self.actors, []
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self._pg = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        if os.environ.get("DA3PO_KEEP_ACTORS") != "1" and getattr(self, "actors", None):
+            try:
+                self.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def policy_config_from_run_config(cfg: Any) -> PolicyConfig:
+    """Map the run config (``da3po_megatron.config.Config``) to a :class:`PolicyConfig`.
+
+    ``actor.ppo_mini_batch_size`` counts prompts there (each with ``rollout.n`` responses); here responses.
+    ``optim.lr_warmup_steps`` are optimizer steps; the schedule's horizon is ``trainer.total_steps`` x mini-batches
+    per step x ``actor.ppo_epochs``. ``actor.loss_backend``: "torch" -> torch; any kernel backend -> the kernel.
+    """
+    from da3po_megatron.megatron.model import ModelOptions
+    from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions
+    from da3po_megatron.megatron.runtime import ParallelLayout
+
+    p, o, a = cfg.parallel, cfg.optim, cfg.actor
+    updates_per_step = max(1, cfg.data.train_batch_size // max(1, a.ppo_mini_batch_size)) * a.ppo_epochs
+    total = max(cfg.trainer.total_steps * updates_per_step, o.lr_warmup_steps + 1)
+    backend = "torch" if a.loss_backend == "torch" else "kernel"
+    return PolicyConfig(
+        hf_dir=cfg.model.path,
+        layout=ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size),
+        model=ModelOptions(params_dtype=cfg.model.params_dtype,
+                           use_transformer_engine=cfg.model.use_transformer_engine,
+                           recompute_granularity=cfg.model.recompute_granularity,
+                           recompute_method=cfg.model.recompute_method,
+                           recompute_num_layers=cfg.model.recompute_num_layers),
+        optimizer=OptimizerOptions(lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                                   adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                                   lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_schedule,
+                                   total_steps=total, use_distributed_optimizer=o.use_distributed_optimizer),
+        loss=LossOptions(algorithm=cfg.algorithm.name, clip_ratio_low=cfg.algorithm.clip_ratio_low,
+                         clip_ratio_high=cfg.algorithm.clip_ratio_high, loss_agg_mode=cfg.loss_agg_mode,
+                         backend=backend, kernel_backend="auto" if backend == "torch" else a.loss_backend,
+                         compute_entropy=a.entropy),
+        batching=BatchingOptions(max_tokens_per_microbatch=a.max_tokens_per_microbatch,
+                                 ppo_mini_batch_size=a.ppo_mini_batch_size * cfg.rollout.n, ppo_epochs=a.ppo_epochs),
+        seed=cfg.trainer.seed,
+    )
