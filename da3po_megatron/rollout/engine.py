@@ -91,6 +91,10 @@ def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
         kw["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
     else:
         kw["gpu_memory_utilization"] = config.gpu_memory_utilization
+    chunked = config.enable_chunked_prefill if config.enable_chunked_prefill is not None else (True if has_cuda
+                                                                                                else False)
+    if not chunked:
+        kw["enable_chunked_prefill"] = False
     if config.distributed_executor_backend is not None:
         kw["distributed_executor_backend"] = config.distributed_executor_backend
     backend = resolve_transfer_backend(config, has_cuda)
@@ -168,6 +172,7 @@ class VLLMEngine:
             stop=list(sampling.stop) if sampling.stop else None,
             seed=seed_for(sampling, prompt_index),
             logprobs=0 if sampling.logprobs else None,
+            ignore_eos=sampling.ignore_eos,
         )
 
     def generate(self, prompts: list[Any], prompt_indices: list[int], sampling: SamplingConfig) -> list[Completion]:

