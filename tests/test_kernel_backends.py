@@ -14,7 +14,8 @@ import pytest
 import torch
 
 # Triton reads TRITON_INTERPRET when it is first imported (it decorates tl.max, tl.sum, ... then). If another module
-# imported triton earlier in this process without it, the Triton cases below are run in one child pytest process.
+# imported triton earlier in this process without it (or CUDA is present, where the compiled kernels are wanted), the
+# CPU-tensor Triton cases below are run in one child pytest process with the interpreter.
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -34,14 +35,15 @@ def _triton_ran_in_child(request) -> bool:
     TRITON_INTERPRET=1 from the start, and report this case's outcome there. False: run the case here."""
     from da3po_megatron.kernels.triton_loss import interpreter_ready
 
-    if torch.cuda.is_available() or interpreter_ready():
+    if interpreter_ready():  # (these cases use CPU tensors, so a CUDA machine needs the interpreter too)
         return False
     if os.environ.get("DA3PO_KERNEL_TEST_CHILD"):
         pytest.fail("Triton interpreter unusable even in the child process (TRITON_INTERPRET=1 set before import)")
     if not _CHILD_OUTCOMES:
         env = dict(os.environ, TRITON_INTERPRET="1", DA3PO_KERNEL_TEST_CHILD="1")
         r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-k", "triton", __file__],
+            [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-k", "triton and not compiled",
+             __file__],
             env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
         )
         for line in r.stdout.splitlines():
@@ -182,3 +184,18 @@ def test_backend_minus_inf_logits_of_masked_vocab_give_finite_entropy_and_gradie
     assert torch.isfinite(got["entropy"]).all() and torch.isfinite(got["dlogits"]).all()
     assert torch.all(got["dlogits"][..., banned] == 0)
     assert_same_outputs(want, got, torch.float32, f"{backend} -inf logits")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiled Triton kernels (not the interpreter)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_triton_on_cuda_equals_reference_and_is_chosen_by_auto(dtype):
+    from da3po_megatron.kernels import resolve_backend
+
+    c = random_case(4, 128, 5003, dtype=dtype, seed=random.randrange(2**31))  # vocab: not a multiple of any block
+    for name in ("logits", "targets", "old_logprobs", "advantages", "mask", "correct", "p_hat", "g_logp", "g_entropy"):
+        setattr(c, name, getattr(c, name).cuda())
+    assert resolve_backend("auto", c.logits) == "triton"
+    daa = dict(correct=c.correct, p_hat=c.p_hat, daa_lambda=2.0, daa_tau=0.5, compute_entropy=True)
+    want = run_loss(reference_daa_policy_loss, c, **KW, **daa)
+    got = run_loss(lambda *a, **k: daa_policy_loss(*a, **k, backend="triton"), c, **KW, **daa)
+    assert_same_outputs(want, got, dtype, "compiled triton")
