@@ -37,7 +37,8 @@ def _hf_tensors(d: Path) -> dict[str, torch.Tensor]:
 def test_hf_to_megatron_tp2_pp2_and_back_is_bit_exact_and_loads_at_tp1_with_equal_logits(tied_qwen3, tmp_path,
                                                                                          monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    # laid out as a training run's checkpoint, to convert back through its `latest` pointer
+    ckpt, back = tmp_path / "run" / "checkpoints" / "step_000000" / "policy", tmp_path / "back"
     # 4 processes: shard-aware load, save, re-read from disk; logits vs transformers across TP2 x PP2 with tied
     # embeddings (the last stage's output-layer copy); the export gather reproduces every HF tensor.
     assert convert.main(["hf-to-megatron", "--hf", str(tied_qwen3), "--out", str(ckpt), "--tp", "2", "--pp", "2",
@@ -50,7 +51,9 @@ def test_hf_to_megatron_tp2_pp2_and_back_is_bit_exact_and_loads_at_tp1_with_equa
     assert {p.name for p in (ckpt / "hf").iterdir()} >= {"config.json", "tokenizer.json", "generation_config.json"}
     # Megatron -> HF in this process (no model, no process group), in several shards; then --verify loads the
     # TP2 x PP2 checkpoint into a TP=1 model (1 process) and compares its logits with transformers on the output.
-    assert convert.main(["megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--max-shard-size", "150KB",
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_000000\n")
+    assert convert.main(["megatron-to-hf", "--ckpt", str(tmp_path / "run" / "checkpoints" / "latest"), "--out",
+                         str(back), "--max-shard-size", "150KB",
                          "--verify", "--verify-tp", "1"]) == 0
     out = capsys.readouterr().out
     print(out)

@@ -28,10 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,34 @@ def hf_dtype_name(hf: dict[str, Any]) -> str | None:
     """The checkpoint dtype the HF config declares (``dtype`` in transformers 5, ``torch_dtype`` before)."""
     name = hf.get("dtype") or hf.get("torch_dtype")
     return str(name).replace("torch.", "") if name else None
+
+
+def resolve_hf_dir(spec: str | Path) -> Path:
+    """A local HF directory, or a Hub id (``Qwen/Qwen3-4B-Base``) resolved through the local Hugging Face cache
+    (``huggingface_hub.snapshot_download``; downloads only when the cache lacks it and the network is allowed)."""
+    p = Path(spec)
+    if p.is_dir():
+        return p
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(spec)) and not p.exists():
+        from huggingface_hub import snapshot_download
+
+        _say(f"{spec} is not a directory: resolving it as a Hugging Face Hub id")
+        return Path(snapshot_download(str(spec), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                                 "*.jinja", "*.tiktoken"]))
+    raise ConversionError(f"HF checkpoint {spec} is not a directory")
+
+
+def resolve_ckpt_dir(spec: str | Path) -> Path:
+    """The directory holding ``model/`` (+ ``hf/``): a converter output, a policy checkpoint, a run's step directory
+    (``step_000200`` -> ``step_000200/policy``) or its ``latest`` pointer file."""
+    p = Path(spec)
+    if p.is_file():  # run_dir/checkpoints/latest holds the name of the newest step directory
+        p = p.parent / p.read_text().strip()
+    if not (p / "model").is_dir() and (p / "policy" / "model").is_dir():
+        p = p / "policy"
+    if not (p / "model").is_dir():
+        raise ConversionError(f"{spec} is not a da3po-megatron checkpoint: no model/ directory (looked in {p})")
+    return p
 
 
 def _prepare_out(out: Path, force: bool, protect: list[Path]) -> None:
@@ -134,7 +164,9 @@ def _verify_rank(model, task: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
 
     ref_model = AutoModelForCausalLM.from_pretrained(task["hf_dir"], dtype=torch.float32)
-    with torch.no_grad():
+    with torch.no_grad():  # the weights as the checkpoint holds them (no-op for float32 or bf16 sources)
+        for p in ref_model.parameters():
+            p.copy_(p.to(DTYPES[task["params_dtype"]]).float())
         ref = ref_model(tokens).logits.float()
     del ref_model
     mine = logits[..., : ref.shape[-1]]
@@ -153,7 +185,7 @@ def _verify_export(model, task: dict[str, Any], rank: int) -> None:
     checked, bad = 0, []
     for name, full in export_state_dict(model, hf):
         for hf_name, t in mapping.megatron_to_hf(name, full, hf):
-            src = reader.read(hf_name).to(t.dtype)
+            src = reader.read(hf_name).to(DTYPES[task["params_dtype"]]).to(t.dtype)
             checked += 1
             if not torch.equal(t.cpu(), src):
                 bad.append(hf_name)
@@ -172,7 +204,8 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
     tp, pp = task["tp"], task["pp"]
     init_parallel(ParallelLayout(tp, pp), rank=rank, world_size=world, master_port=port)
     try:
-        options = ModelOptions(params_dtype=task["params_dtype"],
+        # Verification always computes in float32 (see below); only the conversion builds in the saved dtype.
+        options = ModelOptions(params_dtype=task["params_dtype"] if task["mode"] == "hf-to-megatron" else "float32",
                                make_vocab_size_divisible_by=task["make_vocab_size_divisible_by"])
         model = build_gpt_model(task["config_dir"], options)
         model.eval()
@@ -185,7 +218,12 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
             if rank == 0:
                 _say(f"saved {task['model_dir']} (TP={tp} PP={pp}) in {time.perf_counter() - t0:.2f}s")
         if task.get("verify"):
-            with torch.no_grad():  # re-read what was written: verification checks the files, not memory
+            # Re-read what was written (verification checks the files, not memory), into a float32 model: a bf16
+            # checkpoint is compared with transformers on the same bf16-rounded weights, both computing in float32.
+            if options.params_dtype != "float32":
+                del model
+                model = build_gpt_model(task["config_dir"], replace(options, params_dtype="float32")).eval()
+            with torch.no_grad():
                 for p in model.parameters():
                     p.zero_()
             load_model(model, task["model_dir"])
@@ -213,11 +251,11 @@ def _spawn(task: dict[str, Any]) -> None:
         raise ConversionError(f"a conversion process died: {e}") from e
 
 
-def _check_verify(result_file: Path, tol: float | None, dtype: str) -> dict[str, Any]:
+def _check_verify(result_file: Path, tol: float | None) -> dict[str, Any]:
     if not result_file.exists():
         raise ConversionError("verification produced no result (see worker output above)")
     r = json.loads(result_file.read_text())
-    limit = tol if tol is not None else (1e-4 if dtype == "float32" else 2e-2 * max(1.0, r["max_abs_logit"]))
+    limit = 1e-4 if tol is None else tol
     _say(f"verify: max |logits_megatron - logits_transformers| = {r['max_abs_diff']:.3g} "
          f"(max |logit| {r['max_abs_logit']:.3g}, tokens {r['tokens']}, tolerance {limit:.3g})")
     r["tolerance"] = limit
@@ -234,7 +272,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                    verify_tol: float | None = None) -> dict[str, Any]:
     """Convert an HF checkpoint directory into ``out/{model,hf,meta.json}`` at TP x PP; returns the meta dict."""
     t0 = time.perf_counter()
-    hf_dir, out = Path(hf_dir), Path(out)
+    hf_dir, out = resolve_hf_dir(hf_dir), Path(out)
     hf = load_hf_config(hf_dir)
     family = model_family(hf)
     dropped = check_hf_checkpoint(hf_dir, hf)
@@ -268,7 +306,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
             "has_optimizer": False,
         }
         if verify:
-            meta["verify"] = _check_verify(Path(task["result"]), verify_tol, dtype)
+            meta["verify"] = _check_verify(Path(task["result"]), verify_tol)
             exports = [json.loads(p.read_text()) for p in Path(tmp).glob("export_*.json")]
             checked, bad = sum(e["checked"] for e in exports), [b for e in exports for b in e["mismatched"]]
             _say(f"verify: export path (TP gather + megatron_to_hf) reproduced {checked - len(bad)}/{checked} HF "
@@ -283,22 +321,27 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 
 def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, verify: bool = False,
                    max_shard_size: str | int = "5GB", dtype: str = "auto", verify_tp: int = 1, verify_pp: int = 1,
-                   verify_tol: float | None = None) -> dict[str, Any]:
-    """Convert ``ckpt/{model,hf}`` (any TP x PP) into an HF directory, streaming layer by layer."""
+                   verify_tol: float | None = None, hf_config: str | Path | None = None) -> dict[str, Any]:
+    """Convert ``ckpt/{model,hf}`` (any TP x PP) into an HF directory, streaming layer by layer.
+
+    ``ckpt`` may also be a run's step directory or ``latest`` pointer (see :func:`resolve_ckpt_dir`); ``hf_config``
+    replaces ``ckpt/hf`` as the source of config.json and tokenizer files."""
     from da3po_megatron.bridge.megatron_io import CheckpointReader, iter_checkpoint
 
     t0 = time.perf_counter()
-    ckpt, out = Path(ckpt), Path(out)
-    if not (ckpt / "hf" / "config.json").exists():
-        raise ConversionError(f"{ckpt} is not a da3po-megatron checkpoint: {ckpt / 'hf' / 'config.json'} missing")
+    ckpt, out = resolve_ckpt_dir(ckpt), Path(out)
+    hf_side = Path(hf_config) if hf_config else ckpt / "hf"
+    if not (hf_side / "config.json").exists():
+        raise ConversionError(f"{hf_side / 'config.json'} missing: pass --hf-config with the HF config + tokenizer "
+                              f"directory of the model")
     reader = CheckpointReader(ckpt / "model")
-    hf = load_hf_config(ckpt / "hf")
+    hf = load_hf_config(hf_side)
     model_family(hf)
     saved_dtype = reader.tensors["embedding.word_embeddings.weight"][1]
     want = hf_dtype_name(hf) if dtype == "auto" else dtype
     out_dtype = DTYPES.get(want or "", saved_dtype)
     _prepare_out(out, force, [ckpt])
-    copy_side_files(ckpt / "hf", out)
+    copy_side_files(hf_side, out)
     if dtype != "auto":
         cfg = json.loads((out / "config.json").read_text())
         cfg["dtype"] = dtype
@@ -328,13 +371,13 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
         if padded % verify_tp:
             raise ConversionError(f"padded vocabulary {padded} is not divisible by --verify-tp {verify_tp}")
         with tempfile.TemporaryDirectory() as tmp:
-            task = dict(mode="verify", tp=verify_tp, pp=verify_pp, hf_dir=str(out), config_dir=str(ckpt / "hf"),
+            task = dict(mode="verify", tp=verify_tp, pp=verify_pp, hf_dir=str(out), config_dir=str(hf_side),
                         model_dir=str(ckpt / "model"), verify=True, result=str(Path(tmp) / "verify.json"),
-                        params_dtype="bfloat16" if saved_dtype == torch.bfloat16 else "float32",
+                        params_dtype="bfloat16" if saved_dtype == torch.bfloat16 else "float32",  # verify in fp32
                         make_vocab_size_divisible_by=padded // verify_tp)
             _say(f"verify: loading {ckpt / 'model'} at TP={verify_tp} PP={verify_pp}")
             _spawn(task)
-            result["verify"] = _check_verify(Path(task["result"]), verify_tol, task["params_dtype"])
+            result["verify"] = _check_verify(Path(task["result"]), verify_tol)
     return result
 
 
@@ -352,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("hf-to-megatron", help="HF safetensors directory -> Megatron dist checkpoint (TP x PP)",
                        description="Spawn TP x PP processes; each loads its shard from the HF files and saves it "
                                    "with megatron.core.dist_checkpointing (torch_dist) to OUT/model.")
-    a.add_argument("--hf", required=True, help="HF checkpoint directory (config.json, *.safetensors, tokenizer)")
+    a.add_argument("--hf", required=True, help="HF checkpoint directory (config.json, *.safetensors, tokenizer), or a "
+                                               "Hub id found in the local Hugging Face cache")
     a.add_argument("--out", required=True, help="output checkpoint directory (OUT/model, OUT/hf, OUT/meta.json)")
     a.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size (default 1)")
     a.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size (default 1)")
@@ -363,9 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("megatron-to-hf", help="Megatron dist checkpoint (any TP x PP) -> HF safetensors directory",
                        description="Stream the checkpoint layer by layer into HF safetensors shards, copy config and "
                                    "tokenizer from CKPT/hf.")
-    b.add_argument("--ckpt", required=True, help="checkpoint directory with model/ and hf/ (a converter output or a "
-                                                 "policy checkpoint)")
+    b.add_argument("--ckpt", required=True,
+                   help="checkpoint directory with model/ and hf/: a converter output, a policy checkpoint, a run's "
+                        "step directory or its checkpoints/latest pointer")
     b.add_argument("--out", required=True, help="output HF directory")
+    b.add_argument("--hf-config", default=None,
+                   help="directory with the HF config.json + tokenizer to use instead of CKPT/hf")
     b.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     b.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="dtype of the written tensors (default auto: the HF config's dtype)")
@@ -376,8 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--verify", action="store_true",
                        help="compare Megatron and transformers logits on random tokens, print the max abs diff")
         p.add_argument("--verify-tol", type=float, default=None,
-                       help="max abs logit difference accepted by --verify (default 1e-4 float32, 2%% of max |logit| "
-                            "bfloat16)")
+                       help="max abs logit difference accepted by --verify (default 1e-4; both sides compute in "
+                            "float32 on the checkpoint's weights)")
     return ap
 
 
@@ -392,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             megatron_to_hf(args.ckpt, args.out, force=args.force, verify=args.verify,
                            max_shard_size=args.max_shard_size, dtype=args.dtype, verify_tp=args.verify_tp,
-                           verify_pp=args.verify_pp, verify_tol=args.verify_tol)
+                           verify_pp=args.verify_pp, verify_tol=args.verify_tol, hf_config=args.hf_config)
     except (ConversionError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"da3po convert: error: {e}", file=sys.stderr)
         return 3 if isinstance(e, ConversionError) and str(e).startswith("verification failed") else 2
