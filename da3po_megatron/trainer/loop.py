@@ -50,14 +50,13 @@ def fill_batch(run: Run, step: int, timer: PhaseTimer) -> tuple[list[B.Group], l
     for round_ in range(cfg.algorithm.max_generation_rounds):
         if buffer.is_full:
             break
-        need = cfg.data.train_batch_size - len(buffer)
-        examples = run.next_prompts(need)
+        examples = run.next_prompts(run.prompts_for_round(cfg.data.train_batch_size - len(buffer)))
         with timer("generate"):
             completions = run.generate(examples, seed=run.sampling_seed(step, round_))
         with timer("reward"):
             groups = run.score(examples, completions)
         generated += groups
-        buffer.add(groups, [g.p_hat if cfg.filter_groups else 0.5 for g in groups])
+        run.totals["kept_groups"] += buffer.add(groups, [g.p_hat if cfg.filter_groups else 0.5 for g in groups])
     if not buffer.is_full:
         s = buffer.stats()
         raise DynamicSamplingError(

@@ -14,6 +14,7 @@ killed), makes the loop checkpoint after the current step and exit; the requeued
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -82,7 +83,8 @@ class Run:
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
-        self.totals = {"samples": 0, "tokens": 0, "groups": 0, "reward_timeouts": 0, "reward_errors": 0}
+        self.totals = {"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
+                       "reward_errors": 0}
         self._preempt = False
         (self.run_dir / "PREEMPT").unlink(missing_ok=True)  # a request of the previous (requeued) job
         for sig in (signal.SIGUSR1, signal.SIGTERM):
@@ -130,6 +132,14 @@ class Run:
     def next_prompts(self, k: int) -> list[Example]:
         return self.prompts.take(k)
 
+    def prompts_for_round(self, need: int) -> int:
+        """Prompts to generate for ``need`` missing groups: over-sampled by the inverse of the keep rate observed so
+        far in this run (at most 4x; exactly ``need`` without filtering or on the first round of a run)."""
+        if not self.cfg.filter_groups or self.totals["groups"] == 0:
+            return need
+        keep_rate = max(self.totals["kept_groups"] / self.totals["groups"], 0.25)
+        return max(need, math.ceil(need / keep_rate))
+
     def sampling_seed(self, step: int, round_: int) -> int:
         """Engine sampling seed of one generation round: a function of (seed, step, round) so a resumed run samples
         exactly what an uninterrupted one would."""
@@ -169,7 +179,6 @@ class Run:
         """pi_old for the ratio, and the rollout-vs-policy log-prob mismatch of the sampled tokens (logged every step:
         the trainer/engine mismatch problem). With ``actor.use_rollout_logprobs`` only a ``rollout.
         logprob_check_fraction`` sample of responses is recomputed, for the mismatch metric alone."""
-        import math
         import random as _random
 
         from da3po_megatron.rollout.consistency import logprob_diff_metrics
