@@ -3,8 +3,8 @@
 Real megatron-core 0.16.1, real torch.distributed (torchrun, 1-2 processes), real Ray (2 actors), a tiny random Qwen3.
 Three torchrun launches of ``da3po_megatron.megatron.selfcheck`` (TP1 / TP2 / PP2, shared by all tests through a
 module fixture) write JSON + exported tensors; the Ray test runs a DP=2 PolicyGroup from the same starting weights.
-The PP=2 launch uses the fused-kernel loss backend (chunked), the others the torch backend, so the two backends are
-also compared with each other.
+The TP1 launch loads the HF weights through the bridge and writes the common starting checkpoint. The PP=2 launch
+uses the fused-kernel loss backend (chunked), the others the torch backend, so the two backends are also compared.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def runs(tmp_path_factory) -> dict:
     base = d / "base"
     common = ["--hf", str(hf), "--base", str(base)]
     res = {"dir": d, "hf": hf, "base": base}
-    res["tp1"] = _launch(1, d / "tp1.json", *common, "--init-base", "--export", str(d / "ex_tp1"),
+    res["tp1"] = _launch(1, d / "tp1.json", *common, "--init-base", "--load-hf", "--export", str(d / "ex_tp1"),
                          "--decrease-steps", "4")
     res["tp2"] = _launch(2, d / "tp2.json", *common, "--tp", "2", "--export", str(d / "ex_tp2"),
                          "--save-ckpt", str(d / "ck_tp2"), "--resume-check")
@@ -112,6 +112,31 @@ def test_export_has_global_names_and_full_tensors_independent_of_layout(runs):
     assert "decoder.layers.1.mlp.linear_fc1.weight" in a  # layer 1 lives on PP stage 1: renamed to its global number
     assert a["embedding.word_embeddings.weight"].shape == (128, 64)
     assert a["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 32, 64)
+
+
+def test_policy_from_hf_weights_matches_transformers_and_exports_the_same_weights(runs):
+    from transformers import AutoModelForCausalLM
+
+    from da3po_megatron.bridge import megatron_to_hf
+    from da3po_megatron.megatron.model import load_hf_config
+
+    assert runs["tp1"]["info"]["hf_loaded"]
+    model = AutoModelForCausalLM.from_pretrained(str(runs["hf"]), dtype=torch.float32).eval()
+    prompts, responses = fixed_batch()
+    worst = 0.0
+    for p, r, lp in zip(prompts, responses, runs["tp1"]["logprobs"]):
+        with torch.no_grad():
+            logp = model(torch.tensor([p + r])).logits.log_softmax(-1)[0]
+        ref = [logp[len(p) - 1 + j, t].item() for j, t in enumerate(r)]
+        worst = max([worst] + [abs(a - b) for a, b in zip(ref, lp)])
+    assert worst < 1e-4
+    hf_sd, hf_cfg = model.state_dict(), load_hf_config(runs["hf"])
+    seen = set()
+    for name, tensor in _export(runs["dir"], "tp1", "before").items():
+        for hf_name, t in megatron_to_hf(name, tensor, hf_cfg):
+            assert torch.equal(t, hf_sd[hf_name]), hf_name
+            seen.add(hf_name)
+    assert seen == set(hf_sd)
 
 
 def test_training_moves_the_weights(runs):

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--base", required=True, help="model checkpoint every layout starts from")
-    ap.add_argument("--init-base", action="store_true", help="write --base from this (random) init first")
+    ap.add_argument("--init-base", action="store_true", help="write --base from this init first")
+    ap.add_argument("--load-hf", action="store_true", help="initialise from the HF weights (bridge), not randomly")
     ap.add_argument("--out", required=True, help="JSON results (rank 0)")
     ap.add_argument("--export", default=None, help="prefix of .pt files with exported tensors (per PP stage)")
     ap.add_argument("--save-ckpt", default=None, help="full checkpoint after train step 1")
@@ -77,11 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         optimizer=OptimizerOptions(lr=args.lr, adam_eps=1e-4, clip_grad=1.0),
         loss=LossOptions(algorithm=args.algorithm, backend=args.loss_backend, kernel_backend="chunked"),
         batching=BatchingOptions(max_tokens_per_microbatch=args.max_tokens),
-        load_hf_weights=False,
+        load_hf_weights=args.load_hf,
     )
     w = PolicyWorker(cfg)
     rank = dist.get_rank()
     res: dict = {"info": w.info()}
+    if args.load_hf and not w.hf_loaded:
+        raise RuntimeError(f"--load-hf: the HF weights in {args.hf} were not loaded (bridge missing?)")
     if args.init_base:
         w.save_model(args.base)
     w.load_model(args.base)
