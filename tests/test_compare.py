@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -288,7 +290,8 @@ def test_tool_report_only_rebuilds_from_existing_runs(tmp_path):
 def test_smoke_grid_runs_through_the_real_trainer_and_skips_finished_runs_when_rerun(tmp_path):
     out, runs = tmp_path / "rep", tmp_path / "runs"
     cmd = [sys.executable, "tools/compare_algorithms.py", "--smoke", "--out", str(out), "--runs-dir", str(runs)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DA3PO_RAY_TMP": str(tmp_path / "ray")}
+    ray_tmp = tempfile.mkdtemp(prefix="cmp", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DA3PO_RAY_TMP": ray_tmp}
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     logs = "\n".join(p.read_text()[-3000:] for p in runs.glob("*/seed0/train.log"))
     assert r.returncode == 0, r.stdout + r.stderr + logs
@@ -301,3 +304,4 @@ def test_smoke_grid_runs_through_the_real_trainer_and_skips_finished_runs_when_r
     r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert r2.returncode == 0 and r2.stdout.count("done, skipped") == 2, r2.stdout + r2.stderr
     assert time.perf_counter() - t0 < 60
+    shutil.rmtree(ray_tmp, ignore_errors=True)

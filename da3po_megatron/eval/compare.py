@@ -304,9 +304,10 @@ def run_grid(specs: Sequence[RunSpec], base_config: str | Path, model_path: str 
         log(f"[{i}/{len(specs)}] {name}: {'resuming' if status == 'partial' else 'starting'} "
             f"(log: {spec.run_dir / 'train.log'})")
         from_step = last_step(spec.run_dir)
+        commit = _git_commit()
         rc, wall = _run_logged(cmd, spec.run_dir / "train.log", timeout_s)
         info["attempts"].append({"cmd": cmd, "rc": rc, "wall_s": round(wall, 1), "from_step": from_step,
-                                 "to_step": last_step(spec.run_dir),
+                                 "to_step": last_step(spec.run_dir), "git": commit,
                                  "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")})
         info["wall_s_total"] = round(sum(a["wall_s"] for a in info["attempts"]), 1)
         info_path.write_text(json.dumps(info, indent=2) + "\n")
@@ -319,6 +320,18 @@ def run_grid(specs: Sequence[RunSpec], base_config: str | Path, model_path: str 
             f"in {wall:.0f} s")
         records.append({**rec, "rc": rc, "wall_s": wall, "status": "done" if ok else "failed"})
     return records
+
+
+def _git_commit() -> str:
+    """HEAD of the checkout the runs execute (+ "-dirty" with uncommitted changes), recorded per attempt."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def _without_steps(cmd: Sequence[str]) -> list[str]:
@@ -691,7 +704,7 @@ def verdict(d: ReportData, metric: str) -> tuple[str, dict]:
         return ("No method with DAA and no baseline both present: nothing to compare.", {})
     total_own = sum(own_counts.values())
     if total_own == 0:
-        head = "No DAA method could be compared with its own baseline (missing runs)."
+        head = "No DAA method could be compared with its own baseline (not in the grid, or no runs)."
     elif own_counts["undetermined"] == total_own:
         head = "With fewer than 2 seeds per method no significance can be claimed."
     elif own_counts["better"] and not own_counts["worse"]:
@@ -710,7 +723,7 @@ def verdict(d: ReportData, metric: str) -> tuple[str, dict]:
     text = (f"{head} (Against all baselines: {counts['better']} better, {counts['worse']} worse, "
             f"{counts['no significant difference']} not significantly different, {counts['undetermined']} "
             f"undetermined.) The screen is a difference of seed means beyond {d.z:g} standard errors with "
-            f"{seeds_txt} seeds per method, uncorrected for the number of comparisons: a coarse test -- read "
+            f"{seeds_txt} seed(s) per method, uncorrected for the number of comparisons: a coarse test -- read "
             "'no significant difference' as 'this budget cannot tell them apart', not as 'equal'.\n\n"
             + "\n".join(lines))
     return text, {"counts": counts, "own_baseline_counts": own_counts, "comparisons": data}
