@@ -31,9 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
+    from da3po_megatron.data.datasets import BadRowError
     from da3po_megatron.trainer.loop import train
 
-    run = train(cfg)
+    try:
+        run = train(cfg)
+    except BadRowError as e:  # names file, row and field; data.on_bad_row=skip skips and counts instead
+        print(f"data error: {e}\n(set data.on_bad_row=skip to skip and count malformed rows)", file=sys.stderr)
+        return 2
     print(f"done: step {run.step}; logs in {run.run_dir}/metrics.jsonl", flush=True)
     return 0
 

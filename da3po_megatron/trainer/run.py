@@ -62,7 +62,8 @@ def load_train_data(cfg: Config) -> PromptDataset:
         parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row) for f in d.train_files]
     else:
         parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
-                              on_bad_row=d.on_bad_row, template=d.template) for f in d.train_files]
+                              on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem)
+                 for f in d.train_files]
     for f, part in zip(d.train_files, parts):
         if part.stats is not None and part.stats.as_dict().get("skipped"):
             print(f"data: {f}: skipped {part.stats.as_dict()['skipped']} malformed rows (data.on_bad_row=skip)")
