@@ -101,7 +101,8 @@ def export_state_dict(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iter
     dst = ps.get_tensor_model_parallel_src_rank() if tp_size > 1 else 0
     for local_name, param in bare.named_parameters():
         name = mapping.layer_name(local_name, to_global)
-        if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        # split or replicated per the mapping table, not per parameter attributes (TE's fused layers differ there)
+        if tp_size == 1 or mapping.resolve(name, hf_config)[0].tp_dim is None:
             if tp_rank == 0:
                 yield name, param.detach()
             continue
