@@ -135,9 +135,13 @@ def run(args: argparse.Namespace) -> dict:
                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], dtype=torch.float64,
                         device="cuda" if cuda else "cpu")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    n_params = torch.tensor(0.0 if w.dp_rank else float(sum(
+        p.numel() for p in w._bare.parameters() if getattr(p, "tensor_model_parallel", False) or w.tp_rank == 0)),
+        dtype=torch.float64, device=peak.device)
+    dist.all_reduce(n_params)  # every parameter once: TP shards summed, replicated ones from TP rank 0, DP replica 0
     result = {
-        "model": args.hf if not args.tiny else f"tiny-qwen3(h={args.tiny_hidden},L={args.tiny_layers})",
-        "params": sum(p.numel() for p in w._bare.parameters()) * args.tp,  # per PP stage x TP (approx. total/PP)
+        "model": os.environ.get("BENCH_MODEL_LABEL", args.hf),
+        "params": int(n_params.item()),
         "world": world, "tp": args.tp, "pp": args.pp, "dp": w.dp, "dtype": args.dtype,
         "batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
         "max_tokens_per_microbatch": args.max_tokens, "loss_backend": args.loss_backend,
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny and args.hf is None:
         from da3po_megatron.tiny import build_model
 
+        os.environ["BENCH_MODEL_LABEL"] = f"tiny-qwen3(hidden={args.tiny_hidden},layers={args.tiny_layers})"
         args.hf = str(build_model(tempfile.mkdtemp(prefix="bench_tiny_"), family="qwen3", seed=0,
                                   hidden_size=args.tiny_hidden, num_layers=args.tiny_layers,
                                   ffn_hidden_size=2 * args.tiny_hidden, num_heads=max(4, args.tiny_hidden // 32),

@@ -1,0 +1,35 @@
+"""tools/bench_train_step.py: the FLOPs estimate and a real one-rank run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_train_step  # noqa: E402
+
+
+def test_model_flops_is_6NT_plus_causal_attention():
+    hf = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 128}
+    attn = 64 * 32 * (4 + 4) + 4 * 32 * 64
+    n = 2 * (attn + 3 * 64 * 128) + 128 * 64
+    assert bench_train_step.model_flops(hf, [10, 20]) == 6 * n * 30 + 6 * 2 * 4 * 32 * (100 + 400)
+
+
+def test_bench_runs_one_train_step_on_a_tiny_model(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_train_step.py"), "--tiny", "--batch", "4",
+                           "--prompt-len", "8", "--response-len", "16", "--max-tokens", "48", "--warmup", "0",
+                           "--steps", "1", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["tokens_per_step"] == 4 * 24 and r["num_microbatches"] == 2
+    assert r["train_tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 and r["params"] == 115136
+    assert "mfu" not in r  # CPU: no MFU
