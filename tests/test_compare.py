@@ -281,6 +281,13 @@ def test_tool_report_only_rebuilds_from_existing_runs(tmp_path):
                         "--no-figures"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "## Equal training steps (step 8)" in (tmp_path / "rep/report.md").read_text()
+    (runs / "grid_command.txt").write_text("python tools/compare_algorithms.py --seeds 0,1,2 --out rep\n")
+    r = subprocess.run([sys.executable, "tools/compare_algorithms.py", "--report-only", "--methods", "dapo,da3po:2",
+                        "--seeds", "0,1,2", "--steps", "8", "--out", str(tmp_path / "rep"), "--runs-dir", str(runs),
+                        "--no-figures"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    text = (tmp_path / "rep/report.md").read_text()
+    assert "```bash\npython tools/compare_algorithms.py --seeds 0,1,2 --out rep\n```" in text  # the grid's command
+    assert "rebuilt from the existing runs with" in text and "--report-only" in text
 
 
 # ---------------------------------------------------------------------------------------------------- real trainer

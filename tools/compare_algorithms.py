@@ -81,7 +81,14 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     records = None
-    if not a.report_only:
+    rebuilt_with = ""
+    grid_cmd = runs_dir / "grid_command.txt"  # the command that trained the runs, for --report-only rebuilds
+    if a.report_only:
+        if grid_cmd.exists():
+            command, rebuilt_with = grid_cmd.read_text().strip(), command
+    else:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        grid_cmd.write_text(command + "\n")
         try:
             C.ensure_warmup(warmup_dir, warmup_args)
         except RuntimeError as e:
@@ -92,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         except C.Stop as e:
             print(f"compare_algorithms: stopped: {e}; re-run the same command to resume", flush=True)
             return 143
-    report = C.build_report(specs, methods, a.out, command=command, base_config=a.base, records=records,
+    report = C.build_report(specs, methods, a.out, command=command, rebuilt_with=rebuilt_with, base_config=a.base,
+                            records=records,
                             window=a.window, z=a.z, warmup_dir=warmup_dir, page=a.page,
                             figures=not a.no_figures)
     print(f"report: {report} ({time.perf_counter() - t0:.0f} s)" + (f"; page: {a.page}" if a.page else ""))
