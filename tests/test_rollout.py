@@ -184,3 +184,30 @@ def test_bad_prompts_are_reported_with_their_type(client):
     with pytest.raises(RolloutError, match="must be a str, a list of chat messages or a list of token ids"):
         client.generate([3.5], SamplingConfig(max_tokens=2))
     assert client.generate([], SamplingConfig()) == []
+
+
+def test_packed_buckets_round_trip_mixed_dtypes_and_shapes():
+    from da3po_megatron.rollout.client import pack_bucket
+    from da3po_megatron.rollout.worker_ext import _unpack
+
+    bucket = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.randn(7), "c": torch.arange(5, dtype=torch.int64),
+              "d": torch.randn(2, 3, 4, dtype=torch.float16), "e": torch.tensor(2.5)}
+    buf, meta = pack_bucket(bucket)
+    back = _unpack((buf, meta))
+    assert list(back) == list(bucket)
+    for k, v in bucket.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+
+
+def test_consistency_metrics_are_mean_and_max_abs_over_tokens():
+    from da3po_megatron.rollout.consistency import logprob_diff_metrics, select
+
+    m = logprob_diff_metrics([[-1.0, -2.0], [-0.5]], [[-1.1, -2.0], [-0.2]], prefix="d")
+    assert m["d_mean"] == pytest.approx((0.1 + 0.0 + 0.3) / 3) and m["d_max"] == pytest.approx(0.3)
+    assert m["d_tokens"] == 3 and m["d_responses"] == 2
+    with pytest.raises(ValueError, match="response 1: 1 rollout log-probs vs 2 policy"):
+        logprob_diff_metrics([[-1.0], [-1.0]], [[-1.0], [-1.0, -2.0]])
+    pool = [Completion(i, 0, [1], [2] * (i % 3), "", [-0.1] * (i % 3), "stop", i % 3) for i in range(30)]
+    picked = select(pool, fraction=0.25, seed=3)
+    assert len(picked) == 5 and all(c.num_tokens > 0 for c in picked)  # ceil(0.25 x 20 non-empty)
+    assert [c.prompt_index for c in picked] == [c.prompt_index for c in select(pool, 0.25, seed=3)]

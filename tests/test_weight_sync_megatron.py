@@ -13,7 +13,7 @@ import torch
 
 from da3po_megatron.rollout import EngineConfig, RolloutClient, SamplingConfig
 from da3po_megatron.rollout.consistency import check_consistency
-from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
+from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines, sync_policy_to_engines
 
 TOL = 1e-4
 PROMPTS = ["What is 2+3?", "Solve x+1=4.", "hello world", "7*6=?"]
@@ -114,5 +114,9 @@ def test_tp2_policy_sync_matches_megatron_logprobs(client, dirs):
         out = client.generate(PROMPTS, SamplingConfig(n=2, max_tokens=16, seed=2))
         assert check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"] < TOL
         assert hf_max_diff(dirs[2], out) < TOL  # and both equal the HF checkpoint the policy loaded
+        # the single-process entry point on the same export (gathered to the driver) gives the same engine weights
+        pushed = client.weights_checksums()[0]
+        stats = sync_policy_to_engines(group.export_state_dict().items(), dirs[2], client, bucket_mb=1)
+        assert stats["gbps"] > 0 and client.weights_checksums()[0] == pytest.approx(pushed, rel=1e-12)
     finally:
         group.shutdown()

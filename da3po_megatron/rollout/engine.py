@@ -25,6 +25,9 @@ from da3po_megatron.rollout.types import Completion, EngineConfig, RolloutError,
 
 WORKER_EXTENSION = "da3po_megatron.rollout.worker_ext.WeightSyncExtension"
 CPU_DEFAULT_KV_BYTES = 256 * 2**20
+# In-process engines of this process. They share vLLM's process-wide distributed state, which the engine-core
+# shutdown destroys: only the last one to go may run it (see VLLMEngine.shutdown).
+_LIVE_INPROC: set[int] = set()
 
 
 def cuda_available() -> bool:
@@ -130,6 +133,9 @@ class VLLMEngine:
         self.llm = vllm.LLM(**llm_kwargs(config, self.has_cuda))
         self.startup_seconds = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        if self.in_process:
+            _LIVE_INPROC.add(id(self))
         self.weights_version = 0
         self.generated_tokens = 0
         self._session_open = False
@@ -297,14 +303,22 @@ class VLLMEngine:
         return os.getpid()
 
     def shutdown(self) -> None:
+        """Free the engine. In-process engines share vLLM's global parallel state: all but the last one alive only
+        drop their references (their shutdown finaliser is detached so GC cannot tear the shared state down)."""
         llm = getattr(self, "llm", None)
         self.llm = None
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            core = getattr(engine, "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
-            del llm
-            import gc
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        others = self.in_process and bool(_LIVE_INPROC - {id(self)})
+        _LIVE_INPROC.discard(id(self))
+        if others:
+            finalizer = getattr(core, "_finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
+        elif core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm, core
+        import gc
 
-            gc.collect()
+        gc.collect()

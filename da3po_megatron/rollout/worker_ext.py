@@ -23,6 +23,28 @@ from __future__ import annotations
 import time
 
 
+def _unpack(payload) -> dict:
+    """The tensors of one bucket payload (see :meth:`WeightSyncExtension.da3po_load_bucket`)."""
+    import warnings
+
+    import torch
+
+    if isinstance(payload, dict):
+        return payload
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load as st_load
+
+        return st_load(bytes(payload))
+    buf, meta = payload
+    with warnings.catch_warnings():  # a read-only view of Ray's shared memory: only read, then copied into params
+        warnings.simplefilter("ignore", UserWarning)
+        flat = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)
+    out = {}
+    for name, dtype, shape, offset, n in meta:
+        out[name] = flat[offset:offset + n].view(getattr(torch, dtype)).view(shape)
+    return out
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
 
@@ -40,15 +62,16 @@ class WeightSyncExtension:
             initialize_layerwise_reload(model)
         self._da3po_session = {"loaded": set(), "bytes": 0, "t0": time.perf_counter()}
 
-    def da3po_load_bucket(self, blob: bytes) -> dict:
-        """Load one bucket: ``safetensors.torch.save(dict_of_hf_tensors)`` bytes. Returns counts for the report."""
-        from safetensors.torch import load as st_load
+    def da3po_load_bucket(self, payload) -> dict:
+        """Load one bucket of HF-named tensors. ``payload``: a dict of tensors (in-process engines), a packed
+        ``(uint8 buffer, [(name, dtype, shape, offset, nbytes)])`` pair (Ray transport), or safetensors bytes."""
         from vllm.config import set_current_vllm_config
 
         session = getattr(self, "_da3po_session", None)
         if session is None:
             raise RuntimeError("da3po_load_bucket called outside a weight update session (call begin first)")
-        tensors = st_load(bytes(blob))
+        tensors = _unpack(payload)
+        n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         model = self._da3po_model()
         with set_current_vllm_config(self.vllm_config):
             try:
@@ -60,8 +83,8 @@ class WeightSyncExtension:
                                    f"{type(e).__name__}: {e}") from e
         if loaded:
             session["loaded"].update(loaded)
-        session["bytes"] += len(blob)
-        return {"tensors": len(tensors), "bytes": len(blob)}
+        session["bytes"] += n_bytes
+        return {"tensors": len(tensors), "bytes": n_bytes}
 
     def da3po_finish_weight_update(self, strict: bool = True) -> dict:
         """Finalise the session; with ``strict``, raise naming the vLLM parameters no bucket wrote."""
