@@ -102,6 +102,15 @@ def test_train_step_of_parallel_layout_equals_single_rank(runs, layout):
         assert torch.allclose(a[name], b[name], atol=1e-6, rtol=0), name
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
+def test_sequence_normalised_losses_of_parallel_layout_equal_single_rank(runs, layout, algorithm):
+    ref, got = runs["tp1"]["algorithms"][algorithm], runs[layout]["algorithms"][algorithm]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert got["loss"] != pytest.approx(runs["tp1"]["step1"]["loss"], rel=1e-3)  # not the token-mean loss
+
+
 def test_export_has_global_names_and_full_tensors_independent_of_layout(runs):
     a = _export(runs["dir"], "tp1", "before")
     for layout in ("tp2", "pp2"):
@@ -172,7 +181,7 @@ def test_a_few_train_steps_on_a_fixed_batch_decrease_the_loss(runs):
 def test_ray_policy_group_dp2_matches_single_rank_and_loads_other_layouts(runs, tmp_path):
     ray = pytest.importorskip("ray")
     from da3po_megatron.megatron.actor_group import PolicyGroup, PolicyGroupError
-    from da3po_megatron.megatron.policy import BatchingOptions, OptimizerOptions
+    from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions
 
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
              _temp_dir=str(Path("/tmp") / f"ray_policy_{os.getpid()}"), log_to_driver=False)
@@ -190,6 +199,12 @@ def test_ray_policy_group_dp2_matches_single_rank_and_loads_other_layouts(runs, 
         # global token normaliser: DP=2 gives the loss and gradient of the whole mini-batch
         assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        # GRPO's per-response normaliser counted over both DP ranks (global_num_seqs)
+        group.call_all("set_loss_options", LossOptions(algorithm="grpo"))
+        group.load_model(str(runs["base"]))
+        grpo_dp2 = group.train_step(PolicyBatch(prompts, responses, perturbed(lp), ADVANTAGES))
+        assert grpo_dp2["loss"] == pytest.approx(runs["tp1"]["algorithms"]["grpo"]["loss"], rel=1e-5)
+        assert grpo_dp2["grad_norm"] == pytest.approx(runs["tp1"]["algorithms"]["grpo"]["grad_norm"], rel=1e-5)
         flats = group.run_on_all(lambda w: torch.cat([p.detach().reshape(-1) for p in w._bare.parameters()]))
         assert torch.equal(flats[0], flats[1])  # DP replicas stay identical
         for layout in ("tp2", "pp2"):  # saved at TP=2 / PP=2, loaded at TP=1 PP=1

@@ -37,7 +37,7 @@ import math
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -241,7 +241,8 @@ class PolicyWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         self.vocab, self.padded_vocab = vocab_sizes(self.hf, self.tp, cfg.model.make_vocab_size_divisible_by)
-        self.thd = use_te(cfg.model) and cfg.batching.packing
+        self.te = use_te(cfg.model)
+        self.thd = self.te and cfg.batching.packing
         pad = self.hf.get("pad_token_id")
         self.pad_id = int(pad) if isinstance(pad, int) else 0
 
@@ -297,6 +298,11 @@ class PolicyWorker:
         cpu_compat.apply_if_needed()  # Ray may run actor methods on another thread than init's
         return fn(self, *args, **kwargs)
 
+    def set_loss_options(self, loss: LossOptions) -> None:
+        """Switch the policy loss (algorithm preset, clip ratios, backend) between steps, e.g. for ablations."""
+        self.cfg = replace(self.cfg, loss=loss)
+        self.loss_params = loss.resolved()
+
     def info(self) -> dict[str, Any]:
         """Where this rank sits and what it holds."""
         n_params = sum(p.numel() for p in self._bare.parameters())
@@ -339,11 +345,14 @@ class PolicyWorker:
         def forward_step(data_iterator, model):
             mb = next(data_iterator).to(self.device)
             kwargs = {}
+            mask = mb.attention_mask
             if mb.cu_seqlens is not None:
                 kwargs["packed_seq_params"] = PackedSeqParams(
                     qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
-            output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
+            elif self.te:
+                mask = None  # TE attention is causal by type; right-padded rows need nothing more
+            output = model(mb.tokens, mb.position_ids, mask, **kwargs)
             return output, partial(loss_builder, mb)
 
         fb = get_forward_backward_func()

@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         base_lp = w.compute_logprobs(batch)
         steady = PolicyBatch(prompts, responses, base_lp, advantages)
         res["decrease_losses"] = [w.train_step(steady)["loss"] for _ in range(args.decrease_steps)]
+    res["algorithms"] = {}
+    for algorithm in ("grpo", "gspo"):  # sequence-level normaliser / ratio: one step each from the base weights
+        w.set_loss_options(LossOptions(algorithm=algorithm, backend=args.loss_backend, kernel_backend="chunked"))
+        w.load_model(args.base)
+        res["algorithms"][algorithm] = w.train_step(train)
     if rank == 0:
         Path(args.out).write_text(json.dumps(res))
     dist.barrier()
