@@ -213,6 +213,14 @@ def test_ray_policy_group_dp2_matches_single_rank_and_loads_other_layouts(runs, 
             got = group.compute_logprobs(PolicyBatch(prompts, responses))
             assert _max_diff(got, runs[layout]["logprobs_after_step1"]) < 1e-5
 
+        # a full checkpoint written and read with the DP-parallel (fully_parallel) strategies, same layout
+        group.save(str(tmp_path / "fp"), fully_parallel=True)
+        before = group.compute_logprobs(PolicyBatch(prompts, responses))
+        group.train_step(PolicyBatch(prompts, responses, perturbed(before), ADVANTAGES))
+        info = group.load(str(tmp_path / "fp"), fully_parallel=True)
+        assert info["loaded_optimizer"] and info["restored_rng"]
+        assert _max_diff(group.compute_logprobs(PolicyBatch(prompts, responses)), before) == 0.0
+
         def die(worker):
             if worker.info()["rank"] == 1:
                 os._exit(1)
