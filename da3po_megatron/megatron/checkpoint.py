@@ -161,6 +161,28 @@ def save_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
     _barrier()
 
 
+def _prime_adam_state(optimizer) -> None:
+    """Give a fresh torch Adam (never stepped, e.g. a resumed process) the per-parameter state a stepped one has.
+
+    megatron-core 0.16.1's ``DistributedOptimizer.state_dict()`` -- called while building the sharded state dict to
+    load INTO -- asserts that every parameter's state holds one common ``step``; a fresh optimizer has no state at
+    all (AssertionError) and Megatron's ``init_state_fn`` adds moments but no ``step`` (KeyError 'step'). Zeros and
+    step 0 are placeholders: the load overwrites moments, and :func:`_restore_adam_step` the step.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                if "step" not in st:
+                    st["step"] = torch.tensor(0.0)
+
+
 def _restore_adam_step(optimizer, state) -> None:
     """Put the saved Adam step back into torch Adam's per-parameter state.
 
@@ -218,6 +240,7 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
     bare = _unwrap(model)
     load_model(bare, path / "model", fully_parallel=fully_parallel)
     if do_opt and optimizer is not None:
+        _prime_adam_state(optimizer)
         model_sd = bare.sharded_state_dict()
         with torch.no_grad():  # dp_reshardable load writes into parameters' buffers
             opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True,
