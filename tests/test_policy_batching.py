@@ -73,6 +73,20 @@ def test_packed_row_has_restarting_positions_block_diagonal_causal_mask_and_resp
     assert mb.unflatten(torch.arange(5.0)).tolist() == [[0, 1, 0], [2, 3, 4], [0, 0, 0]]
 
 
+def test_dense_packing_fills_rows_as_long_as_the_longest_sequence():
+    b = PolicyBatch(prompt_ids=[[1, 2, 3, 4], [5], [6, 7], [8]], response_ids=[[9, 10], [11], [12], [13, 14]])
+    mb = build_microbatch(b, [0, 1, 2, 3], packing=True, row_capacity=0)  # lengths 6, 2, 3, 3 -> rows of 6
+    assert mb.tokens.tolist() == [[1, 2, 3, 4, 9, 10], [6, 7, 12, 8, 13, 14], [5, 11, 0, 0, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2], [0, 1, 0, 0, 0, 0]]
+    flat = mb.tokens.view(-1)
+    assert flat[mb.token_index + 1].tolist() == mb.token_targets.tolist() == [9, 10, 11, 12, 13, 14]
+    for r in range(3):  # block-diagonal causal per row; padding sees only itself
+        for i in range(6):
+            seen = (~mb.attention_mask[r, 0, i]).nonzero().view(-1).tolist()
+            assert seen == list(range(i - int(mb.position_ids[r, i]), i + 1)), (r, i, seen)
+    assert mb.num_response_tokens == 6
+
+
 def test_padded_rows_hold_one_sequence_each_with_causal_mask():
     mb = build_microbatch(_batch(), [1, 3], packing=False, pad_id=0)
     assert mb.tokens.tolist() == [[20, 21, 22, 23, 24], [40, 41, 42, 43, 44]]

@@ -10,12 +10,13 @@ already DAA-amplified by the trainer, Eq. 14). This module turns it into Megatro
   (first-fit decreasing bin packing, as verl's dynamic batching / NeMo-RL's sequence packing do);
 - :func:`build_microbatch` builds the tensors of one micro-batch, either
 
-  * **packed** (default): all sequences of the micro-batch concatenated in ONE row ``[1, S]``, position ids restarting
-    at 0 for every sequence, and a dense block-diagonal causal attention mask ``[1, 1, S, S]`` (Megatron convention:
-    True = masked). Megatron's local layer spec (the CPU path) rejects THD ``packed_seq_params`` (its
-    ``DotProductAttention`` asserts ``packed_seq_params is None``), so on the local spec the mask is dense. With the
-    Transformer-Engine spec (GPU) the same row is described by ``cu_seqlens`` (THD format, ``PackedSeqParams``) and no
-    dense mask is built (``thd=True``);
+  * **packed** (default): the sequences of the micro-batch concatenated in a row, position ids restarting at 0 for
+    every sequence, and a dense block-diagonal causal attention mask ``[b, 1, S, S]`` (Megatron convention: True =
+    masked). Megatron's local layer spec (the CPU path) rejects THD ``packed_seq_params`` (its
+    ``DotProductAttention`` asserts ``packed_seq_params is None``), so on the local spec the mask is dense, and the
+    sequences are packed into several rows as long as the longest sequence (``row_capacity``): dense attention costs
+    rows x S^2, far less than one row of all tokens. With the Transformer-Engine spec (GPU) all sequences form ONE row
+    described by ``cu_seqlens`` (THD format, ``PackedSeqParams``) and no dense mask is built (``thd=True``);
   * **padded**: one sequence per row, right-padded to the longest sequence of the micro-batch, ``[b, S]``, with the
     same (then just causal) mask. Kept as the simple reference that packed batches must reproduce.
 
@@ -198,17 +199,44 @@ class MicroBatch:
         return out.index_put((self.token_seq, self.token_pos), per_token)
 
 
+def _pack_rows(lens: Sequence[int], capacity: int) -> list[tuple[int, int]]:
+    """(row, start) of each sequence: first-fit decreasing into rows of ``capacity`` tokens."""
+    fill: list[int] = []
+    starts: list[tuple[int, int]] = [(0, 0)] * len(lens)
+    for k in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+        for r, used in enumerate(fill):
+            if used + lens[k] <= capacity:
+                starts[k] = (r, used)
+                fill[r] += lens[k]
+                break
+        else:
+            starts[k] = (len(fill), 0)
+            fill.append(lens[k])
+    return starts
+
+
 def build_microbatch(batch: PolicyBatch, rows: Sequence[int], packing: bool = True, thd: bool = False,
-                     pad_id: int = 0) -> MicroBatch:
-    """The tensors of one micro-batch holding ``rows`` of ``batch`` (see :class:`MicroBatch`)."""
+                     pad_id: int = 0, row_capacity: int | None = None) -> MicroBatch:
+    """The tensors of one micro-batch holding ``rows`` of ``batch`` (see :class:`MicroBatch`).
+
+    ``row_capacity`` (packing with a dense mask only): instead of one row, pack into several rows of at most
+    ``max(row_capacity, longest sequence)`` tokens (0 = the longest sequence). Attention with a dense mask costs
+    rows x row_length^2 instead of (all tokens)^2; the values are the same.
+    """
     rows = list(rows)
     if not rows:
         raise ValueError("build_microbatch: no rows")
     if thd and not packing:
         raise ValueError("build_microbatch: thd=True needs packing=True")
+    if thd and row_capacity is not None:
+        raise ValueError("build_microbatch: thd=True packs one row (cu_seqlens); row_capacity must be None")
     seqs = [list(batch.prompt_ids[i]) + list(batch.response_ids[i]) for i in rows]
     lens = [len(s) for s in seqs]
-    if packing:
+    if packing and row_capacity is not None:
+        starts = _pack_rows(lens, max(row_capacity, max(lens)))
+        b = 1 + max(r for r, _ in starts)
+        s_len = max(start + n for (_, start), n in zip(starts, lens))
+    elif packing:
         b, s_len = 1, sum(lens)
         starts = [(0, sum(lens[:k])) for k in range(len(rows))]
     else:
@@ -279,10 +307,10 @@ def build_microbatch(batch: PolicyBatch, rows: Sequence[int], packing: bool = Tr
 
 
 def microbatches(batch: PolicyBatch, rows: Sequence[int], max_tokens: int, packing: bool = True,
-                 thd: bool = False, pad_id: int = 0) -> list[MicroBatch]:
+                 thd: bool = False, pad_id: int = 0, row_capacity: int | None = None) -> list[MicroBatch]:
     """Plan and build the micro-batches of ``rows`` of ``batch`` (the rows of each keep their batch indices)."""
     rows = list(rows)
     lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
     plan = plan_microbatches(lengths, max_tokens, packing=packing)
-    return [build_microbatch(batch, [rows[k] for k in group], packing=packing, thd=thd, pad_id=pad_id)
-            for group in plan]
+    return [build_microbatch(batch, [rows[k] for k in group], packing=packing, thd=thd, pad_id=pad_id,
+                             row_capacity=row_capacity) for group in plan]

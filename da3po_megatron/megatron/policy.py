@@ -409,8 +409,9 @@ class PolicyWorker:
         out_lp = torch.zeros(total, dtype=torch.float32, device=self.device)
         out_ent = torch.zeros(total if return_entropy else 0, dtype=torch.float32, device=self.device)
         shard = balance_across_dp(batch.lengths(), self.dp)[self.dp_rank]
-        mbs = microbatches(batch, shard, budget, packing=packing, thd=self.thd and packing,
-                           pad_id=self.pad_id) if shard else []
+        thd = self.thd and packing
+        mbs = microbatches(batch, shard, budget, packing=packing, thd=thd, pad_id=self.pad_id,
+                           row_capacity=None if thd else 0) if shard else []
 
         def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = False):
             logits = self._response_logits(output, mb)
@@ -512,7 +513,7 @@ class PolicyWorker:
             for rows in minis:
                 shard = [rows[k] for k in balance_across_dp([lengths[i] for i in rows], self.dp)[self.dp_rank]]
                 mbs = microbatches(batch, shard, b.max_tokens_per_microbatch, packing=b.packing, thd=self.thd,
-                                   pad_id=self.pad_id)
+                                   pad_id=self.pad_id, row_capacity=None if self.thd else 0)
                 counts = torch.tensor(
                     [sum(len(batch.response_ids[i]) for i in shard),
                      sum(1 for i in shard if batch.response_ids[i])], dtype=torch.float32, device=self.device)
