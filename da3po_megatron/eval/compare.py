@@ -625,7 +625,7 @@ def _per_step(runs: dict[int, list[dict]], key: str) -> list[float]:
 
 
 def _cost_table(d: ReportData, walls: dict[str, list[float]]) -> str:
-    header = ["method", "final step", "samples / step", "tokens / step", "filtered frac", "DAA activation",
+    header = ["method", "final step", "samples / step", "tokens / step", "filtered %", "DAA activation %",
               "DAA lambda (mean)", "s / step", "run wall s"]
     rows = []
     for m in d.methods:
@@ -999,7 +999,11 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             "filtered_frac.png": "Fraction of generated groups thrown away by dynamic sampling (p_hat in {0, 1}).",
             "daa_activation.png": "DAA activation (fraction of responses amplified, Eq. 14) and mean lambda.",
             "theory_diagnostic.png": "Theorem 3.1: mean advantage of correct / incorrect responses on kept groups "
-                                     "divided by that on all groups, vs the predicted alpha+ / alpha-.",
+                                     "divided by that on all groups of the same p_hat bin, vs the predicted alpha+ / "
+                                     "alpha- (dynamic-sampling methods). The theorem holds one prompt's success "
+                                     "probability p fixed; the diagnostic pools prompts by observed p_hat, so prompts "
+                                     "the policy cannot solve (true p ~ 0: all-wrong groups, zero advantage) pull the "
+                                     "'all' mean of incorrect responses towards 0 and push that ratio above alpha-.",
         }
         for p in figs:
             md += [f"![{p.stem}]({fig_prefix}{p.name})", "", f"_{captions.get(p.name, p.stem)}_", ""]
