@@ -28,7 +28,15 @@ def sleepy_reward(response: str, answer: str) -> float:
 
 @pytest.fixture
 def pool():
-    with RewardPool(num_workers=2, timeout_s=1.0, kill_grace_s=0.5,
+    """A pool with a generous limit: ordinary items must never time out, even on a loaded CI machine."""
+    with RewardPool(num_workers=2, timeout_s=20.0, extra_kinds={"sleepy": f"{THIS_MODULE}:sleepy_reward"}) as p:
+        yield p
+
+
+@pytest.fixture
+def tight_pool():
+    """A pool with a short limit, for the tests that hit it on purpose."""
+    with RewardPool(num_workers=2, timeout_s=2.0, kill_grace_s=0.5,
                     extra_kinds={"sleepy": f"{THIS_MODULE}:sleepy_reward"}) as p:
         yield p
 
@@ -36,7 +44,7 @@ def pool():
 def test_math_batch_scores_in_order_with_info(pool):
     res = pool.score_batch(["\\boxed{4}", "Answer: 5", "no answer", "Answer: 2\\sqrt{2}"], ["4", "4", "4", "2"],
                            kind="math")
-    assert res.rewards == [1.0, -1.0, -1.0, -1.0]
+    assert res.rewards == [1.0, -1.0, -1.0, -1.0], res.infos
     assert [i["status"] for i in res.infos] == ["ok"] * 4
     assert res.infos[0]["extracted"] == "4" and res.infos[3]["how"] == "answer_line"
     assert pool.stats["n"] == 4 and pool.stats["timeouts"] == 0 and pool.stats["errors"] == 0
@@ -44,26 +52,29 @@ def test_math_batch_scores_in_order_with_info(pool):
 
 def test_synthetic_kind_runs_in_the_pool(pool):
     res = pool.score_batch(["387", "3 8 7", "388"], ["387"] * 3, kind="synthetic")
-    assert res.rewards == [1.0, 1.0, -1.0]
+    assert res.rewards == [1.0, 1.0, -1.0], res.infos
 
 
-def test_giant_power_tower_hits_the_time_limit_scores_minus_one_and_is_counted(pool):
+def test_giant_power_tower_hits_the_time_limit_scores_minus_one_and_is_counted(tight_pool):
+    pool = tight_pool
     tower = "Answer: 9^{9^{9^{9^{9}}}}"  # parses instantly, then sympy tries to compare it numerically forever
     t0 = time.monotonic()
     res = pool.score_batch([tower, "\\boxed{5}"], ["5", "5"], kind="math")
-    assert time.monotonic() - t0 < 10
-    assert res.rewards == [-1.0, 1.0]
+    assert time.monotonic() - t0 < 15, res.infos
+    assert res.rewards == [-1.0, 1.0], res.infos
     assert res.infos[0]["status"] == "timeout" and res.timeouts == 1
     assert pool.stats["timeouts"] == 1
-    # the worker survived the soft limit and the pool keeps working
-    assert pool.score_batch(["\\boxed{6}"], ["6"]).rewards == [1.0]
+    # the pool keeps working
+    again = pool.score_batch(["\\boxed{6}"], ["6"])
+    assert again.rewards == [1.0], (again.infos, pool.stats)
 
 
-def test_worker_that_ignores_the_alarm_is_killed_and_replaced(pool):
+def test_worker_that_ignores_the_alarm_is_killed_and_replaced(tight_pool):
+    pool = tight_pool
     pids_before = set(pool.worker_pids)
     t0 = time.monotonic()
     res = pool.score_batch(["hang", "a", "b", "a"], ["a", "a", "a", "a"], kind="sleepy")
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 20
     assert res.rewards == [-1.0, 1.0, -1.0, 1.0]
     assert res.infos[0]["status"] == "timeout" and res.infos[0].get("killed") is True
     assert pool.stats["timeouts"] == 1 and pool.stats["restarts"] == 1

@@ -17,8 +17,10 @@ Reward functions are plain functions named by import path (slime-style extension
 and ``synthetic`` (:func:`da3po_megatron.data.synthetic.synthetic_reward`); add your own with
 ``RewardPool(extra_kinds={"mine": "my_pkg.rewards:score"})``.
 
-Workers are started with multiprocessing's ``forkserver`` method (the server preloads the verifier, so replacing a
-killed worker costs milliseconds, and the driver -- which runs Ray and torch threads -- is never forked).
+Workers are started with multiprocessing's ``forkserver`` method: the server imports and warms the verifier once
+(math-verify's first call builds its LaTeX grammar, ~1 s, which must not count against an item's time limit), so
+replacing a killed worker costs milliseconds, and the driver -- which runs Ray and torch threads -- is never forked.
+A reward function module may define ``warm_up()``; workers call it before their first item.
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ def _worker_main(conn: Connection, kinds: dict[str, str], timeout_s: float) -> N
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's business; it closes our pipe
     signal.signal(signal.SIGALRM, _on_alarm)
     fns: dict[str, Callable[..., Any]] = {}
+    for kind, path in kinds.items():  # import + warm up before the first timed item (a no-op after forkserver preload)
+        try:
+            fns[kind] = resolve_reward_fn(path)
+            warm = getattr(importlib.import_module(path.partition(":")[0]), "warm_up", None)
+            if callable(warm):
+                warm()
+        except Exception:  # noqa: BLE001 - reported per item below
+            fns.pop(kind, None)
     while True:
         try:
             msg = conn.recv()
@@ -178,7 +188,8 @@ class RewardPool:
         self._workers: list[_Worker] = []
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            self._ctx.set_forkserver_preload(sorted({p.partition(":")[0] for p in BUILTIN_KINDS.values()}))
+            preload = {p.partition(":")[0] for p in BUILTIN_KINDS.values()} | {"da3po_megatron.rewards._preload"}
+            self._ctx.set_forkserver_preload(sorted(preload))
         self._workers = [self._spawn() for _ in range(num_workers)]
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -326,38 +337,3 @@ def default_num_workers() -> int:
     return max(1, n - 1)
 
 
-
-def _bench(argv: list[str] | None = None) -> int:
-    """``python -m da3po_megatron.rewards.pool --items 512 --workers 2``: math scoring throughput on typical output."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=_bench.__doc__)
-    ap.add_argument("--items", type=int, default=512)
-    ap.add_argument("--workers", type=int, default=default_num_workers())
-    ap.add_argument("--timeout-s", type=float, default=5.0)
-    a = ap.parse_args(argv)
-    reasoning = "We expand and collect terms; checking the cases one by one gives a consistent value. " * 12
-    cases = [  # distinct per item (math-verify caches parses); 4 of 5 right -> mean reward +0.6
-        lambda i: (f"\\boxed{{\\frac{{{i}}}{{7}}}}", f"\\frac{{{2 * i}}}{{14}}"),
-        lambda i: (f"Answer: {i}\\sqrt{{2}}", f"\\sqrt{{{2 * i * i}}}"),
-        lambda i: (f"Answer: {i}", f"{i + 1}"),
-        lambda i: (f"\\boxed{{({i}, {i + 1})}}", f"({i},{i + 1})"),
-        lambda i: (f"Answer: x = {i}", f"{i}"),
-    ]
-    pairs = [cases[i % 5](i + 1) for i in range(a.items)]
-    responses = [reasoning + final for final, _ in pairs]
-    answers = [truth for _, truth in pairs]
-    t0 = time.perf_counter()
-    with RewardPool(a.workers, a.timeout_s) as pool:
-        t1 = time.perf_counter()
-        pool.score_batch(responses[: a.workers * 2], answers[: a.workers * 2])  # warm the workers' caches
-        res = pool.score_batch(responses, answers)
-    dt = res.seconds
-    print(f"workers={a.workers} items={a.items} startup={t1 - t0:.2f}s score={dt:.2f}s "
-          f"throughput={a.items / dt:.0f} items/s mean_reward={sum(res.rewards) / len(res.rewards):+.2f} "
-          f"timeouts={res.timeouts} errors={res.errors}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_bench())
