@@ -2,7 +2,7 @@
 
 Runs the real :class:`~da3po_megatron.megatron.policy.PolicyWorker` on a synthetic RL batch (random prompts and
 responses of fixed lengths, advantages +-1, old log-probs from the policy itself), ``--warmup`` untimed steps then
-``--steps`` timed ones. Launches itself with ``torch.distributed.run`` when ``--nproc`` > 1 (or run it under
+``--steps`` timed ones. Launches itself with ``torch.distributed.run`` when ``--ranks`` > 1 (or run it under
 ``torchrun``/``srun`` yourself). Model: ``--hf DIR`` (weights loaded through the bridge when present) or ``--tiny``
 (a tiny random Qwen3 generated locally; ``--tiny-hidden`` / ``--tiny-layers`` to scale it).
 
@@ -14,7 +14,7 @@ MFU (GPU only) = model FLOPs / (step time x ranks x peak FLOPs per device), with
 Examples::
 
     python tools/bench_train_step.py --tiny --batch 32 --prompt-len 64 --response-len 192
-    python tools/bench_train_step.py --hf /models/Qwen3-4B-Base --nproc 8 --tp 2 --dtype bfloat16 \\
+    python tools/bench_train_step.py --hf /models/Qwen3-4B-Base --ranks 8 --tp 2 --dtype bfloat16 \\
         --batch 64 --prompt-len 1024 --response-len 3072 --max-tokens 16384
 """
 
@@ -38,7 +38,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--tiny", action="store_true", help="generate a tiny random Qwen3 locally")
     ap.add_argument("--tiny-hidden", type=int, default=64)
     ap.add_argument("--tiny-layers", type=int, default=2)
-    ap.add_argument("--nproc", type=int, default=0, help="ranks (default TP x PP)")
+    ap.add_argument("--ranks", type=int, default=0, help="world size, TP x PP x DP (default TP x PP)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    world = args.nproc or args.tp * args.pp
+    world = args.ranks or args.tp * args.pp
     if args.tiny and args.hf is None:
         from da3po_megatron.tiny import build_model
 
@@ -173,7 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ and world > 1:
         from da3po_megatron.megatron.runtime import free_port
 
-        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--tiny"]
+        # the children get --hf instead of --tiny and infer the world from torchrun (no --ranks: torchrun's argparse
+        # would take it for an abbreviation of its own options)
+        given = list(argv if argv is not None else sys.argv[1:])
+        rest = []
+        skip = False
+        for a in given:
+            if skip:
+                skip = False
+            elif a == "--ranks":
+                skip = True
+            elif a != "--tiny" and not a.startswith("--ranks="):
+                rest.append(a)
         if args.tiny:
             rest += ["--hf", args.hf]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr",
