@@ -35,13 +35,15 @@ def _unpack(payload) -> dict:
         from safetensors.torch import load as st_load
 
         return st_load(bytes(payload))
-    buf, meta = payload
-    with warnings.catch_warnings():  # a read-only view of Ray's shared memory: only read, then copied into params
-        warnings.simplefilter("ignore", UserWarning)
-        flat = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)
+    arrays, meta = payload
+    if len(arrays) != len(meta):
+        raise ValueError(f"packed bucket: {len(arrays)} buffers for {len(meta)} tensor descriptions")
     out = {}
-    for name, dtype, shape, offset, n in meta:
-        out[name] = flat[offset:offset + n].view(getattr(torch, dtype)).view(shape)
+    with warnings.catch_warnings():  # read-only views of Ray's shared memory: only read, then copied into params
+        warnings.simplefilter("ignore", UserWarning)
+        for raw, (name, dtype, shape) in zip(arrays, meta):
+            flat = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
+            out[name] = flat.view(getattr(torch, dtype)).view(shape)
     return out
 
 
@@ -64,7 +66,8 @@ class WeightSyncExtension:
 
     def da3po_load_bucket(self, payload) -> dict:
         """Load one bucket of HF-named tensors. ``payload``: a dict of tensors (in-process engines), a packed
-        ``(uint8 buffer, [(name, dtype, shape, offset, nbytes)])`` pair (Ray transport), or safetensors bytes."""
+        ``([uint8 arrays], [(name, dtype, shape)])`` pair (Ray transport, see ``client.pack_bucket``), or
+        safetensors bytes."""
         from vllm.config import set_current_vllm_config
 
         session = getattr(self, "_da3po_session", None)
