@@ -23,11 +23,13 @@ echo "== 4/4 curves"
 "$PY" tools/plot_curves.py runs/tiny_cpu_da3po --out runs/tiny_cpu_da3po/plots
 "$PY" - <<'PY'
 import json
-rows = [json.loads(l) for l in open("runs/tiny_cpu_da3po/metrics.jsonl")]
+rows = [json.loads(line) for line in open("runs/tiny_cpu_da3po/metrics.jsonl")]
+train = [r for r in rows if "acc/mean" in r]
 ev = [r for r in rows if "eval/synthetic/avg@4" in r]
-print(f"training accuracy: step {rows[0]['step']} {rows[0]['acc/mean']:.3f} -> step {rows[-1]['step']} "
-      f"{rows[-1]['acc/mean']:.3f}")
-if ev:
-    print("held-out avg@4: " + ", ".join(f"step {r['step']}: {r['eval/synthetic/avg@4']:.3f}" for r in ev))
+print(f"training accuracy (sampled, G=8): step {train[0]['step']} {train[0]['acc/mean']:.3f} -> step "
+      f"{train[-1]['step']} {train[-1]['acc/mean']:.3f}")
+for r in ev:
+    buckets = " ".join(f"{r[f'eval/synthetic/bucket{b}/avg@4']:.2f}" for b in range(1, 9))
+    print(f"held-out avg@4 at step {r['step']:>2}: {r['eval/synthetic/avg@4']:.3f} (buckets 1-8: {buckets})")
 PY
 echo "logs: runs/tiny_cpu_da3po/metrics.jsonl  tensorboard: runs/tiny_cpu_da3po/tb  plots: runs/tiny_cpu_da3po/plots"

@@ -85,11 +85,17 @@ class MetricsLogger:
             v = r.get(key)
             return fmt.format(v) if isinstance(v, int | float) else "-"
 
+        evals = [f"{k.removeprefix('eval/')} {v:.3f}" for k, v in r.items()
+                 if k.startswith("eval/") and k.count("/") == 2 and isinstance(v, float)][:4]
+        if "acc/mean" not in r:  # an evaluation-only record (step 0: the starting policy)
+            print(f"[{bar}] step {step}/{self.total_steps} | eval: {', '.join(evals)}", file=self.stream, flush=True)
+            return
         print(f"[{bar}] step {step}/{self.total_steps} | acc {f('acc/mean')} | reward {f('reward/mean')} | "
               f"kept {f('filter/kept_groups', '{:.0f}')}/{f('gen/groups', '{:.0f}')} groups in "
               f"{f('gen/rounds', '{:.0f}')} rounds | daa {f('daa/activation_frac', '{:.2f}')} | "
               f"loss {f('train/loss', '{:.4f}')} | {f('time/step', '{:.1f}')} s/step | "
-              f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}", file=self.stream, flush=True)
+              f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}" + (f" | eval: {', '.join(evals)}" if evals else ""),
+              file=self.stream, flush=True)
 
     def close(self) -> None:
         self._jsonl.close()
