@@ -13,7 +13,7 @@ demo: install  ## tiny end-to-end CPU run (see examples/tiny_cpu_da3po.yaml)
 
 test: install  ## the whole test suite, as CI runs it
 	$(PY) -m ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 theory: install  ## the paper's Figures 1-2 (alpha+, alpha-, gamma vs p)
 	$(PY) tools/plot_theory.py --out outputs/theory
