@@ -87,6 +87,7 @@ def test_tp1_policy_sync_then_train_step_then_resync(client, dirs):
         assert stats["pushing_ranks"] == 1 and stats["buckets"] >= 8 and stats["bytes"] > 0
         out = client.generate(PROMPTS, sampling)
         m = check_consistency(out, group, fraction=1.0)
+        print(f"TP=1 after sync: {m}")
         assert m["rollout/logprob_diff_max"] < TOL and m["rollout/logprob_diff_responses"] == 2 * len(PROMPTS)
 
         flat = [c for g in out for c in g]
@@ -112,7 +113,9 @@ def test_tp2_policy_sync_matches_megatron_logprobs(client, dirs):
         stats = sync_policy_group_to_engines(group, client, bucket_mb=0.05)
         assert stats["pushing_ranks"] == 1  # TP rank 0 sends the gathered tensors, TP rank 1 only gathers
         out = client.generate(PROMPTS, SamplingConfig(n=2, max_tokens=16, seed=2))
-        assert check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"] < TOL
+        m = check_consistency(out, group, fraction=1.0)
+        print(f"TP=2 after sync: {m}")
+        assert m["rollout/logprob_diff_max"] < TOL
         assert hf_max_diff(dirs[2], out) < TOL  # and both equal the HF checkpoint the policy loaded
         # the single-process entry point on the same export (gathered to the driver) gives the same engine weights
         pushed = client.weights_checksums()[0]
