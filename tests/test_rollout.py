@@ -211,3 +211,37 @@ def test_consistency_metrics_are_mean_and_max_abs_over_tokens():
     picked = select(pool, fraction=0.25, seed=3)
     assert len(picked) == 5 and all(c.num_tokens > 0 for c in picked)  # ceil(0.25 x 20 non-empty)
     assert [c.prompt_index for c in picked] == [c.prompt_index for c in select(pool, 0.25, seed=3)]
+
+
+def test_gpu_transfer_entry_points_refuse_to_run_without_cuda():
+    from da3po_megatron.rollout.gpu_transfer import make_source, open_trainer_transfer
+
+    source = make_source(lambda: iter([("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(3, 4))]))
+    assert [(m.name, m.shape) for m in source.metadata()] == [("model.norm.weight", (4,)), ("lm_head.weight", (3, 4))]
+    assert [n for n, _ in source] == ["model.norm.weight", "lm_head.weight"]  # re-iterable: a fresh pass each round
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            open_trainer_transfer("ipc", [], source)
+
+
+def test_nccl_rank_offsets_do_not_collide_across_engines_recording_stub():
+    """vLLM's NCCL trainer sends every engine rank_offset=1; each engine shifts its workers past the engines before
+    it. (A recording stub stands in for vllm.LLM: only the offset arithmetic is under test.)"""
+    from da3po_megatron.rollout.engine import VLLMEngine
+
+    class RecordingLLM:
+        def __init__(self):
+            self.calls = []
+
+        def collective_rpc(self, method, kwargs=None, args=()):
+            self.calls.append((method, kwargs))
+
+    offsets = []
+    for index in range(3):
+        engine = object.__new__(VLLMEngine)
+        engine.engine_index, engine.transfer_backend = index, "nccl"
+        engine.config = EngineConfig("unused", tensor_parallel_size=2)
+        engine.llm = RecordingLLM()
+        engine.init_weight_transfer_engine({"rank_offset": 1, "world_size": 7, "master_port": 1})
+        offsets.append(engine.llm.calls[0][1]["init_info"]["rank_offset"])
+    assert offsets == [1, 3, 5]  # workers: engine 0 -> ranks 1,2; engine 1 -> 3,4; engine 2 -> 5,6
