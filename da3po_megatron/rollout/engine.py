@@ -18,6 +18,7 @@ Left out on purpose: async/streaming generation and partial rollouts (the paper'
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -295,7 +296,7 @@ class VLLMEngine:
         return float(self.llm.collective_rpc("da3po_weights_checksum")[0])
 
     def health(self) -> dict:
-        return {"engine_index": self.engine_index, "pid": os.getpid(), "ok": True,
+        return {"engine_index": self.engine_index, "pid": os.getpid(), "host": socket.gethostname(), "ok": True,
                 "weights_version": self.weights_version, "generated_tokens": self.generated_tokens,
                 "startup_seconds": self.startup_seconds, "transfer_backend": self.transfer_backend}
 
