@@ -138,6 +138,28 @@ def test_run_grid_records_a_failed_run_and_leaves_it_resumable(tmp_path):
     assert "FAILED (exit 2" in lines[-1]
 
 
+def test_grid_warmup_is_a_snapshot_that_a_later_rebuild_of_the_source_does_not_change(tmp_path):
+    src = tmp_path / "shared_warmup"
+    src.mkdir()
+    (src / "warmup_report.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"weights-v1")
+    dst = C.ensure_warmup(tmp_path / "runs/warmup", source=src, log=lambda m: None)
+    digest = C.warmup_digest(dst)
+    (src / "model.safetensors").write_bytes(b"weights-v2")  # someone rebuilds the shared warm-up mid-grid
+    assert C.ensure_warmup(tmp_path / "runs/warmup", source=src, log=lambda m: None) == dst
+    assert C.warmup_digest(dst) == digest != C.warmup_digest(src)
+    assert (dst / "model.safetensors").read_bytes() == b"weights-v1"
+
+
+def test_report_warns_when_runs_did_not_start_from_the_same_policy(tmp_path):
+    ms, specs = _grid(tmp_path, "dapo,da3po:2", lambda m, s: 0.5, seeds=(0, 1))
+    text = C.build_report(specs, ms, tmp_path / "rep", figures=False).read_text()
+    assert "all 4 runs start from the same policy" in text and "WARNING" not in text
+    write_run(specs[-1].run_dir, 8, 16, lambda s: 0.5, lambda s: 0.5, start={1: 0.1, 2: 0.1, 3: 0.1, 4: 0.1})
+    text = C.build_report(specs, ms, tmp_path / "rep", figures=False).read_text()
+    assert "WARNING: the runs did not all start from the same policy" in text
+
+
 # ---------------------------------------------------------------------------------------------------- statistics
 
 

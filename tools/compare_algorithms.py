@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the base config's total_steps)")
     p.add_argument("--out", required=True, type=Path, help="report directory")
     p.add_argument("--runs-dir", type=Path, default=None, help="where the runs live (default runs/compare/<out name>)")
-    p.add_argument("--warmup-dir", type=Path, default=None, help="shared starting policy (built if missing; default "
-                                                                    "<runs-dir>/warmup)")
+    p.add_argument("--warmup-dir", type=Path, default=None, help="starting policy to use (built there if missing); "
+                                                                    "copied once to <runs-dir>/warmup, which every "
+                                                                    "run loads (default: built in <runs-dir>/warmup)")
     p.add_argument("--warmup-args", default="", help="extra arguments of `python -m da3po_megatron.data.warmup`")
     p.add_argument("--page", type=Path, default=None, help="also write the report here (figure links relative to it)")
     p.add_argument("--smoke", action="store_true", help=f"{SMOKE_METHODS} x seed 0 x 2 steps, tiniest settings; "
@@ -74,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     if steps is None:
         return 2
     runs_dir = a.runs_dir or Path("runs/compare") / a.out.name
-    warmup_dir = a.warmup_dir or (SMOKE_WARMUP_DIR if a.smoke else runs_dir / "warmup")
+    # Every run of the grid starts from <runs-dir>/warmup: built there, or a snapshot of --warmup-dir taken once (a
+    # shared directory rebuilt by someone else mid-grid must not change the starting policy of later runs).
+    warmup_dir = runs_dir / "warmup"
+    warmup_source = a.warmup_dir or (SMOKE_WARMUP_DIR if a.smoke else None)
     warmup_args = shlex.split(a.warmup_args)
     specs = C.grid_specs(methods, seeds, steps, runs_dir)
     command = shlex.join(["python", "tools/compare_algorithms.py", *argv])
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         runs_dir.mkdir(parents=True, exist_ok=True)
         grid_cmd.write_text(command + "\n")
         try:
-            C.ensure_warmup(warmup_dir, warmup_args)
+            C.ensure_warmup(warmup_dir, warmup_args, source=warmup_source)
         except RuntimeError as e:
             print(f"compare_algorithms: error: {e}", file=sys.stderr)
             return 1

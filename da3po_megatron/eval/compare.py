@@ -261,19 +261,38 @@ def _run_logged(cmd: list[str], log_path: Path, timeout_s: float | None) -> tupl
     return rc, time.perf_counter() - t0
 
 
-def ensure_warmup(warmup_dir: str | Path, warmup_args: Sequence[str] = (), log: Callable[[str], None] = print) -> Path:
-    """Build the shared starting policy once (``python -m da3po_megatron.data.warmup --out DIR ...``)."""
+def ensure_warmup(warmup_dir: str | Path, warmup_args: Sequence[str] = (), log: Callable[[str], None] = print,
+                  source: str | Path | None = None) -> Path:
+    """The grid's starting policy in ``warmup_dir``, made once: kept if present; else a copy of ``source`` (built
+    there first if missing); else built in place with ``python -m da3po_megatron.data.warmup --out DIR ...``."""
     d = Path(warmup_dir)
     if (d / "warmup_report.json").exists():
-        log(f"warm-up: reusing {d}")
+        log(f"warm-up: reusing {d} (sha256 {warmup_digest(d)[:12]})")
         return d
-    cmd = [sys.executable, "-m", "da3po_megatron.data.warmup", "--out", str(d), *warmup_args]
-    log(f"warm-up: {shlex.join(cmd)}")
-    rc, wall = _run_logged(cmd, d.parent / f"{d.name}.log", None)
-    if rc != 0 or not (d / "warmup_report.json").exists():
-        raise RuntimeError(f"warm-up failed (exit {rc}); see {d.parent / (d.name + '.log')}")
-    log(f"warm-up: done in {wall:.0f} s")
+    target = Path(source) if source else d
+    if not (target / "warmup_report.json").exists():
+        cmd = [sys.executable, "-m", "da3po_megatron.data.warmup", "--out", str(target), *warmup_args]
+        log(f"warm-up: {shlex.join(cmd)}")
+        rc, wall = _run_logged(cmd, target.parent / f"{target.name}.log", None)
+        if rc != 0 or not (target / "warmup_report.json").exists():
+            raise RuntimeError(f"warm-up failed (exit {rc}); see {target.parent / (target.name + '.log')}")
+        log(f"warm-up: done in {wall:.0f} s")
+    if target != d:
+        shutil.copytree(target, d)
+        (d / "SOURCE").write_text(f"copied from {target}\n")
+        log(f"warm-up: snapshot of {target} -> {d}")
+    log(f"warm-up: {d} (sha256 {warmup_digest(d)[:12]})")
     return d
+
+
+def warmup_digest(warmup_dir: str | Path) -> str:
+    """sha256 of the starting policy's weights (``*.safetensors``), to show that every run started from it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(warmup_dir).glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def run_grid(specs: Sequence[RunSpec], base_config: str | Path, model_path: str | Path, extra: Sequence[str] = (),
@@ -461,6 +480,17 @@ def _keys(grid: dict[str, dict[int, list[dict]]]) -> tuple[int | None, list[int]
                     elif m := _BUCKET_RE.match(key) or _EVAL_BUCKET_RE.match(key):
                         buckets.add(int(m.group(1)))
     return (max(ks) if ks else None), sorted(buckets)
+
+
+def start_evals(grid: dict[str, dict[int, list[dict]]], key: str) -> dict[str, float]:
+    """{"<method> seed <k>": step-0 value of ``key``} -- equal for all runs when they share the starting policy (the
+    step-0 eval samples with a fixed seed)."""
+    out = {}
+    for label, runs in grid.items():
+        for seed, rows in runs.items():
+            if rows and rows[0].get("step") == 0 and isinstance(rows[0].get(key), int | float):
+                out[f"{label} seed {seed}"] = float(rows[0][key])
+    return out
 
 
 def _fmt(m: float, s: float, n: int, pct: bool = True) -> str:
@@ -924,6 +954,7 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             w = json.loads(info.read_text()).get("wall_s_total")
             if isinstance(w, int | float):
                 walls.setdefault(s.method.label, []).append(float(w))
+    starts = start_evals(grid, f"eval/synthetic/{metric}")
     missing = [f"{s.method.label} seed {s.seed}" for s in specs if s.seed not in grid.get(s.method.label, {})]
     short = [f"{s.method.label} seed {s.seed} (step {grid[s.method.label][s.seed][-1]['step']} of {s.steps})"
              for s in specs if s.seed in grid.get(s.method.label, {})
@@ -955,6 +986,15 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             md.append("- starting policy (warm-up, shared by all runs), held-out "
                       f"{metric} per bucket at step 0: " + ", ".join(f"b{b} {100 * v:.1f}%" for b, v in
                                                                       sorted(d.start_acc.items())))
+        if warmup_dir and list(Path(warmup_dir).glob("*.safetensors")):
+            md.append(f"- starting-policy weights: `{warmup_dir}` (sha256 {warmup_digest(warmup_dir)[:12]})")
+        if len({round(v, 9) for v in starts.values()}) > 1:
+            md.append(f"- **WARNING: the runs did not all start from the same policy**: their step-0 held-out {metric} "
+                      "differ (" + ", ".join(f"{k} {100 * v:.1f}%" for k, v in sorted(starts.items())) + "); the "
+                      "comparison is not valid")
+        elif starts:
+            md.append(f"- all {len(starts)} runs start from the same policy: identical step-0 held-out {metric} "
+                      f"({100 * next(iter(starts.values())):.1f}%)")
         if warm:
             md.append("- warm-up report (one temperature-1 sample per held-out prompt): " + ", ".join(
                 f"b{b} {100 * v:.1f}%" for b, v in warm.get("accuracy_by_bucket", {}).items()))
