@@ -97,11 +97,21 @@ def init_parallel(
     layout.validate(world_size)
     if not dist.is_initialized():
         os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        chosen_here = not (master_port or os.environ.get("MASTER_PORT"))
         os.environ["MASTER_PORT"] = str(master_port or os.environ.get("MASTER_PORT") or free_port())
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        dist.init_process_group(backend(), rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        for attempt in range(5):
+            try:
+                dist.init_process_group(backend(), rank=rank, world_size=world_size,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
+                break
+            except dist.DistNetworkError as e:
+                # A port we picked ourselves was taken between probing and binding (other jobs on the host):
+                # a single-process group can simply take another one; a shared rendezvous cannot.
+                if not (chosen_here and world_size == 1 and "EADDRINUSE" in str(e)) or attempt == 4:
+                    raise
+                os.environ["MASTER_PORT"] = str(free_port())
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=layout.tensor_model_parallel_size,
