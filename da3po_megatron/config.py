@@ -99,8 +99,10 @@ class RolloutConfig:
     kv_cache_memory_bytes: int = doc(256 * 2**20, "CPU: KV-cache budget per engine in bytes (vLLM's default takes "
                                                   "0.9 x RAM).")
     weight_sync_bucket_mb: int = doc(512, "Weight sync streams HF-named tensors in buckets of at most this size.")
-    logprob_check_fraction: float = doc(0.05, "Fraction of responses whose rollout log-probs are compared with the "
-                                              "policy's after each sync (mean/max abs diff logged).")
+    logprob_check_fraction: float = doc(0.05, "With actor.use_rollout_logprobs: fraction of responses whose rollout "
+                                              "log-probs are recomputed by the policy and compared (mean/max abs diff "
+                                              "logged). Without it every response is compared (pi_old is recomputed "
+                                              "anyway).")
     colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate.")
     num_cpus_per_engine: float = doc(1, "Ray resources per engine actor.")
     restart_on_failure: bool = doc(False, "Restart an engine that died (else the step fails with a clear error).")
