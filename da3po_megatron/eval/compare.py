@@ -948,12 +948,15 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
     figs = _plot(d, out / "figures", metric) if grid and figures else []
 
     walls: dict[str, list[float]] = {}
+    resumed = 0
     for s in specs:
         info = s.run_dir / "compare_run.json"
         if info.exists():
-            w = json.loads(info.read_text()).get("wall_s_total")
+            data = json.loads(info.read_text())
+            w = data.get("wall_s_total")
             if isinstance(w, int | float):
                 walls.setdefault(s.method.label, []).append(float(w))
+            resumed += sum(a.get("rc") == 0 for a in data.get("attempts", [])) > 1
     starts = start_evals(grid, f"eval/synthetic/{metric}")
     missing = [f"{s.method.label} seed {s.seed}" for s in specs if s.seed not in grid.get(s.method.label, {})]
     short = [f"{s.method.label} seed {s.seed} (step {grid[s.method.label][s.seed][-1]['step']} of {s.steps})"
@@ -982,6 +985,10 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
         if total_wall:
             md.append(f"- training wall time, all runs together: {total_wall / 60:.0f} min (each run: its own trainer "
                       "process with Ray, vLLM and the Megatron policy; per-run times in the cost table)")
+        if resumed:
+            md.append(f"- {resumed} of {len(specs)} runs were trained in more than one invocation of the runner "
+                      "(resumed from their checkpoints; per-attempt commands, steps and times in each run's "
+                      "`compare_run.json`)")
         if d.start_acc:
             md.append("- starting policy (warm-up, shared by all runs), held-out "
                       f"{metric} per bucket at step 0: " + ", ".join(f"b{b} {100 * v:.1f}%" for b, v in
