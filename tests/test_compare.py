@@ -316,9 +316,10 @@ def test_tool_report_only_rebuilds_from_existing_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_grid_runs_through_the_real_trainer_and_skips_finished_runs_when_rerun(tmp_path):
+def test_smoke_grid_runs_through_the_real_trainer_and_skips_finished_runs_when_rerun(tmp_path, warm_model):
     out, runs = tmp_path / "rep", tmp_path / "runs"
-    cmd = [sys.executable, "tools/compare_algorithms.py", "--smoke", "--out", str(out), "--runs-dir", str(runs)]
+    cmd = [sys.executable, "tools/compare_algorithms.py", "--smoke", "--out", str(out), "--runs-dir", str(runs),
+           "--warmup-dir", str(warm_model)]  # the session's short warm-up (conftest), not the demo's 700-step one
     ray_tmp = tempfile.mkdtemp(prefix="cmp", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DA3PO_RAY_TMP": ray_tmp}
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
