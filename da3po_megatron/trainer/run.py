@@ -27,7 +27,7 @@ import torch
 
 from da3po_megatron.algorithms import DynamicSamplingBuffer
 from da3po_megatron.config import Config, to_dict
-from da3po_megatron.data.datasets import Example, PromptDataset, load_prompts
+from da3po_megatron.data.datasets import Example, PromptDataset, ReadStats, load_prompts
 from da3po_megatron.data.templates import render_prompt
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.trainer import batch as B
@@ -71,13 +71,13 @@ def load_train_data(cfg: Config) -> PromptDataset:
                               on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem)
                  for f in d.train_files]
     for f, part in zip(d.train_files, parts):
-        if part.stats is not None and part.stats.as_dict().get("skipped"):
-            print(f"data: {f}: skipped {part.stats.as_dict()['skipped']} malformed rows (data.on_bad_row=skip)")
+        if part.stats.skipped:
+            print(f"data: {f}: skipped {part.stats.skipped} malformed rows (data.on_bad_row=skip)")
     if len(parts) == 1:
         return parts[0]
-    merged = PromptDataset([ex for p in parts for ex in p], name="+".join(p.name for p in parts))
-    merged.parts = parts  # per-file read statistics (skipped rows)
-    return merged
+    stats = ReadStats(path="+".join(d.train_files), rows=sum(p.stats.rows for p in parts),
+                      skipped=sum(p.stats.skipped for p in parts), duplicates=sum(p.stats.duplicates for p in parts))
+    return PromptDataset([ex for p in parts for ex in p], stats, name="+".join(p.name for p in parts))
 
 
 class Run:
@@ -104,8 +104,7 @@ class Run:
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.dataset = load_train_data(cfg)
-        self.data_skipped_rows = sum(getattr(p.stats, "skipped", 0) for p in getattr(self.dataset, "parts", [])) \
-            or getattr(self.dataset.stats, "skipped", 0)
+        self.data_skipped_rows = self.dataset.stats.skipped if self.dataset.stats is not None else 0
         self.prompts = self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
         self.rewards = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
