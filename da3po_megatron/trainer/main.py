@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     except BadRowError as e:  # names file, row and field; data.on_bad_row=skip skips and counts instead
         print(f"data error: {e}\n(set data.on_bad_row=skip to skip and count malformed rows)", file=sys.stderr)
         return 2
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"done: step {run.step}; logs in {run.run_dir}/metrics.jsonl", flush=True)
     return 0
 

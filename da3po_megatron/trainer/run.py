@@ -102,8 +102,11 @@ class Run:
         torch.manual_seed(cfg.trainer.seed)
         from transformers import AutoTokenizer
 
+        self.dataset = load_train_data(cfg)  # first: bad data fails before anything heavy starts
+        if not (Path(cfg.model.path) / "config.json").exists():
+            raise FileNotFoundError(f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory (no "
+                                    "config.json); no downloads happen at run time: point it to a local directory")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.dataset = load_train_data(cfg)
         self.data_skipped_rows = self.dataset.stats.skipped if self.dataset.stats is not None else 0
         self.prompts = self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
