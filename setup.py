@@ -32,7 +32,7 @@ CPU = [
 GPU = [
     "torch>=2.9",
     "vllm>=0.11",  # CUDA generation engine (brings its own matching torch)
-    "megatron-core>=0.16.1",
+    "megatron-core==0.16.1",  # the version the policy, checkpoints and bridge are written and tested against
     "transformer-engine[pytorch]>=2.6",  # fused layer spec; apex is optional and built from source (see README)
     "transformers>=4.56",
     "triton>=3.4",
