@@ -27,7 +27,7 @@ from da3po_megatron.algorithms import (
     alpha_minus,
     alpha_plus,
     apply_daa,
-    daa_mask,
+    daa_stats,
     gamma,
     group_advantages,
 )
@@ -95,19 +95,18 @@ def compute_advantages(groups: Sequence[Group], eps: float, daa: bool, lambda_: 
     G = len(groups[0].acc)
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
     correct = torch.tensor([a > 0 for g in groups for a in g.acc])
-    p_hat = torch.tensor([g.p_hat for g in groups for _ in g.acc], dtype=torch.float64)
+    p_hat = torch.tensor([g.p_hat for g in groups for _ in g.acc], dtype=torch.float32)
     adv = group_advantages(rewards, G, eps=eps)
     stats = {"daa/activation_frac": 0.0, "daa/lambda_mean": 1.0}
     if daa:
-        lam = adaptive_daa_lambda(p_hat, G, lambda_min, lambda_max) if mode == "adaptive" else lambda_
-        mask = daa_mask(correct, p_hat.float(), tau)
-        adv = apply_daa(adv, correct, p_hat.float(), lam if not torch.is_tensor(lam) else lam.to(adv.dtype), tau)
-        stats["daa/activation_frac"] = mask.float().mean().item()
-        stats["daa/activation_frac_of_correct"] = (mask.sum() / correct.sum().clamp_min(1)).item()
-        if torch.is_tensor(lam):
-            stats["daa/lambda_mean"] = lam[mask].mean().item() if mask.any() else 1.0
-        else:
-            stats["daa/lambda_mean"] = float(lam)
+        lam = adaptive_daa_lambda(p_hat, G, lambda_min, lambda_max).to(adv.dtype) if mode == "adaptive" else lambda_
+        adv = apply_daa(adv, correct, p_hat, lam, tau)
+        s = daa_stats(correct, p_hat, tau, lam)
+        stats["daa/activation_frac"] = s["daa/active_frac"]
+        stats["daa/activation_frac_of_correct"] = s["daa/active_frac_of_correct"]
+        # the mean factor over amplified responses; with none amplified: the constant lambda, or 1 (adaptive)
+        stats["daa/lambda_mean"] = s["daa/lambda_mean"] if s["daa/num_active"] else \
+            (1.0 if torch.is_tensor(lam) else float(lam))
     for gi, g in enumerate(groups):
         g.advantages = adv[gi * G:(gi + 1) * G].tolist()
     return stats
