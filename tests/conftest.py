@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 import pytest  # noqa: E402
+from _ray import local_ray  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +26,11 @@ def warm_model(tmp_path_factory):
     run_warmup(WarmupConfig(out=str(out), steps=120, eval_per_bucket=4, bucket_weights=[4, 2, 1, 0, 0, 0, 0, 0]),
                log=lambda *a, **k: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray with 4 logical CPUs for one test module: the rollout and weight-sync tests start their engine and
+    policy actors once and run in file order against them (see tests/_ray.py for the options)."""
+    with local_ray(num_cpus=4) as ray:
+        yield ray

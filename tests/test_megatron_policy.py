@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ray import local_ray
 
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.model import ModelOptions
@@ -179,13 +180,10 @@ def test_a_few_train_steps_on_a_fixed_batch_decrease_the_loss(runs):
 
 
 def test_ray_policy_group_dp2_matches_single_rank_and_loads_other_layouts(runs, tmp_path):
-    ray = pytest.importorskip("ray")
     from da3po_megatron.megatron.actor_group import PolicyGroup, PolicyGroupError
     from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions
 
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
-             _temp_dir=str(Path("/tmp") / f"ray_policy_{os.getpid()}"), log_to_driver=False)
-    try:
+    with local_ray(num_cpus=2):
         cfg = PolicyConfig(hf_dir=str(runs["hf"]), optimizer=OptimizerOptions(lr=1e-4, adam_eps=1e-4),
                            batching=BatchingOptions(max_tokens_per_microbatch=24), load_hf_weights=False)
         group = PolicyGroup(cfg, 2, num_cpus_per_rank=1, placement="pack")
@@ -228,8 +226,6 @@ def test_ray_policy_group_dp2_matches_single_rank_and_loads_other_layouts(runs, 
         with pytest.raises(PolicyGroupError, match="policy rank 1 died"):
             group.run_on_all(die)
         assert group.actors == []
-    finally:
-        ray.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------- start-up errors

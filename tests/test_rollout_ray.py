@@ -20,21 +20,6 @@ PROMPTS = ["What is 2+3?", "Solve x+1=4.", "hello world", "7*6=?"]
 
 
 @pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import os
-    import tempfile
-
-    import ray
-
-    temp = tempfile.mkdtemp(prefix="ray_h8_", dir="/tmp")  # short path: Ray's unix sockets live under it
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp, num_cpus=4,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from da3po_megatron.tiny import build_model
 

@@ -20,21 +20,6 @@ PROMPTS = ["What is 2+3?", "Solve x+1=4.", "hello world", "7*6=?"]
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import os
-    import tempfile
-
-    import ray
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    temp = tempfile.mkdtemp(prefix="ray_h8_", dir="/tmp")
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp, num_cpus=4,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     from da3po_megatron.tiny import build_model
 
