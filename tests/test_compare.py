@@ -1,4 +1,4 @@
-"""The algorithm-comparison runner and report (da3po_megatron/eval/compare.py, tools/compare_algorithms.py).
+"""The algorithm-comparison runner and report (da3po_megatron/eval/compare*.py, tools/compare_algorithms.py).
 
 Fast tests build synthetic ``metrics.jsonl`` files with known curves (so every table value is computable by hand);
 the slow test runs ``tools/compare_algorithms.py --smoke`` through the real trainer (megatron-core, vLLM, Ray) twice,
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from da3po_megatron.eval import compare as C
+from da3po_megatron.eval.curves import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKETS = (1, 2, 3, 4)
@@ -185,7 +186,7 @@ def test_equal_samples_reads_each_run_at_the_same_generated_sample_budget(tmp_pa
     # "dapo" spends 2x samples per step. At step 10 both have eval 0.1*... but at 100 samples dapo is at step 5.
     grpo = write_run(tmp_path / "g", 10, 10, lambda s: 0.05 * s, lambda s: 0.05 * s)
     dapo = write_run(tmp_path / "d", 10, 20, lambda s: 0.06 * s, lambda s: 0.06 * s)
-    rows_g, rows_d = C.read_metrics(grpo), C.read_metrics(dapo)
+    rows_g, rows_d = read_metrics(grpo), read_metrics(dapo)
     key = "eval/synthetic/avg@4"
     start = sum(START.values()) / len(START)
     # equal steps: step 10

@@ -13,7 +13,8 @@ run.
 Runs live in ``--runs-dir`` (default ``runs/compare/<basename of --out>``, with checkpoints); the report directory holds
 only ``report.md``, ``summary.json``, ``figures/`` and ``logs/`` (copies of each run's metrics.jsonl). Re-running the
 same command skips finished runs and resumes unfinished ones; ``--report-only`` rebuilds the report from what exists.
-The implementation is ``da3po_megatron.eval.compare``; run it under ``nice -n 10`` on a shared machine.
+The implementation is ``da3po_megatron.eval.compare`` (grid, stats, report and plots in its ``compare_*``
+siblings); run it under ``nice -n 10`` on a shared machine.
 """
 
 from __future__ import annotations
