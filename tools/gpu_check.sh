@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# One prepared GPU check for a session that is lent a device machine (../.library/device: one H200, ~15 minutes of
+# device time in all, machine start included). It runs what CPU machines cannot: the compiled Triton kernels against
+# the reference, the DAA-loss benchmark at the paper's vocabulary (issue 7's targets: >= 3x faster than the eager
+# reference, >= 70% of the measured copy bandwidth, <= 1/8 of its peak extra memory), and, when megatron-core was
+# carried, one bf16 policy train step on CUDA (local layer spec: Transformer-Engine is not on that image).
+#
+# The device image has python3 3.12 with torch, triton, transformers, pytest, pyyaml -- but no megatron-core, vLLM or
+# Ray, and nothing can be downloaded there. So:
+#
+#   here:   bash tools/gpu_check.sh prepare          # downloads the megatron-core cp312 wheel into .devwhl/ (ignored)
+#   there:  run(command="bash tools/gpu_check.sh run", carry=[".devwhl"], timeout_s=420)
+#
+# Every step has its own timeout and is recorded in $OUT/summary.txt (PASS / FAIL / SKIP with the reason); a failing
+# step does not stop the next. Logs and JSON go to $OUT (the device tool brings back at most 8 files), or to
+# outputs/gpu_check when OUT is unset. `GPU_CHECK_SMALL=1` shrinks every size so the script itself can be exercised on
+# a CPU machine (tests/test_gpu_check_script.py does that); `GPU_CHECK_SKIP=name,name` skips steps by name.
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 2
+mode=${1:-run}
+PY=${PYTHON:-python3}
+
+if [[ $mode == prepare ]]; then
+    mkdir -p .devwhl
+    grep -qxF '/.devwhl/' .git/info/exclude 2>/dev/null || echo '/.devwhl/' >> .git/info/exclude
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        -d .devwhl megatron-core==0.16.1
+    ls -la .devwhl
+    exit 0
+fi
+if [[ $mode != run ]]; then
+    echo "usage: tools/gpu_check.sh prepare|run" >&2
+    exit 2
+fi
+
+out=${OUT:-outputs/gpu_check}
+mkdir -p "$out"
+summary="$out/summary.txt"
+: > "$summary"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+small=${GPU_CHECK_SMALL:-0}
+t_start=$SECONDS
+
+record() {  # record NAME STATUS DETAIL
+    printf '%-22s %-4s %s\n' "$1" "$2" "$3" | tee -a "$summary"
+}
+
+step() {  # step NAME TIMEOUT_S LOGFILE CMD...: run, log, record PASS/FAIL with the elapsed time
+    local name=$1 limit=$2 log=$3
+    shift 3
+    if [[ ",${GPU_CHECK_SKIP:-}," == *",$name,"* ]]; then
+        record "$name" SKIP "GPU_CHECK_SKIP"
+        return
+    fi
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    local dt=$((SECONDS - t0))
+    if [[ $rc == 0 ]]; then
+        record "$name" PASS "${dt}s"
+    elif [[ $rc == 124 || $rc == 137 ]]; then
+        record "$name" FAIL "timed out after ${dt}s (log: $(basename "$log"))"
+    else
+        record "$name" FAIL "rc=$rc after ${dt}s (log: $(basename "$log"))"
+    fi
+}
+
+# 0. What the machine is.
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || echo "nvidia-smi: none"
+    "$PY" - <<'EOF'
+import platform, torch
+try:
+    import triton
+    tv = triton.__version__
+except ImportError:
+    tv = "absent"
+cuda = torch.cuda.is_available()
+print(f"python {platform.python_version()} torch {torch.__version__} triton {tv} cuda {cuda}"
+      + (f" device {torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}" if cuda else ""))
+EOF
+} 2>&1 | tee "$out/env.txt"
+
+# megatron-core from the carried wheel (the image has none and cannot download)
+if compgen -G ".devwhl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
+        .devwhl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+fi
+
+# 1. Kernel tests: compiled Triton vs the reference on CUDA, AOT compile, TP=2 (gloo), interpreter cases (CPU tensors)
+step kernel_tests 240 "$out/kernel_tests.log" \
+    "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_kernel_reference.py tests/test_kernel_backends.py \
+    tests/test_kernel_fused_linear.py tests/test_kernel_tp.py tests/test_kernel_compile.py
+
+# 2. The DAA-loss benchmark at the paper's vocabulary (Qwen3 151,936), bf16, 8K and 16K tokens per micro-batch.
+if [[ $small == 1 ]]; then
+    bench=(--tokens 64 --vocab 3001 --hidden 32 --repeats 1)
+    bench_big=(--tokens 128 --vocab 3001 --hidden 32 --repeats 1)
+else
+    bench=(--tokens 8192 --repeats 5)
+    bench_big=(--tokens 16384 --repeats 5 --paths "reference,chunked_inplace,triton,triton_inplace,fused_linear")
+fi
+step bench_loss_8k 150 "$out/bench_loss_8k.txt" "$PY" tools/bench_loss.py "${bench[@]}" --json "$out/bench_loss_8k.json"
+step bench_loss_16k 120 "$out/bench_loss_16k.txt" "$PY" tools/bench_loss.py "${bench_big[@]}"
+
+# 3. One bf16 policy train step on CUDA through megatron-core (local spec), with MFU; skipped without megatron-core.
+if "$PY" -c "import megatron.core" 2>/dev/null; then
+    if [[ $small == 1 ]]; then
+        train=(--tiny --batch 4 --prompt-len 8 --response-len 24 --steps 1 --warmup 0)
+    else
+        train=(--tiny --tiny-hidden 2048 --tiny-layers 8 --dtype bfloat16 --batch 32 --prompt-len 512
+               --response-len 1536 --steps 3 --warmup 1)
+    fi
+    step train_step 150 "$out/train_step.txt" "$PY" tools/bench_train_step.py "${train[@]}" --loss-backend kernel
+else
+    record train_step SKIP "megatron-core not importable (run 'tools/gpu_check.sh prepare' here and carry .devwhl)"
+fi
+
+echo "=== summary ($((SECONDS - t_start))s)"
+cat "$summary"
+! grep -q ' FAIL ' "$summary"
