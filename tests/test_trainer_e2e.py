@@ -122,6 +122,17 @@ def test_malformed_row_stops_with_file_row_and_field_or_is_skipped_and_counted(t
     assert len(data) == 2 and data.stats.skipped == 1
 
 
+def test_missing_train_file_exits_2_with_the_download_command_before_anything_starts(tmp_path):
+    # the paper recipe on a fresh checkout: data/dapo-math-17k.parquet is not there yet
+    cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", "--config", str(ROOT / "examples/qwen3_4b_da3po.yaml"),
+           f"trainer.run_dir={tmp_path / 'run'}"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "data.train_files: not found: data/dapo-math-17k.parquet" in p.stderr
+    assert "huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
 def test_pathological_answer_scores_minus_one_and_is_counted_in_the_step(tmp_path):
     """The trainer's scoring path (Run.score) with the real reward pool: a response that makes math-verify compute
     forever hits the per-item limit, scores -1, is counted, and the other responses are scored normally."""

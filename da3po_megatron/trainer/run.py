@@ -64,6 +64,14 @@ def load_train_data(cfg: Config) -> PromptDataset:
         s = d.synthetic
         return make_synthetic_dataset(s.train_per_bucket, "train", cfg.trainer.seed,
                                       buckets=range(s.min_digits, s.max_digits + 1))
+    missing = [f for f in d.train_files if not Path(f).exists()]
+    if missing:
+        hint = ""
+        if any(Path(f).name.lower() == "dapo-math-17k.parquet" for f in missing):
+            hint = ("; no downloads happen at run time: fetch it first on a machine with internet, e.g. "
+                    "`huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k --local-dir .` "
+                    "(writes data/dapo-math-17k.parquet), or set data.train_files")
+        raise FileNotFoundError(f"data.train_files: not found: {', '.join(missing)}{hint}")
     if d.format == "dapo":
         parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row) for f in d.train_files]
     else:
@@ -104,8 +112,10 @@ class Run:
 
         self.dataset = load_train_data(cfg)  # first: bad data fails before anything heavy starts
         if not (Path(cfg.model.path) / "config.json").exists():
-            raise FileNotFoundError(f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory (no "
-                                    "config.json); no downloads happen at run time: point it to a local directory")
+            raise FileNotFoundError(
+                f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory (no config.json); no "
+                "downloads happen at run time: fetch it first, e.g. `huggingface-cli download Qwen/Qwen3-4B-Base "
+                "--local-dir checkpoints/Qwen3-4B-Base`, and point model.path there")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.data_skipped_rows = self.dataset.stats.skipped if self.dataset.stats is not None else 0
         self.prompts = self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
