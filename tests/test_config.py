@@ -87,3 +87,15 @@ def test_defaults_chain_and_missing_file_errors(tmp_path):
 def test_every_field_is_documented():
     undocumented = [line for line in describe() if line.endswith(": ")]
     assert not undocumented, undocumented
+
+
+def test_config_algorithm_names_are_the_loss_presets():
+    """`algorithm.name` is a Literal (for --describe and validation); it must list exactly the presets of
+    algorithms.losses, the one place the algorithms are defined."""
+    import typing
+
+    from da3po_megatron.algorithms import ALGORITHMS
+    from da3po_megatron.config import AlgorithmConfig
+
+    hints = typing.get_type_hints(AlgorithmConfig)
+    assert typing.get_args(hints["name"]) == ALGORITHMS

@@ -24,7 +24,7 @@ from .dynamic_sampling import (
     GroupFilter,
     filter_groups,
 )
-from .losses import LOSS_AGG_MODES, POLICY_LOSS_PRESETS, RATIO_LEVELS, policy_loss
+from .losses import ALGORITHMS, LOSS_AGG_MODES, POLICY_LOSS_PRESETS, RATIO_LEVELS, policy_loss
 from .reward_shaping import accuracy_reward, overlong_penalty, shaped_reward
 from .theory import (
     MonteCarloResult,
@@ -36,6 +36,7 @@ from .theory import (
 )
 
 __all__ = [
+    "ALGORITHMS",
     "ALL_CORRECT",
     "ALL_WRONG",
     "KEEP",

@@ -82,6 +82,7 @@ POLICY_LOSS_PRESETS: dict[str, dict[str, Any]] = {
         "dynamic_sampling": True,
     },
 }
+ALGORITHMS: tuple[str, ...] = tuple(POLICY_LOSS_PRESETS)  # the names `algorithm.name` accepts
 
 
 def _per_token_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:

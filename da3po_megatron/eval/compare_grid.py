@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from da3po_megatron.algorithms import ALGORITHMS
 from da3po_megatron.eval.curves import read_metrics
 
-ALGORITHMS = ("grpo", "dapo", "gspo", "da3po")
 DONE_MARKER = "DONE"
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from da3po_megatron.algorithms import ALGORITHMS
 from da3po_megatron.megatron import cpu_compat
 from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, balance_across_dp, microbatches
 from da3po_megatron.megatron.model import (
@@ -59,7 +60,6 @@ from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_para
 
 log = logging.getLogger(__name__)
 
-ALGORITHMS = ("grpo", "dapo", "gspo", "da3po")
 LOSS_BACKENDS = ("torch", "kernel")
 LR_DECAY_STYLES = ("constant", "cosine")
 
