@@ -52,6 +52,7 @@ def test_algorithm_trains_end_to_end(warm_model, tmp_path, algo):
     p = run_train(train_cmd(warm_model, run_dir, f"algorithm.name={algo}", "trainer.total_steps=2",
                             "trainer.save_every=0"))
     assert p.returncode == 0
+    assert "policy loss: kernel:chunked (actor.loss_backend=auto)" in p.stdout  # CPU: auto -> the chunked kernel
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

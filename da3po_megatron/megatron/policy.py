@@ -311,7 +311,17 @@ class PolicyWorker:
             "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "tp": self.tp, "pp": self.pp, "dp": self.dp,
             "local_params": n_params, "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab,
             "hf_loaded": self.hf_loaded, "device": str(self.device), "thd": self.thd, "step": self.step,
+            "loss_backend": self.loss_backend_name(),
         }
+
+    def loss_backend_name(self) -> str:
+        """What computes the policy loss here, with "auto" resolved: e.g. "kernel:triton" on a GPU where the Triton
+        kernels compile, "kernel:chunked" on CPU, "torch" (Megatron's vocab-parallel cross-entropy + algorithms/)."""
+        if self.cfg.loss.backend != "kernel":
+            return "torch"
+        from da3po_megatron.kernels import resolve_backend
+
+        return "kernel:" + resolve_backend(self.cfg.loss.kernel_backend, torch.empty(0, device=self.device))
 
     @property
     def _bare(self) -> torch.nn.Module:

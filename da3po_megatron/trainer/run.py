@@ -143,6 +143,8 @@ class Run:
         engine_hosts = [h.get("host", "?") for h in self.rollout.health()]
         print("placement: " + ", ".join(f"policy rank {i} on {h}" for i, h in enumerate(policy_hosts)) + "; "
               + ", ".join(f"engine {i} on {h}" for i, h in enumerate(engine_hosts)), flush=True)
+        print(f"policy loss: {self.policy.info()[0]['loss_backend']} (actor.loss_backend={cfg.actor.loss_backend})",
+              flush=True)
 
         latest = self.ckpt.latest() if cfg.trainer.resume else None
         if latest is not None:
