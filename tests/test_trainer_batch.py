@@ -109,3 +109,21 @@ def test_checkpoint_manager_is_atomic_and_keeps_last_k(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         m.save(4, crash, {"step": 4})
     assert m.latest().name == "step_000003"  # the half-written step 4 is invisible
+
+
+def test_theory_stats_kept_over_all_ratio_is_the_inverse_survival_fraction():
+    """What `theory_stats` documents: uniform groups have zero advantage, so kept/all = N_all / N_kept per label and
+    bin -- here an unsolved prompt (p_hat = 0) makes the incorrect ratio of the p_hat < 0.5 bin exceed alpha-."""
+    accs = [[1, -1, -1, -1], [1, 1, -1, -1], [-1, -1, -1, -1], [-1, -1, -1, -1], [1, -1, -1, -1]]
+    gs = _groups(accs)
+    kept = [g for g in gs if 0 < g.p_hat < 1]
+    out = B.theory_stats(gs, kept, eps=1e-6)
+    low = [g for g in gs if g.p_hat < 0.5]  # bin 0.0-0.5: the two p_hat = 0.25 groups and the two all-wrong ones
+    low_kept = [g for g in kept if g.p_hat < 0.5]
+    n_all = sum(a < 0 for g in low for a in g.acc)
+    n_kept = sum(a < 0 for g in low_kept for a in g.acc)
+    ratio = out["theory/0.0-0.5/adv_incorrect_kept"] / out["theory/0.0-0.5/adv_incorrect_all"]
+    assert ratio == pytest.approx(n_all / n_kept) and n_all / n_kept == 14 / 6
+    assert ratio > out["theory/0.0-0.5/alpha_minus"]
+    correct = out["theory/0.0-0.5/adv_correct_kept"] / out["theory/0.0-0.5/adv_correct_all"]
+    assert correct == pytest.approx(1.0)  # every correct response of this bin sits in a kept group

@@ -155,7 +155,16 @@ def group_stats(groups: Sequence[Group], max_response_length: int, prefix: str) 
 def theory_stats(all_groups: Sequence[Group], kept_groups: Sequence[Group], eps: float) -> dict[str, float]:
     """Thm 3.1 diagnostic: mean advantage of correct / incorrect responses, per p_hat bin, over ALL generated groups
     (uniform groups contribute zeros, as they would without filtering) vs the KEPT groups, with alpha+/alpha- at the
-    bin's mean p_hat. Under the theorem, kept/all ratios approach alpha+ (correct) and alpha- (incorrect)."""
+    bin's mean p_hat of the kept groups.
+
+    What it shows, and what it cannot: a uniform group's advantages are exactly 0, so in one batch the kept/all ratio
+    is, by construction, (responses of that label in all groups) / (those in kept groups) -- the inverse of the
+    fraction of correct (incorrect) responses that survive filtering. Thm 3.1 says that this fraction is
+    1 - p^(G-1) (1 - (1-p)^(G-1)) in expectation for prompts of success probability p, so the ratio approaches
+    alpha+ (alpha-) only when the bin's prompts share one p. A batch mixes prompts: ones the policy never solves
+    (p ~ 0) add incorrect responses that are never kept, so the incorrect ratio of the p_hat < 0.5 bin comes out well
+    above alpha- (4-6 in the CPU comparison). The theorem itself is checked by Monte Carlo at known p
+    (`algorithms.theory`, tests/test_theory.py); this is a description of the run, not a test of it."""
     if not all_groups:
         return {}
     G = len(all_groups[0].acc)
