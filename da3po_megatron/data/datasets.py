@@ -333,6 +333,15 @@ def _unique_uid(uid: str, row: int, used: set[str]) -> str:
     return uid
 
 
+def _seen_before(seen: set[bytes], messages: list, answer: str) -> bool:
+    """Deduplication by (prompt messages, answer): True if this pair was already read, else remember it."""
+    key = hashlib.sha1(json.dumps([messages, answer]).encode()).digest()
+    if key in seen:
+        return True
+    seen.add(key)
+    return False
+
+
 def read_dapo_math(
     path: str | Path, *, on_bad_row: OnBadRow = "error", dedup: bool = False, limit: int | None = None
 ) -> PromptDataset:
@@ -362,12 +371,9 @@ def read_dapo_math(
         except BadRowError as err:
             bad.handle(err)
             continue
-        if dedup:
-            key = hashlib.sha1(json.dumps([messages, answer]).encode()).digest()
-            if key in seen:
-                stats.duplicates += 1
-                continue
-            seen.add(key)
+        if dedup and _seen_before(seen, messages, answer):
+            stats.duplicates += 1
+            continue
         uid = _unique_uid(str(index) if index is not None else f"{p.stem}:{row}", row, used)
         meta = {"row": row, "ability": ability, "style": style, "index": index}
         examples.append(Example(uid=uid, prompt=messages, answer=answer, source=source, meta=meta))
@@ -427,12 +433,9 @@ def read_prompt_file(
         except BadRowError as err:
             bad.handle(err)
             continue
-        if dedup:
-            key = hashlib.sha1(json.dumps([messages, answer]).encode()).digest()
-            if key in seen:
-                stats.duplicates += 1
-                continue
-            seen.add(key)
+        if dedup and _seen_before(seen, messages, answer):
+            stats.duplicates += 1
+            continue
         meta = {k: v for k, v in rec.items() if k not in top_keys}
         meta["row"] = row
         if problem is not None:
