@@ -7,10 +7,9 @@ against transformers' teacher-forced float32 forward: 1e-4.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from _hf import max_logprob_diff, perturbed
 
 from da3po_megatron.rollout import EngineConfig, EngineDeadError, RolloutClient, SamplingConfig
 from da3po_megatron.rollout.weight_sync import hf_state_tensors
@@ -38,26 +37,7 @@ def client(ray_session, model_dir):
 def synced_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    new = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return new
-
-
-def max_diff(model, groups) -> float:
-    worst = 0.0
-    for group in groups:
-        for c in group:
-            ids = torch.tensor([c.prompt_token_ids + c.token_ids])
-            with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-            p = len(c.prompt_token_ids)
-            ref = logp[p - 1:-1].gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
+    return perturbed(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), seed=0)
 
 
 def test_ray_engines_share_the_prompts_and_both_follow_a_sync(client, synced_model):
@@ -69,7 +49,7 @@ def test_ray_engines_share_the_prompts_and_both_follow_a_sync(client, synced_mod
     assert sums[0] == pytest.approx(sums[1], rel=1e-12)
     out = client.generate(PROMPTS, SamplingConfig(n=2, max_tokens=16, seed=3))
     assert [[c.prompt_index for c in g] for g in out] == [[i, i] for i in range(len(PROMPTS))]
-    assert max_diff(synced_model, out) < TOL
+    assert max_logprob_diff(synced_model, out) < TOL
     assert all(h["generated_tokens"] > 0 and h["weights_version"] == 1 for h in client.health())
 
 
@@ -87,5 +67,5 @@ def test_restart_on_failure_replays_the_synced_weights_and_completes_the_batch(c
     out = client.generate(PROMPTS, SamplingConfig(n=2, max_tokens=16, seed=3))
     assert client.restarts == 1
     assert all(len(g) == 2 for g in out)
-    assert max_diff(synced_model, out) < TOL  # the new engine got the synced weights, not the checkpoint's
+    assert max_logprob_diff(synced_model, out) < TOL  # the new engine got the synced weights, not the checkpoint's
     assert [h["ok"] for h in client.health()] == [True, True]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _hf import max_logprob_diff, perturbed
 
 from da3po_megatron.rollout import EngineConfig, RolloutClient, RolloutError, SamplingConfig
 from da3po_megatron.rollout.client import iter_buckets, serialize_bucket
@@ -40,30 +41,6 @@ def load_hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def perturbed(model, seed: int, scale: float = 0.05):
-    import copy
-
-    new = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return new
-
-
-def max_diff(model, groups) -> float:
-    worst = 0.0
-    for group in groups:
-        for c in group:
-            ids = torch.tensor([c.prompt_token_ids + c.token_ids])
-            with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-            p = len(c.prompt_token_ids)
-            ref = logp[p - 1:-1].gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
-
-
 def test_synced_weights_give_the_new_models_logprobs_and_not_the_old(client, model_dir):
     old = load_hf(model_dir)
     new = perturbed(old, seed=1)
@@ -72,8 +49,8 @@ def test_synced_weights_give_the_new_models_logprobs_and_not_the_old(client, mod
     assert stats["buckets"] >= 8 and stats["tensors"] == len(new.state_dict())
     assert stats["max_bucket_bytes"] <= 0.05 * 2**20 + 4096 and stats["bytes"] >= n_bytes
     out = client.generate(["What is 2+3?", "hello"], SamplingConfig(n=2, max_tokens=20, seed=5))
-    assert max_diff(new, out) < TOL
-    assert max_diff(old, out) > CHANGED
+    assert max_logprob_diff(new, out) < TOL
+    assert max_logprob_diff(old, out) > CHANGED
 
 
 def test_a_stale_prefix_cache_cannot_leak_across_a_sync(client, model_dir):
@@ -81,10 +58,10 @@ def test_a_stale_prefix_cache_cannot_leak_across_a_sync(client, model_dir):
     s = SamplingConfig(n=1, max_tokens=8, seed=9)
     client.update_weights(hf_state_tensors(a), bucket_mb=1)
     before = client.generate([LONG_PROMPT], s)
-    assert max_diff(a, before) < TOL
+    assert max_logprob_diff(a, before) < TOL
     client.update_weights(hf_state_tensors(b), bucket_mb=1)
     after = client.generate([LONG_PROMPT], s)  # same prompt: its prefix blocks were cached under weights `a`
-    assert max_diff(b, after) < TOL
+    assert max_logprob_diff(b, after) < TOL
 
 
 def test_without_the_prefix_reset_the_stale_cache_would_leak(client, model_dir):
@@ -99,9 +76,9 @@ def test_without_the_prefix_reset_the_stale_cache_would_leak(client, model_dir):
         engine.llm.collective_rpc("da3po_load_bucket", args=(serialize_bucket(bucket),))
     engine.llm.collective_rpc("da3po_finish_weight_update")  # no prefix-cache reset
     leaked = client.generate([LONG_PROMPT], s)
-    assert max_diff(b, leaked) > CHANGED
+    assert max_logprob_diff(b, leaked) > CHANGED
     client.reset_prefix_cache()
-    assert max_diff(b, client.generate([LONG_PROMPT], s)) < TOL
+    assert max_logprob_diff(b, client.generate([LONG_PROMPT], s)) < TOL
 
 
 def test_a_partial_update_is_refused_naming_the_missing_weights(client, model_dir):
@@ -111,7 +88,7 @@ def test_a_partial_update_is_refused_naming_the_missing_weights(client, model_di
         client.update_weights(partial, bucket_mb=1)
     # the engine stays usable: a full sync afterwards is exact
     client.update_weights(hf_state_tensors(new), bucket_mb=1)
-    assert max_diff(new, client.generate(["hi"], SamplingConfig(max_tokens=6, seed=1))) < TOL
+    assert max_logprob_diff(new, client.generate(["hi"], SamplingConfig(max_tokens=6, seed=1))) < TOL
 
 
 def test_an_unknown_weight_name_is_reported(client, model_dir):
@@ -129,4 +106,4 @@ def test_sync_through_a_saved_checkpoint_gives_the_same_weights(client, model_di
     stats = save_and_reload(hf_state_tensors(new), tmp_path / "ckpt", client, model_path=model_dir)
     assert stats["reload_seconds"] > 0 and stats["bytes"] > 0
     assert client.weights_checksums()[0] == pytest.approx(in_memory, rel=1e-9, abs=1e-6)
-    assert max_diff(new, client.generate(["2+2"], SamplingConfig(max_tokens=6, seed=2))) < TOL
+    assert max_logprob_diff(new, client.generate(["2+2"], SamplingConfig(max_tokens=6, seed=2))) < TOL
