@@ -31,7 +31,7 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     r = _run(tmp_path, GPU_CHECK_SKIP="kernel_tests")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     assert _summary(tmp_path) == {"kernel_tests": "SKIP", "bench_loss_8k": "PASS", "bench_loss_16k": "PASS",
-                                  "train_step": "PASS"}
+                                  "train_step": "PASS", "convert_verify": "PASS"}
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(files) <= 8, files
     assert {"env.txt", "summary.txt", "bench_loss_8k.json", "bench_loss_8k.txt", "train_step.txt"} <= set(files)
@@ -41,7 +41,7 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
 
 def test_a_failing_step_is_recorded_and_the_script_exits_non_zero(tmp_path):
     # a Python that does not exist: every step that runs fails, and says so in the summary
-    r = _run(tmp_path, GPU_CHECK_SKIP="kernel_tests,bench_loss_16k,train_step", PYTHON="/nonexistent/python")
+    r = _run(tmp_path, GPU_CHECK_SKIP="kernel_tests,bench_loss_16k", PYTHON="/nonexistent/python")
     assert r.returncode != 0
     s = _summary(tmp_path)
     assert s["bench_loss_8k"] == "FAIL" and s["bench_loss_16k"] == "SKIP"

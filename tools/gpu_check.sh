@@ -3,7 +3,8 @@
 # device time in all, machine start included). It runs what CPU machines cannot: the compiled Triton kernels against
 # the reference, the DAA-loss benchmark at the paper's vocabulary (issue 7's targets: >= 3x faster than the eager
 # reference, >= 70% of the measured copy bandwidth, <= 1/8 of its peak extra memory), and, when megatron-core was
-# carried, one bf16 policy train step on CUDA (local layer spec: Transformer-Engine is not on that image).
+# carried, one bf16 policy train step on CUDA (local layer spec: Transformer-Engine is not on that image) and the
+# HF -> Megatron bridge with its logits check on CUDA.
 #
 # The device image has python3 3.12 with torch, triton, transformers, pytest, pyyaml -- but no megatron-core, vLLM or
 # Ray, and nothing can be downloaded there. So:
@@ -117,6 +118,16 @@ if "$PY" -c "import megatron.core" 2>/dev/null; then
     step train_step 150 "$out/train_step.txt" "$PY" tools/bench_train_step.py "${train[@]}" --loss-backend kernel
 else
     record train_step SKIP "megatron-core not importable (run 'tools/gpu_check.sh prepare' here and carry .devwhl)"
+fi
+
+# 4. The bridge on CUDA: a tiny Qwen3 converted HF -> Megatron (TP=1) and its logits compared with transformers'.
+if "$PY" -c "import megatron.core" 2>/dev/null; then
+    tiny=$(mktemp -d)
+    "$PY" -c "from da3po_megatron.tiny import build_model; build_model('$tiny/hf', 'qwen3', seed=0)" > /dev/null 2>&1
+    step convert_verify 120 "$out/convert_verify.txt" "$PY" -m da3po_megatron.cli convert hf-to-megatron \
+        --hf "$tiny/hf" --out "$tiny/mcore" --verify
+else
+    record convert_verify SKIP "megatron-core not importable"
 fi
 
 echo "=== summary ($((SECONDS - t_start))s)"
