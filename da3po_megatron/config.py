@@ -131,6 +131,12 @@ class AlgorithmConfig:
     surplus: Literal["drop", "carry"] = doc("drop", "Kept groups beyond the batch: dropped (verl) or carried to the "
                                                     "next step.")
     advantage_eps: float = doc(1e-6, "epsilon added to std(R) in Eq. 3.")
+    rollout_correction: Literal["none", "tis"] = doc(
+        "none", "Correction for the engine / policy log-prob mismatch (not in the DA3PO paper): 'tis' = truncated "
+                "importance sampling (Yao, Liu et al. 2025; verl rollout_is, slime --use-tis): each token's surrogate "
+                "term (Eq. 5/11) is multiplied by the detached w_t = min(pi_old(y_t) / pi_rollout(y_t), tis_cap). "
+                "Needs pi_old recomputed by the policy; token-ratio algorithms only (not gspo).")
+    tis_cap: float = doc(2.0, "C of TIS: the importance weight is truncated at this value (verl / slime: 2.0).")
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
@@ -416,6 +422,15 @@ def validate(cfg: Config) -> None:
     _check(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", a.clip_ratio_high, ">= 0")
     _check(a.max_generation_rounds >= 1, "algorithm.max_generation_rounds", a.max_generation_rounds, ">= 1")
     _check(a.advantage_eps >= 0, "algorithm.advantage_eps", a.advantage_eps, ">= 0")
+    _check(a.tis_cap > 0, "algorithm.tis_cap", a.tis_cap, "> 0")
+    if a.rollout_correction == "tis" and cfg.actor.use_rollout_logprobs:
+        raise ConfigError("algorithm.rollout_correction='tis' with actor.use_rollout_logprobs=true: pi_old would BE "
+                          "pi_rollout, so every weight pi_old / pi_rollout is 1; recompute pi_old "
+                          "(actor.use_rollout_logprobs=false) or set algorithm.rollout_correction=none")
+    if a.rollout_correction == "tis" and cfg.ratio_level != "token":
+        raise ConfigError(f"algorithm.rollout_correction='tis' with algorithm.name={a.name!r}: its ratio is per "
+                          "sequence, and per-token TIS weights do not apply to it; use a token-ratio algorithm "
+                          "(grpo, dapo, da3po) or algorithm.rollout_correction=none")
     r = cfg.rollout
     _check(r.n >= 2, "rollout.n", r.n, ">= 2 (group advantages need at least two responses)")
     _check(r.temperature > 0, "rollout.temperature", r.temperature, "> 0")

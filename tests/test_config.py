@@ -99,3 +99,24 @@ def test_config_algorithm_names_are_the_loss_presets():
 
     hints = typing.get_type_hints(AlgorithmConfig)
     assert typing.get_args(hints["name"]) == ALGORITHMS
+
+
+def test_tis_is_off_by_default_and_its_cap_is_validated():
+    base = ["model.path=/m", "data.format=synthetic"]
+    cfg = load_config(None, base)
+    assert (cfg.algorithm.rollout_correction, cfg.algorithm.tis_cap) == ("none", 2.0)
+    cfg = load_config(None, [*base, "algorithm.rollout_correction=tis", "algorithm.tis_cap=1.5"])
+    assert (cfg.algorithm.rollout_correction, cfg.algorithm.tis_cap) == ("tis", 1.5)
+    with pytest.raises(ConfigError, match=r"algorithm.tis_cap = 0.0 is out of range: allowed > 0"):
+        load_config(None, [*base, "algorithm.tis_cap=0"])
+    assert any(line.startswith("algorithm.rollout_correction = 'none': ") for line in describe())
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.use_rollout_logprobs=true", r"rollout_correction='tis' with actor.use_rollout_logprobs=true: pi_old would "
+                                        r"BE pi_rollout"),
+    ("algorithm.name=gspo", r"rollout_correction='tis' with algorithm.name='gspo': its ratio is per sequence"),
+])
+def test_tis_with_a_combination_it_cannot_correct_is_a_config_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model.path=/m", "data.format=synthetic", "algorithm.rollout_correction=tis", override])

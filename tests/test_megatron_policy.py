@@ -34,11 +34,12 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v)), default=0.0)
 
 
-def _launch(nproc: int, out: Path, *args: str) -> dict:
+def _launch(nproc: int, out: Path, *args: str, script: Path | None = None) -> dict:
+    """torchrun ``nproc`` processes of the selfcheck (or of ``script``) writing JSON to ``out``; returns it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    target = [str(script)] if script else ["-m", "da3po_megatron.megatron.selfcheck"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "-m", "da3po_megatron.megatron.selfcheck",
-           "--out", str(out), *args]
+           "127.0.0.1", "--master-port", str(free_port()), *target, "--out", str(out), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
@@ -258,3 +259,68 @@ def test_wrong_parallel_settings_fail_at_start_naming_the_numbers(tiny_hf, world
     with pytest.raises(ValueError, match=message):  # the worker checks before joining any process group
         PolicyWorker().init(_cfg(tiny_hf, tp, pp), rank=0, world_size=world, master_port=free_port())
     assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------- token weights (TIS)
+@pytest.fixture(scope="module")
+def token_weight_runs(tiny_hf, tmp_path_factory) -> dict:
+    """tests/_policy_token_weights.py at DP=2: one train step per batch variant and loss path, from one checkpoint."""
+    d = tmp_path_factory.mktemp("token_weights")
+    return _launch(2, d / "out.json", "--hf", str(tiny_hf), "--ckpt", str(d / "ckpt"),
+                   script=Path(__file__).with_name("_policy_token_weights.py"))
+
+
+PATHS = ["da3po/torch", "da3po/kernel", "grpo/torch"]
+
+
+def _same_step(a: dict, b: dict, rel: float) -> None:
+    for key in ("loss", "grad_norm", "approx_kl", "clipfrac_low", "clipfrac_high", "response_tokens"):
+        assert b["metrics"][key] == pytest.approx(a["metrics"][key], rel=rel, abs=1e-9), key
+    assert _max_diff(a["logprobs_after"], b["logprobs_after"]) < 1e-6
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_token_weights_of_one_change_nothing(token_weight_runs, path):
+    r = token_weight_runs["paths"][path]
+    _same_step(r["plain"], r["ones"], rel=1e-7)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_token_weights_equal_advantages_scaled_by_the_same_factors(token_weight_runs, path):
+    r = token_weight_runs["paths"][path]
+    _same_step(r["scaled_advantages"], r["per_response"], rel=1e-6)
+    assert r["per_response"]["metrics"]["loss"] != pytest.approx(r["plain"]["metrics"]["loss"], rel=1e-3)
+    # w > 0 keeps every advantage's sign: which tokens the clip binds on does not change
+    for key in ("clipfrac_low", "clipfrac_high"):
+        assert r["per_response"]["metrics"][key] == r["plain"]["metrics"][key]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_per_token_weights_give_the_loss_of_per_token_scaled_advantages(token_weight_runs, path):
+    """Weights that differ within a response must reach exactly their own token, over DP ranks and micro-batches: the
+    step's loss equals ``policy_loss`` on the whole batch with advantages A_i * w_t."""
+    from da3po_megatron.algorithms import POLICY_LOSS_PRESETS, policy_loss
+
+    r = token_weight_runs
+    algorithm = path.split("/")[0]
+    p = POLICY_LOSS_PRESETS[algorithm]
+    assert r["world_size"] == 2
+
+    def pad(rows: list[list[float]]) -> torch.Tensor:
+        out = torch.zeros(len(rows), max(len(x) for x in rows), dtype=torch.float64)
+        for i, x in enumerate(rows):
+            out[i, :len(x)] = torch.tensor(x, dtype=torch.float64)
+        return out
+
+    mask = pad([[1.0] * len(x) for x in r["logprobs"]])
+    adv = torch.tensor(r["advantages"], dtype=torch.float64).unsqueeze(1) * pad(r["per_token_weights"])
+    ref, _ = policy_loss(pad(r["logprobs"]), pad(r["old_logprobs"]), adv, mask, clip_ratio_low=p["clip_ratio_low"],
+                         clip_ratio_high=p["clip_ratio_high"], ratio_level=p["ratio_level"],
+                         loss_agg_mode=p["loss_agg_mode"])
+    got = r["paths"][path]["per_token"]["metrics"]["loss"]
+    assert got == pytest.approx(ref.item(), rel=1e-5)
+    assert got != pytest.approx(r["paths"][path]["plain"]["metrics"]["loss"], rel=1e-3)
+
+
+def test_token_weights_with_a_sequence_level_ratio_are_refused(token_weight_runs):
+    assert "the gspo loss has one ratio per sequence" in token_weight_runs["gspo_error"]

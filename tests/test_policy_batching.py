@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -117,3 +118,20 @@ def test_policy_batch_validates_shapes_and_pickles():
     b = _batch()
     c = pickle.loads(pickle.dumps(b))
     assert c == b and c.select([3, 0]).response_ids == [[44], [13, 14]]
+
+
+def test_token_weights_travel_with_their_tokens_through_selection_and_micro_batches():
+    b = replace(_batch(), token_weights=[[0.5, 2.0], [1.0, 1.5, 0.25], [], [0.75]])
+    assert b.select([3, 0]).token_weights == [[0.75], [0.5, 2.0]]
+    mbs = microbatches(b, [0, 1, 2, 3], max_tokens=6)
+    assert len(mbs) > 1
+    for mb in mbs:  # every token's weight sits where its old log-prob sits
+        for seq, pos in zip(mb.token_seq.tolist(), mb.token_pos.tolist()):
+            row = mb.rows[seq]
+            assert mb.token_weights[seq, pos].item() == b.token_weights[row][pos]
+            assert mb.old_logprobs[seq, pos].item() == pytest.approx(b.old_logprobs[row][pos])
+    assert build_microbatch(_batch(), [0, 1]).token_weights is None  # the default: no weights, no tensor
+    with pytest.raises(ValueError, match="token_weights\\[1\\] has 2 values for 3 response tokens"):
+        PolicyBatch([[1], [2]], [[3], [4, 5, 6]], token_weights=[[1.0], [1.0, 1.0]])
+    with pytest.raises(ValueError, match="2 responses but 1 token_weights rows"):
+        PolicyBatch([[1], [2]], [[3], [4]], token_weights=[[1.0]])

@@ -65,6 +65,22 @@ def test_algorithm_trains_end_to_end(warm_model, tmp_path, algo):
 
 
 @pytest.mark.slow
+def test_da3po_with_tis_trains_and_logs_the_importance_weights(warm_model, tmp_path):
+    run_dir = tmp_path / "tis"
+    p = run_train(train_cmd(warm_model, run_dir, "algorithm.name=da3po", "algorithm.rollout_correction=tis",
+                            "trainer.total_steps=2", "trainer.save_every=0"))
+    assert p.returncode == 0
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["train/response_tokens"] > 0
+        assert 0 < r["tis/weight_mean"] <= 2.0 and 0 <= r["tis/capped_frac"] <= 1 and r["tis/ratio_max"] > 0
+        # float32 engine and policy agree to < 1e-3 in log-prob, so every weight is ~1 and none reaches the cap
+        assert abs(r["rollout/logprob_diff_max"]) < 1e-3
+        assert r["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and r["tis/capped_frac"] == 0.0
+
+
+@pytest.mark.slow
 def test_da3po_kill_and_restart_resumes_exactly(warm_model, tmp_path):
     steps = ["trainer.total_steps=4", "trainer.save_every=2"]
     ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"

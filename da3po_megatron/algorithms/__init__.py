@@ -1,8 +1,9 @@
 """DA3PO algorithm core in pure torch: advantages + DAA, reward shaping, dynamic sampling, losses, theory.
 
 Paper equations: Eq. 3 (group advantages), Eq. 4/5/9/11 (clipped surrogate and its aggregations), Eq. 8 (overlong
-shaping), Eq. 14 (DAA), Thm 3.1 / Cor 3.2 (alpha+, alpha-, gamma). This package imports nothing of the project
-(only torch and the standard library), so every function is unit-testable against its formula.
+shaping), Eq. 14 (DAA), Thm 3.1 / Cor 3.2 (alpha+, alpha-, gamma); not from the paper: truncated importance sampling
+for the rollout / training mismatch (``rollout_correction.py``, off by default). This package imports nothing of the
+project (only torch and the standard library), so every function is unit-testable against its formula.
 """
 
 from .advantages import (
@@ -26,6 +27,7 @@ from .dynamic_sampling import (
 )
 from .losses import ALGORITHMS, LOSS_AGG_MODES, POLICY_LOSS_PRESETS, RATIO_LEVELS, policy_loss
 from .reward_shaping import accuracy_reward, overlong_penalty, shaped_reward
+from .rollout_correction import tis_weights
 from .theory import (
     MonteCarloResult,
     alpha_minus,
@@ -65,4 +67,5 @@ __all__ = [
     "overlong_penalty",
     "policy_loss",
     "shaped_reward",
+    "tis_weights",
 ]

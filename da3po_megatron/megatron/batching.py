@@ -1,8 +1,10 @@
 """The policy's batch format and dynamic micro-batching by token budget (sequence packing).
 
 What the RL loop hands the policy is a :class:`PolicyBatch`: per response its prompt token ids, response token ids,
-the old log-probs pi_old of the response tokens (paper Eq. 5/11, the denominator of the ratio) and its advantage (Eq. 3,
-already DAA-amplified by the trainer, Eq. 14). This module turns it into Megatron micro-batches:
+the old log-probs pi_old of the response tokens (paper Eq. 5/11, the denominator of the ratio), its advantage (Eq. 3,
+already DAA-amplified by the trainer, Eq. 14) and, optionally, per-token weights of the surrogate (truncated importance
+sampling for the rollout / training mismatch, ``algorithms.rollout_correction``). This module turns it into Megatron
+micro-batches:
 
 - :func:`balance_across_dp` gives each data-parallel rank a shard of the responses with nearly equal token counts
   (greedy longest-processing-time, the same idea as verl's sequence-length balancing);
@@ -46,12 +48,16 @@ class PolicyBatch:
         response_ids: per response, the sampled token ids (may be empty: it then has no log-probs and no loss).
         old_logprobs: per response, log pi_old of each response token (Eq. 5/11). Needed by :meth:`train_step`.
         advantages: per response, its (DAA-amplified, Eq. 14) advantage, the same for every token (Eq. 3).
+        token_weights: per response, a weight >= 0 of each response token's surrogate term (TIS weights); the policy
+            multiplies the token's advantage by it, which equals weighting the term only for weights >= 0 (not
+            checked: a per-token scan would cost more than the step's bookkeeping). None = all ones (no extra work).
     """
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     old_logprobs: list[list[float]] | None = None
     advantages: list[float] | None = None
+    token_weights: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -60,13 +66,15 @@ class PolicyBatch:
         for i, p in enumerate(self.prompt_ids):
             if len(p) == 0:
                 raise ValueError(f"PolicyBatch: prompt_ids[{i}] is empty (need at least one prompt token)")
-        if self.old_logprobs is not None:
-            if len(self.old_logprobs) != n:
-                raise ValueError(f"PolicyBatch: {n} responses but {len(self.old_logprobs)} old_logprobs rows")
-            for i, (r, lp) in enumerate(zip(self.response_ids, self.old_logprobs)):
-                if len(r) != len(lp):
-                    raise ValueError(f"PolicyBatch: old_logprobs[{i}] has {len(lp)} values for {len(r)} response "
-                                     f"tokens")
+        for name in ("old_logprobs", "token_weights"):
+            rows = getattr(self, name)
+            if rows is None:
+                continue
+            if len(rows) != n:
+                raise ValueError(f"PolicyBatch: {n} responses but {len(rows)} {name} rows")
+            for i, (r, vals) in enumerate(zip(self.response_ids, rows)):
+                if len(r) != len(vals):
+                    raise ValueError(f"PolicyBatch: {name}[{i}] has {len(vals)} values for {len(r)} response tokens")
         if self.advantages is not None and len(self.advantages) != n:
             raise ValueError(f"PolicyBatch: {n} responses but {len(self.advantages)} advantages")
 
@@ -87,6 +95,7 @@ class PolicyBatch:
             response_ids=[self.response_ids[i] for i in indices],
             old_logprobs=None if self.old_logprobs is None else [self.old_logprobs[i] for i in indices],
             advantages=None if self.advantages is None else [self.advantages[i] for i in indices],
+            token_weights=None if self.token_weights is None else [self.token_weights[i] for i in indices],
         )
 
 
@@ -155,6 +164,7 @@ class MicroBatch:
         response_len: ``[n]`` response lengths.
         old_logprobs: ``[n, R]`` (R = longest response) or None; advantages: ``[n]`` or None.
         response_mask: ``[n, R]`` float, 1 on response tokens.
+        token_weights: ``[n, R]`` (0 on padding) or None (all ones).
     """
 
     rows: list[int]
@@ -172,6 +182,7 @@ class MicroBatch:
     response_mask: torch.Tensor
     old_logprobs: torch.Tensor | None
     advantages: torch.Tensor | None
+    token_weights: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -278,12 +289,8 @@ def build_microbatch(batch: PolicyBatch, rows: Sequence[int], packing: bool = Tr
     response_mask = torch.zeros((len(rows), r_max))
     for k, n in enumerate(resp_len):
         response_mask[k, :n] = 1.0
-    old = None
-    if batch.old_logprobs is not None:
-        old = torch.zeros((len(rows), r_max), dtype=torch.float32)
-        for k, i in enumerate(rows):
-            if resp_len[k]:
-                old[k, :resp_len[k]] = torch.tensor(batch.old_logprobs[i], dtype=torch.float32)
+    old = None if batch.old_logprobs is None else _per_token_rows(batch.old_logprobs, rows, resp_len, r_max)
+    weights = None if batch.token_weights is None else _per_token_rows(batch.token_weights, rows, resp_len, r_max)
     adv = None
     if batch.advantages is not None:
         adv = torch.tensor([float(batch.advantages[i]) for i in rows], dtype=torch.float32)
@@ -303,7 +310,18 @@ def build_microbatch(batch: PolicyBatch, rows: Sequence[int], packing: bool = Tr
         response_mask=response_mask,
         old_logprobs=old,
         advantages=adv,
+        token_weights=weights,
     )
+
+
+def _per_token_rows(values: Sequence[Sequence[float]], rows: Sequence[int], resp_len: Sequence[int], r_max: int
+                    ) -> torch.Tensor:
+    """``[n, r_max]`` float32 of the per-response-token ``values`` of ``rows``, zero-padded."""
+    out = torch.zeros((len(rows), r_max), dtype=torch.float32)
+    for k, i in enumerate(rows):
+        if resp_len[k]:
+            out[k, :resp_len[k]] = torch.tensor(values[i], dtype=torch.float32)
+    return out
 
 
 def microbatches(batch: PolicyBatch, rows: Sequence[int], max_tokens: int, packing: bool = True,

@@ -13,11 +13,13 @@ What it implements (paper equations as in DESIGN.md):
 - ``train_step``: one RL update, the clipped surrogate of Eq. 5/11 with the algorithm's aggregation (GRPO Eq. 4,
   DAPO / DA3PO token-level Eq. 9, GSPO sequence ratio; :func:`da3po_megatron.algorithms.losses.policy_loss`, or the
   fused DAA-loss kernel for the token-level losses). DAA (Eq. 14) is applied by the trainer to the advantages it
-  sends; the policy does not amplify again. The batch is split into ``ppo_mini_batch_size`` mini-batches (one
-  optimizer step each, ``ppo_epochs`` passes), each mini-batch over DP ranks (token-balanced) and into micro-batches
-  by token budget (packed sequences, :mod:`.batching`). The loss uses the GLOBAL normaliser of the mini-batch (its
-  response tokens, or responses, summed over DP ranks first), so the gradient does not depend on how the mini-batch
-  is split (the contract in ``losses.py``; verl's ``global_batch_info``, NeMo-RL's ``global_valid_toks``).
+  sends; the policy does not amplify again. Optional per-token weights (``PolicyBatch.token_weights``, the TIS
+  correction of ``algorithms.rollout_correction``) scale each token's advantage, in both loss paths. The batch is
+  split into ``ppo_mini_batch_size`` mini-batches (one optimizer step each, ``ppo_epochs`` passes), each mini-batch
+  over DP ranks (token-balanced) and into micro-batches by token budget (packed sequences, :mod:`.batching`). The
+  loss uses the GLOBAL normaliser of the mini-batch (its response tokens, or responses, summed over DP ranks first),
+  so the gradient does not depend on how the mini-batch is split (the contract in ``losses.py``; verl's
+  ``global_batch_info``, NeMo-RL's ``global_valid_toks``).
 - Megatron ``DistributedDataParallel`` (fp32 gradient reduction) + ``get_megatron_optimizer`` (Adam, distributed
   optimizer; bf16 params with fp32 master weights on GPU, fp32 on CPU), gradient clipping by global norm.
 - LR schedule: Megatron's ``OptimizerParamScheduler``, stepped once per optimizer step (as Megatron-LM does), just
@@ -464,6 +466,8 @@ class PolicyWorker:
             from da3po_megatron.kernels import daa_policy_loss
 
             adv_flat = mb.advantages[mb.token_seq]
+            if mb.token_weights is not None:  # w > 0: w min(r A, clip(r) A) = min(r wA, clip(r) wA)
+                adv_flat = adv_flat * mb.token_weights[mb.token_seq, mb.token_pos]
             loss_sum, lp, ent, km = daa_policy_loss(
                 logits, mb.token_targets, old_flat, adv_flat, torch.ones_like(old_flat),
                 clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
@@ -475,8 +479,9 @@ class PolicyWorker:
             ent = None if ent is None else ent.detach()
         else:
             lp, ent = self._logprobs(logits, mb.token_targets, entropy)
+            adv = mb.advantages if mb.token_weights is None else mb.advantages.unsqueeze(1) * mb.token_weights
             loss, m = policy_loss(
-                mb.unflatten(lp), mb.old_logprobs, mb.advantages, mb.response_mask,
+                mb.unflatten(lp), mb.old_logprobs, adv, mb.response_mask,
                 clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
                 ratio_level=p["ratio_level"], loss_agg_mode=p["loss_agg_mode"],
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs)
@@ -504,6 +509,9 @@ class PolicyWorker:
         cpu_compat.apply_if_needed()
         if batch.old_logprobs is None or batch.advantages is None:
             raise ValueError("train_step needs PolicyBatch.old_logprobs and PolicyBatch.advantages")
+        if batch.token_weights is not None and self.loss_params["ratio_level"] != "token":
+            raise ValueError(f"PolicyBatch.token_weights scale per-token surrogate terms; the "
+                             f"{self.cfg.loss.algorithm} loss has one ratio per sequence, to which they do not apply")
         b = self.cfg.batching
         n = len(batch)
         size = b.ppo_mini_batch_size or n

@@ -19,13 +19,14 @@ import os
 import random
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from da3po_megatron.algorithms import DynamicSamplingBuffer
+from da3po_megatron.algorithms import DynamicSamplingBuffer, tis_weights
 from da3po_megatron.config import Config, to_dict
 from da3po_megatron.data.datasets import Example, PromptDataset, ReadStats, load_prompts
 from da3po_megatron.data.templates import render_prompt
@@ -203,7 +204,9 @@ class Run:
     def old_logprobs(self, batch: PolicyBatch) -> tuple[PolicyBatch, dict[str, float]]:
         """pi_old for the ratio, and the rollout-vs-policy log-prob mismatch of the sampled tokens (logged every step:
         the trainer/engine mismatch problem). With ``actor.use_rollout_logprobs`` only a ``rollout.
-        logprob_check_fraction`` sample of responses is recomputed, for the mismatch metric alone."""
+        logprob_check_fraction`` sample of responses is recomputed, for the mismatch metric alone. With
+        ``algorithm.rollout_correction=tis`` the batch also gets the per-token TIS weights
+        min(pi_old / pi_rollout, tis_cap) that correct for the mismatch, and their ``tis/*`` statistics."""
         import random as _random
 
         from da3po_megatron.rollout.consistency import logprob_diff_metrics
@@ -219,8 +222,15 @@ class Run:
             return batch, logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
         policy_lp = self.policy.compute_logprobs(batch)
         mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
-        batch.old_logprobs = [list(x) for x in policy_lp]
-        return batch, mismatch
+        weights = None
+        if self.cfg.algorithm.rollout_correction == "tis":
+            def flat(rows: list[list[float]]) -> torch.Tensor:
+                return torch.tensor([v for row in rows for v in row], dtype=torch.float64)
+
+            w, stats = tis_weights(flat(policy_lp), flat(rollout_lp), self.cfg.algorithm.tis_cap)
+            weights = [part.tolist() for part in w.split([len(row) for row in policy_lp])]
+            mismatch.update(stats)
+        return replace(batch, old_logprobs=[list(x) for x in policy_lp], token_weights=weights), mismatch
 
     def sync_weights(self) -> dict[str, float]:
         from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
