@@ -73,6 +73,14 @@ def _train_env(run_dir: Path | None, driver: str | None, **extra: str) -> dict[s
     return env
 
 
+def _release_requeued(job: str) -> None:
+    """Start a requeued job now instead of after Slurm's ~2 min hold -- but not within the second its old credential
+    was revoked: slurmd rejects a credential created in that same second ("Killing non-startable batch JobId=N: Job
+    credential revoked"; it compares whole-second timestamps), which made the requeue tests flaky."""
+    time.sleep(2)
+    assert _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30).returncode == 0
+
+
 def _sbatch(script: str, log: Path, env: dict[str, str], *args: str, script_args: tuple[str, ...] = ()) -> str:
     """Submit ``script``: ``args`` are sbatch options, ``script_args`` go to the script."""
     r = _run(["sbatch", "--parsable", f"--output={log}", *args, script, *script_args], env=env, timeout=30)
@@ -161,7 +169,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_from_the_saved_step(loca
     assert r.returncode == 0, r.stderr
     # 2. the script checkpoints via the driver and requeues; Slurm holds a requeued job ~2 min (BeginTime): skip that
     _wait_until(job, log, lambda j: j["JobState"] == "PENDING" and j.get("Restarts") == "1", "the requeue")
-    assert _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30).returncode == 0
+    _release_requeued(job)
     info = _wait_finished(job, log)
     out = _log(log)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info['JobState']}:\n{out[-4000:]}"
@@ -232,7 +240,7 @@ def test_real_trainer_spreads_over_two_nodes_and_resumes_after_preemption(local_
     assert _run(["scancel", "--batch", "--signal=USR1", job], timeout=30).returncode == 0
     _wait_until(job, log, lambda j: j["JobState"] == "PENDING" and j.get("Restarts") == "1", "the requeue",
                 timeout=300)
-    assert _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30).returncode == 0
+    _release_requeued(job)
     info = _wait_finished(job, log, timeout=600)
     out = _log(log)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info['JobState']}:\n{out[-4000:]}"
