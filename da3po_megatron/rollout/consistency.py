@@ -7,7 +7,8 @@ r = pi_theta / pi_old of Eq. 5/11 whenever rollout log-probs serve as pi_old. Th
 configurable fraction of the sampled responses and logs the mean and max absolute difference (verl logs the same
 quantity as ``training/rollout_probs_diff_*``).
 
-Left out: importance-sampling corrections for the mismatch (TIS / MIS); this module only measures it.
+This module only measures the mismatch; the truncated importance-sampling correction (TIS,
+``algorithm.rollout_correction=tis``) is :mod:`da3po_megatron.algorithms.rollout_correction`, applied by the trainer.
 """
 
 from __future__ import annotations
