@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -324,3 +325,77 @@ def test_per_token_weights_give_the_loss_of_per_token_scaled_advantages(token_we
 
 def test_token_weights_with_a_sequence_level_ratio_are_refused(token_weight_runs):
     assert "the gspo loss has one ratio per sequence" in token_weight_runs["gspo_error"]
+
+
+# ---------------------------------------------------------------------------------------------- sampling temperature
+@pytest.fixture(scope="module")
+def temperature_runs(tiny_hf, tmp_path_factory) -> dict:
+    """tests/_policy_temperature.py at TP=2 with a padded vocabulary: log-probs and one train step per loss path."""
+    d = tmp_path_factory.mktemp("temperature")
+    return _launch(2, d / "out.json", "--hf", str(tiny_hf), script=Path(__file__).with_name("_policy_temperature.py"))
+
+
+def _transformers_at(hf: Path, temperature: float) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """The HF model and its response-token logits / T (out of place, differentiable), one [len(r), V] per response."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    prompts, responses = fixed_batch()
+    logits = [model(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)] / temperature
+              for p, r in zip(prompts, responses)]
+    return model, logits
+
+
+def _token_logprobs(logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    _, responses = fixed_batch()
+    return [z.log_softmax(-1).gather(-1, torch.tensor(r, dtype=torch.long)[:, None])[:, 0]
+            for z, r in zip(logits, responses)]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("backend", ["torch", "kernel"])
+def test_logprobs_and_entropy_at_temperature_equal_transformers_on_tempered_logits(temperature_runs, tiny_hf,
+                                                                                   temperature, backend):
+    run = temperature_runs["runs"][str(temperature)]
+    assert temperature_runs["info"]["padded_vocab_size"] == 192 and temperature_runs["info"]["tp"] == 2
+    with torch.no_grad():
+        _, logits = _transformers_at(tiny_hf, temperature)
+        ref_lp = [x.tolist() for x in _token_logprobs(logits)]
+        ref_ent = [(-(z.softmax(-1) * z.log_softmax(-1)).sum(-1)).tolist() for z in logits]
+        _, plain = _transformers_at(tiny_hf, 1.0)
+        untempered = [x.tolist() for x in _token_logprobs(plain)]
+    assert _max_diff(run["logprobs"][backend], ref_lp) < 1e-4
+    assert _max_diff(run["entropy"][backend], ref_ent) < 1e-4
+    if temperature != 1.0:  # the comparison can tell the temperature apart
+        assert _max_diff(run["logprobs"][backend], untempered) > 0.05
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("path", ["da3po/torch", "da3po/kernel", "grpo/kernel"])
+def test_train_step_at_temperature_has_the_loss_and_gradient_of_tempered_logits(temperature_runs, tiny_hf,
+                                                                               temperature, path):
+    """The loss and global gradient norm of one step equal those of ``policy_loss`` on transformers' logits / T with
+    autograd: the in-place division of the policy's logits back-propagates exactly, on every loss path."""
+    from da3po_megatron.algorithms import POLICY_LOSS_PRESETS, policy_loss
+
+    run = temperature_runs["runs"][str(temperature)]
+    got = run["steps"][path]
+    p = POLICY_LOSS_PRESETS[path.split("/")[0]]
+    model, logits = _transformers_at(tiny_hf, temperature)
+    lps = _token_logprobs(logits)
+    width = max(len(x) for x in lps)
+
+    def pad(rows) -> torch.Tensor:
+        return torch.stack([torch.cat([torch.as_tensor(x, dtype=torch.float32), torch.zeros(width - len(x))])
+                            for x in rows])
+
+    mask = pad([[1.0] * len(x) for x in lps])
+    loss, _ = policy_loss(pad(lps), pad(run["old_logprobs"]), torch.tensor(temperature_runs["advantages"]), mask,
+                          clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
+                          ratio_level=p["ratio_level"], loss_agg_mode=p["loss_agg_mode"])
+    loss.backward()
+    grad_norm = torch.sqrt(sum((q.grad.double() ** 2).sum() for q in model.parameters() if q.grad is not None))
+    assert math.isfinite(got["loss"])
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
+    assert got["clipfrac_low"] + got["clipfrac_high"] > 0  # the perturbed old log-probs make the clip bind

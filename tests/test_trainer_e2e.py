@@ -81,6 +81,36 @@ def test_da3po_with_tis_trains_and_logs_the_importance_weights(warm_model, tmp_p
 
 
 @pytest.mark.slow
+def test_rollout_temperature_is_applied_by_the_policy_too(warm_model, tmp_path):
+    """At rollout.temperature=0.7 the engines sample from softmax(z / 0.7) and return that distribution's log-probs;
+    the policy divides its logits by the same temperature, so pi_old, the ratio and the TIS weights compare like with
+    like: the engine-vs-policy log-prob difference stays at the float32 level of temperature 1 and the TIS weights at
+    ~1. Either half alone fails here (engines at T, policy at 1: a max difference of 1.07); both at 1, as before,
+    agreed with each other while scoring a distribution nobody sampled from -- the next test and the policy and
+    rollout tests check each half against transformers."""
+    run_dir = tmp_path / "t07"
+    p = run_train(train_cmd(warm_model, run_dir, "algorithm.name=da3po", "rollout.temperature=0.7",
+                            "algorithm.rollout_correction=tis", "trainer.total_steps=2", "trainer.save_every=0"))
+    assert p.returncode == 0
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["train/response_tokens"] > 0
+        assert abs(r["rollout/logprob_diff_max"]) < 1e-3, r["rollout/logprob_diff_max"]
+        assert r["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and r["tis/capped_frac"] == 0.0
+
+
+def test_rollout_temperature_reaches_the_policy_and_the_engines_return_what_they_sample():
+    from da3po_megatron.config import load_config
+    from da3po_megatron.megatron.actor_group import policy_config_from_run_config
+    from da3po_megatron.trainer.run import engine_config
+
+    cfg = load_config(ROOT / "examples/tiny_cpu_da3po.yaml", ["rollout.temperature=0.7"])
+    assert policy_config_from_run_config(cfg).loss.temperature == 0.7
+    assert engine_config(cfg).logprobs_mode == "processed_logprobs"
+
+
+@pytest.mark.slow
 def test_da3po_kill_and_restart_resumes_exactly(warm_model, tmp_path):
     steps = ["trainer.total_steps=4", "trainer.save_every=2"]
     ref_dir, cut_dir = tmp_path / "uninterrupted", tmp_path / "killed"

@@ -211,6 +211,8 @@ def policy_config_from_run_config(cfg: Any) -> PolicyConfig:
     ``actor.ppo_mini_batch_size`` counts prompts there (each with ``rollout.n`` responses); here responses.
     ``optim.lr_warmup_steps`` are optimizer steps; the schedule's horizon is ``trainer.total_steps`` x mini-batches
     per step x ``actor.ppo_epochs``. ``actor.loss_backend``: "torch" -> torch; any kernel backend -> the kernel.
+    ``rollout.temperature`` becomes the loss temperature: the policy scores softmax(logits / T), what the engines
+    sampled from.
     """
     from da3po_megatron.megatron.model import ModelOptions
     from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions
@@ -235,7 +237,7 @@ def policy_config_from_run_config(cfg: Any) -> PolicyConfig:
         loss=LossOptions(algorithm=cfg.algorithm.name, clip_ratio_low=cfg.algorithm.clip_ratio_low,
                          clip_ratio_high=cfg.algorithm.clip_ratio_high, loss_agg_mode=cfg.loss_agg_mode,
                          backend=backend, kernel_backend="auto" if backend == "torch" else a.loss_backend,
-                         compute_entropy=a.entropy),
+                         compute_entropy=a.entropy, temperature=cfg.rollout.temperature),
         batching=BatchingOptions(max_tokens_per_microbatch=a.max_tokens_per_microbatch,
                                  ppo_mini_batch_size=a.ppo_mini_batch_size * cfg.rollout.n, ppo_epochs=a.ppo_epochs),
         seed=cfg.trainer.seed,

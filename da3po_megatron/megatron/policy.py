@@ -10,6 +10,9 @@ What it implements (paper equations as in DESIGN.md):
 - ``compute_logprobs``: log pi(o_t | q, o_<t) of every response token, forward-only through Megatron's pipeline
   schedule, vocab-parallel (logits stay split over TP ranks: Megatron's ``vocab_parallel_cross_entropy`` or the
   project's fused kernel); responses are sharded over DP ranks and the results gathered back in batch order.
+- Sampling temperature (``LossOptions.temperature`` = ``rollout.temperature``): pi is softmax(z / T), the
+  distribution the engines sample from, in log-probs, entropy and loss alike (as verl and slime do); otherwise the
+  ratio pi_theta / pi_old and the rollout-vs-policy comparison would score a distribution nobody sampled from.
 - ``train_step``: one RL update, the clipped surrogate of Eq. 5/11 with the algorithm's aggregation (GRPO Eq. 4,
   DAPO / DA3PO token-level Eq. 9, GSPO sequence ratio; :func:`da3po_megatron.algorithms.losses.policy_loss`, or the
   fused DAA-loss kernel for the token-level losses). DAA (Eq. 14) is applied by the trainer to the advantages it
@@ -115,6 +118,9 @@ class LossOptions:
             kernel for the token-level losses dapo / da3po; its vocab-parallel log-probs otherwise).
         kernel_backend: the kernel's own backend: "auto" | "triton" | "chunked" | "reference".
         compute_entropy: report the mean token entropy of pi_theta (a metric; no entropy term in the loss).
+        temperature: the rollout's sampling temperature T; every log-prob, entropy and loss term is of
+            softmax(logits / T), the distribution the responses were sampled from (1.0: the logits as they are, and
+            no division is done).
     """
 
     algorithm: str = "da3po"
@@ -124,6 +130,7 @@ class LossOptions:
     backend: str = "torch"
     kernel_backend: str = "auto"
     compute_entropy: bool = True
+    temperature: float = 1.0
 
     def resolved(self) -> dict[str, Any]:
         from da3po_megatron.algorithms.losses import POLICY_LOSS_PRESETS
@@ -132,6 +139,9 @@ class LossOptions:
             raise ValueError(f"loss algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.backend not in LOSS_BACKENDS:
             raise ValueError(f"loss backend must be one of {LOSS_BACKENDS}, got {self.backend!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"loss temperature must be > 0 (the rollout's sampling temperature), "
+                             f"got {self.temperature}")
         p = dict(POLICY_LOSS_PRESETS[self.algorithm])
         if self.clip_ratio_low is not None:
             p["clip_ratio_low"] = self.clip_ratio_low
@@ -380,12 +390,27 @@ class PolicyWorker:
         )
 
     def _response_logits(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """``[N, V_local]`` logits at the positions that score response tokens; padded vocab columns masked."""
+        """``[N, V_local]`` logits at the positions that score response tokens, divided by the sampling temperature,
+        padded vocab columns masked.
+
+        Everything after the gather works in place on its fresh tensor, so no second ``[N, V_local]`` tensor is made:
+        under autograd that is exact, because neither the gather, the dtype copy, a division by a constant nor the
+        fill needs its own output for its backward. The torch loss path gets float32 (the copy Megatron's cross
+        entropy would make anyway, made here so that the temperature divides float32 values, as vLLM's sampler
+        does); the kernels get the model's dtype (they never upcast a whole ``[N, V]`` tensor), so with bf16 logits
+        z / T is rounded to bf16 once more. The fill comes after the division: finfo.min / T would overflow to -inf
+        for T < 1, and -inf turns the entropy's 0 * z into NaN.
+        """
         flat = output.reshape(-1, output.shape[-1]).index_select(0, mb.token_index)
+        if self.cfg.loss.backend == "torch":
+            flat = flat.float()
+        t = self.cfg.loss.temperature
+        if t != 1.0:
+            flat.div_(t)
         if self.padded_vocab > self.vocab:
             v_local = output.shape[-1]
             cols = torch.arange(v_local, device=flat.device) + self.tp_rank * v_local
-            flat = flat.masked_fill(cols >= self.vocab, torch.finfo(flat.dtype).min)
+            flat.masked_fill_(cols >= self.vocab, torch.finfo(flat.dtype).min)
         return flat
 
     def _logprobs(self, logits: torch.Tensor, targets: torch.Tensor, entropy: bool
@@ -400,7 +425,8 @@ class PolicyWorker:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         ent = _vocab_parallel_entropy(logits, self.tp_group) if entropy else None
-        # Megatron's cross entropy works in place on float32 logits: ``logits`` is a fresh gather, not used after
+        # Megatron's cross entropy works in place on float32 logits: ``logits`` is the fresh float32 gather of
+        # ``_response_logits``, not used after
         lp = -vocab_parallel_cross_entropy(logits, targets)
         return lp, ent
 

@@ -70,8 +70,13 @@ class EngineConfig:
     GPUs). "nccl": vLLM's NCCL broadcast engine (disaggregated). "auto": "bytes" without CUDA, "ipc" with CUDA when
     ``enable_sleep_mode`` (colocated) else "nccl"."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
-    """Which distribution the returned log-probs come from: the model's (raw, before temperature/top-p; vLLM's default
-    and what the policy recomputes) or the sampler's (after temperature/top-k/top-p)."""
+    """Which distribution the returned log-probs come from. "raw_logprobs" (vLLM's default): log softmax(z), before
+    temperature and top-k/top-p. "processed_logprobs": the distribution the token was sampled from,
+    log softmax(z / T) restricted and renormalised to the top-k / top-p set -- what the trainer's engines use, since
+    the policy scores softmax(z / T) too (``LossOptions.temperature``). With top_p < 1 (or top_k) the two still differ
+    by the nucleus renormalisation (engine >= policy log-prob; the policy scores the whole vocabulary), which shows in
+    ``rollout/logprob_diff_*`` and in TIS weights below 1. Raw stays the default for engines that do not need
+    log-probs (``da3po eval``): on CUDA, processed log-probs rule out FlashInfer's top-k/top-p sampling kernel."""
     distributed_executor_backend: str | None = None
     """vLLM's executor for tensor_parallel_size > 1 ("mp" or "ray"; None: vLLM decides)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -153,7 +158,8 @@ class Completion:
     """Response tokens (including the EOS token when it stopped on it)."""
     text: str
     logprobs: list[float]
-    """Log-prob of each response token under the engine's weights (empty when not requested)."""
+    """Log-prob of each response token under the engine's weights (empty when not requested), of the distribution
+    ``EngineConfig.logprobs_mode`` names."""
     finish_reason: str
     """"stop" (EOS or a stop string) or "length" (hit max_tokens: DAPO's overlong case)."""
     num_tokens: int

@@ -31,6 +31,7 @@ from da3po_megatron.config import Config, to_dict
 from da3po_megatron.data.datasets import Example, PromptDataset, ReadStats, load_prompts
 from da3po_megatron.data.templates import render_prompt
 from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.rollout.types import EngineConfig
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.checkpoint import CheckpointManager
 from da3po_megatron.trainer.metrics import MetricsLogger
@@ -55,6 +56,21 @@ def init_ray(cfg: Config) -> None:
                  log_to_driver=os.environ.get("DA3PO_RAY_LOG_TO_DRIVER", "1") == "1")
     else:
         ray.init(address=cfg.ray.address, include_dashboard=False)
+
+
+def engine_config(cfg: Config) -> EngineConfig:
+    """The training engines' :class:`~da3po_megatron.rollout.EngineConfig`. They return the log-probs of the
+    distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
+    renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
+    ``actor_group.policy_config_from_run_config``)."""
+    r = cfg.rollout
+    return EngineConfig(
+        model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
+        dtype=cfg.model.params_dtype if r.dtype == "auto" else r.dtype,
+        max_model_len=r.max_prompt_length + r.max_response_length,
+        kv_cache_memory_bytes=None if torch.cuda.is_available() else r.kv_cache_memory_bytes,
+        gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed, enable_sleep_mode=r.colocate,
+        logprobs_mode="processed_logprobs")
 
 
 def load_train_data(cfg: Config) -> PromptDataset:
@@ -93,7 +109,7 @@ class Run:
     def __init__(self, cfg: Config) -> None:
         from da3po_megatron.megatron.actor_group import PolicyGroup
         from da3po_megatron.rewards import RewardPool
-        from da3po_megatron.rollout import EngineConfig, RolloutClient
+        from da3po_megatron.rollout import RolloutClient
 
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
@@ -127,14 +143,7 @@ class Run:
         init_ray(cfg)
         t0 = time.perf_counter()
         self.policy = PolicyGroup.from_config(cfg)
-        r = cfg.rollout
-        engine_cfg = EngineConfig(
-            model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
-            dtype=cfg.model.params_dtype if r.dtype == "auto" else r.dtype,
-            max_model_len=r.max_prompt_length + r.max_response_length,
-            kv_cache_memory_bytes=None if torch.cuda.is_available() else r.kv_cache_memory_bytes,
-            gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed, enable_sleep_mode=r.colocate)
-        self.rollout = RolloutClient.ray(engine_cfg, num_engines=cfg.rollout.num_engines,
+        self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                          num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
                                          restart_on_failure=cfg.rollout.restart_on_failure)

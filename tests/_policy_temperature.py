@@ -1,0 +1,68 @@
+"""A torchrun job for tests/test_megatron_policy.py: the real PolicyWorker at a sampling temperature T.
+
+TP = 2 with the vocabulary padded (128 -> 192 columns, so TP rank 1 holds 32 real and 64 padding columns): the
+division by T meets vocab-parallel logits and masked padding. Per temperature it records the log-probs and entropies
+of both loss backends, and the loss and gradient norm of one train step from the HF weights on each loss path -- the
+torch loss (da3po), the fused kernel (da3po) and the kernel's log-probs under the per-sequence loss (grpo) -- for the
+test to recompute with transformers. Rank 0 writes the JSON.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/_policy_temperature.py --hf HF --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.megatron.model import ModelOptions
+from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions, PolicyConfig, PolicyWorker
+from da3po_megatron.megatron.runtime import ParallelLayout
+from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
+
+ADVANTAGES = [1.0, -1.0, 2.0, 0.5, -1.0, 2.0, -0.5, 1.0]
+TEMPERATURES = (0.7, 1.0)
+LOSS_PATHS = (("da3po", "torch"), ("da3po", "kernel"), ("grpo", "kernel"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    cfg = PolicyConfig(hf_dir=args.hf, layout=ParallelLayout(tensor_model_parallel_size=2),
+                       model=ModelOptions(make_vocab_size_divisible_by=48),
+                       optimizer=OptimizerOptions(lr=1e-4, adam_eps=1e-4, clip_grad=1.0),
+                       batching=BatchingOptions(max_tokens_per_microbatch=24))
+    w = PolicyWorker(cfg)
+    if not w.hf_loaded:
+        raise RuntimeError(f"the HF weights in {args.hf} were not loaded")
+    prompts, responses = fixed_batch()
+    batch = PolicyBatch(prompts, responses)
+    res: dict = {"info": w.info(), "advantages": ADVANTAGES, "runs": {}}
+    for t in TEMPERATURES:
+        run = res["runs"][str(t)] = {"logprobs": {}, "entropy": {}, "steps": {}}
+        w.load_hf(args.hf)  # the HF weights again (the previous temperature's steps moved them)
+        for backend in ("torch", "kernel"):
+            w.set_loss_options(LossOptions(backend=backend, kernel_backend="chunked", temperature=t))
+            run["logprobs"][backend], run["entropy"][backend] = w.compute_logprobs(batch, return_entropy=True)
+        old = run["old_logprobs"] = perturbed(run["logprobs"]["torch"])
+        for algorithm, backend in LOSS_PATHS:
+            w.set_loss_options(LossOptions(algorithm=algorithm, backend=backend, kernel_backend="chunked",
+                                           temperature=t))
+            w.load_hf(args.hf)  # every step from the same weights (loss and grad norm do not depend on Adam's state)
+            run["steps"][f"{algorithm}/{backend}"] = w.train_step(PolicyBatch(prompts, responses, old, ADVANTAGES))
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(res))
+    dist.barrier()
+    w.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())
