@@ -90,6 +90,8 @@ if compgen -G ".devwhl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
         .devwhl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
 fi
+# what the defaults pick on this machine (the image lacks vLLM, Ray and math-verify: those rows FAIL, as expected)
+timeout 120 "$PY" -m da3po_megatron.cli doctor 2>&1 | tee -a "$out/env.txt"
 
 # 1. Kernel tests: compiled Triton vs the reference on CUDA, AOT compile, TP=2 (gloo), interpreter cases (CPU tensors)
 step kernel_tests 240 "$out/kernel_tests.log" \
