@@ -77,9 +77,12 @@ class ActorConfig:
     ppo_epochs: int = doc(1, "Passes over the step's batch.")
     max_tokens_per_microbatch: int = doc(16384, "Dynamic micro-batching: responses are packed up to this many "
                                                 "tokens (prompt + response) per micro-batch, per rank.")
-    loss_backend: Literal["auto", "torch", "chunked", "triton", "reference"] = doc(
+    loss_backend: Literal["auto", "torch", "chunked", "triton", "reference", "fused_linear"] = doc(
         "auto", "Policy-loss implementation: 'torch' = algorithms/losses.py on Megatron's vocab-parallel "
-                "cross-entropy; kernel backends from kernels/ ('auto' = Triton where it compiles, else chunked).")
+                "cross-entropy; kernel backends from kernels/ ('auto' = Triton where it compiles, else chunked); "
+                "'fused_linear' = kernels/fused_linear.py from the final hidden states and the output weight: no "
+                "[tokens x vocab] logits tensor at all (memory), one extra matmul per token chunk in backward "
+                "(speed); not with sequence parallelism.")
     use_rollout_logprobs: bool = doc(False, "Use the engines' sampled-token log-probs as pi_old instead of "
                                             "recomputing them with the policy (cheaper, carries engine mismatch).")
     entropy: bool = doc(True, "Compute the mean token entropy of the policy for logging.")

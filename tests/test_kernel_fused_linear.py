@@ -90,3 +90,116 @@ def test_fused_linear_rejects_mismatched_weight():
         fused_linear_daa_policy_loss(hidden, weight[:, :5], c.targets, c.old_logprobs, c.advantages, c.mask, **KW)
     with pytest.raises(ValueError, match="dtype"):
         fused_linear_daa_policy_loss(hidden, weight.double(), c.targets, c.old_logprobs, c.advantages, c.mask, **KW)
+
+
+# ------------------------------------------------------------------ temperature and padded vocabulary (the policy's)
+def _tempered_reference_logits(h, w, temperature, vocab_limit):
+    """What the fused path must equal: (h @ w.T) / T in float32, columns >= vocab_limit at -inf."""
+    z = (h @ w.t()).float() / temperature
+    if vocab_limit is not None:
+        z = z.masked_fill(torch.arange(z.shape[-1]) >= vocab_limit, float("-inf"))
+    return z
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("vocab_limit", [None, V - 9])
+def test_fused_linear_at_temperature_with_padded_vocab_equals_reference(temperature, vocab_limit):
+    seed = random.randrange(2**31)
+    hidden, weight, c = _inputs(torch.float32, seed)
+    if vocab_limit is not None:
+        c.targets = c.targets % vocab_limit  # targets are real tokens
+    with torch.no_grad():  # old log-probs near the tempered ones: some ratios clip, most do not
+        lp, _ = vocab_parallel_logprobs(_tempered_reference_logits(hidden, weight, temperature, vocab_limit),
+                                        c.targets, backend="reference")
+    c.old_logprobs = lp - torch.randn(B, T, generator=torch.Generator().manual_seed(seed)) * 0.35
+    daa = dict(correct=c.correct, p_hat=c.p_hat, daa_lambda=2.0, daa_tau=0.5, compute_entropy=True)
+    tv = dict(temperature=temperature, vocab_limit=vocab_limit)
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got = fused_linear_daa_policy_loss(h1, w1, c.targets, c.old_logprobs, c.advantages, c.mask, **KW, **daa,
+                                       chunk_tokens=5, **tv)
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    want = reference_daa_policy_loss(_tempered_reference_logits(h2, w2, temperature, vocab_limit), c.targets,
+                                     c.old_logprobs, c.advantages, c.mask, **KW, **daa)
+    for out in (got, want):
+        (out[0] * c.g_loss + (out[1] * c.g_logp).sum() + (out[2] * c.g_entropy).sum()).backward()
+    msg = f"seed {seed}"
+    for i in range(3):
+        torch.testing.assert_close(got[i].detach(), want[i].detach(), atol=2e-5, rtol=1e-5, msg=msg)
+    for k in ("clip_low_count", "clip_high_count", "token_count"):
+        assert got[3][k].item() == want[3][k].item(), f"{k} {msg}"
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4, msg=f"dhidden {msg}")
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4, msg=f"dweight {msg}")
+    if vocab_limit is not None:
+        assert torch.all(w1.grad[vocab_limit:] == 0)
+    # the log-probs-only entry point takes the same two arguments
+    h3 = hidden.clone().requires_grad_(True)
+    lp3, ent3 = fused_linear_vocab_parallel_logprobs(h3, weight, c.targets, compute_entropy=True, chunk_tokens=7, **tv)
+    torch.testing.assert_close(lp3.detach(), want[1].detach(), atol=2e-5, rtol=1e-5, msg=msg)
+    torch.testing.assert_close(ent3.detach(), want[2].detach(), atol=2e-5, rtol=1e-5, msg=msg)
+    ((lp3 * c.g_logp).sum()).backward()
+    h4 = hidden.clone().requires_grad_(True)
+    lp4, _ = vocab_parallel_logprobs(_tempered_reference_logits(h4, weight, temperature, vocab_limit), c.targets,
+                                     backend="reference")
+    ((lp4 * c.g_logp).sum()).backward()
+    torch.testing.assert_close(h3.grad, h4.grad, atol=1e-5, rtol=1e-4, msg=f"dhidden (logprobs) {msg}")
+
+
+def test_fused_linear_rejects_bad_temperature_and_vocab_limit():
+    hidden, weight, c = _inputs(torch.float32, 0)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_linear_vocab_parallel_logprobs(hidden, weight, c.targets, temperature=0.0)
+    with pytest.raises(ValueError, match="vocab_limit"):
+        fused_linear_vocab_parallel_logprobs(hidden, weight, c.targets, vocab_limit=0)
+
+
+def _tp_worker(rank: int, port: int, inputs: dict, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        v_local = inputs["weight"].shape[0] // 2
+        sl = slice(rank * v_local, (rank + 1) * v_local)
+        h = inputs["hidden"].clone().requires_grad_(True)
+        w = inputs["weight"][sl].clone().requires_grad_(True)
+        lp, ent = fused_linear_vocab_parallel_logprobs(
+            h, w, inputs["targets"], vocab_start=rank * v_local, tp_group=dist.group.WORLD, compute_entropy=True,
+            chunk_tokens=6, temperature=inputs["temperature"], vocab_limit=inputs["vocab_limit"])
+        ((lp * inputs["g_logp"]).sum() + (ent * inputs["g_entropy"]).sum()).backward()
+        torch.save(dict(logp=lp.detach(), entropy=ent.detach(), dhidden=h.grad, dweight=w.grad),
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("vocab_limit", [40, 30])  # V_local = 32: rank 1 holds 8 real rows, or none at all
+def test_fused_linear_tp2_padded_vocab_and_temperature_equal_tp1(tmp_path, monkeypatch, vocab_limit):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    g = torch.Generator().manual_seed(7)
+    v = 64
+    inputs = dict(hidden=torch.randn(2, 9, H, generator=g), weight=torch.randn(v, H, generator=g) * 0.5,
+                  targets=torch.randint(0, vocab_limit, (2, 9), generator=g), g_logp=torch.randn(2, 9, generator=g),
+                  g_entropy=torch.randn(2, 9, generator=g), temperature=0.7, vocab_limit=vocab_limit)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    mp.spawn(_tp_worker, args=(port, inputs, str(tmp_path)), nprocs=2, join=True)
+    h = inputs["hidden"].clone().requires_grad_(True)
+    w = inputs["weight"].clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(_tempered_reference_logits(h, w, 0.7, vocab_limit), inputs["targets"],
+                                      compute_entropy=True, backend="reference")
+    ((lp * inputs["g_logp"]).sum() + (ent * inputs["g_entropy"]).sum()).backward()
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert torch.isfinite(got["entropy"]).all()
+        torch.testing.assert_close(got["logp"], lp.detach(), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got["entropy"], ent.detach(), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got["dhidden"], h.grad, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got["dweight"], w.grad[r * 32:(r + 1) * 32], atol=1e-5, rtol=1e-4)

@@ -399,3 +399,69 @@ def test_train_step_at_temperature_has_the_loss_and_gradient_of_tempered_logits(
     assert got["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7)
     assert got["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
     assert got["clipfrac_low"] + got["clipfrac_high"] > 0  # the perturbed old log-probs make the clip bind
+
+
+# ---------------------------------------------------------------------------------------------- fused_linear backend
+@pytest.fixture(scope="module", params=[(1, 1, False), (2, 1, False), (1, 1, True), (2, 1, True), (1, 2, True)],
+                ids=["tp1", "tp2", "tp1-tied", "tp2-tied", "pp2-tied"])
+def fused_linear_run(request, tiny_hf, tmp_path_factory) -> dict:
+    """tests/_policy_fused_linear.py at TP=1/2 (padded vocabulary), untied and tied output weights, and at PP=2 with
+    tied weights (the last stage's copy of the embedding is the output weight there)."""
+    from da3po_megatron.tiny import build_model
+
+    tp, pp, tied = request.param
+    d = tmp_path_factory.mktemp(f"fused_linear_tp{tp}_pp{pp}{'_tied' if tied else ''}")
+    hf = build_model(d / "hf", family="qwen3", tie_word_embeddings=True) if tied else tiny_hf
+    res = _launch(tp * pp, d / "out.json", "--hf", str(hf), "--ckpt", str(d / "ckpt"), "--pp", str(pp),
+                  script=Path(__file__).with_name("_policy_fused_linear.py"))
+    assert (res["info"]["tp"], res["info"]["pp"], res["tied"]) == (tp, pp, tied)
+    assert res["info"]["padded_vocab_size"] > res["info"]["vocab_size"]
+    return res
+
+
+def test_fused_linear_logprobs_and_entropy_equal_the_kernel_backend_without_any_logits(fused_linear_run):
+    r = fused_linear_run
+    assert r["backend_names"] == {"kernel": "kernel:chunked", "fused_linear": "fused_linear"}
+    assert r["output_layer_calls"]["fused_linear"] == 0 < r["output_layer_calls"]["kernel"]
+    for t, run in r["runs"].items():
+        assert _max_diff(run["logprobs"]["kernel"], run["logprobs"]["fused_linear"]) < 1e-5, t
+        assert _max_diff(run["entropy"]["kernel"], run["entropy"]["fused_linear"]) < 1e-5, t
+
+
+@pytest.mark.parametrize("algorithm", ["da3po", "grpo"])
+def test_fused_linear_train_step_equals_the_kernel_backend(fused_linear_run, algorithm):
+    for t, run in fused_linear_run["runs"].items():
+        want, got = run["steps"][f"{algorithm}/kernel"], run["steps"][f"{algorithm}/fused_linear"]
+        for key in ("loss", "grad_norm", "entropy", "approx_kl", "clipfrac_low", "clipfrac_high", "response_tokens"):
+            assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-9), f"{key} T={t}"
+        # after one Adam step at lr 1e-4 (measured: <= 4e-6)
+        assert _max_diff(want["logprobs_after"], got["logprobs_after"]) < 1e-5, f"T={t}"
+
+
+def test_fused_linear_with_sequence_parallel_is_refused_at_validation(tiny_hf, monkeypatch):
+    from da3po_megatron.megatron import policy
+    from da3po_megatron.megatron.policy import LossOptions
+
+    real = policy.transformer_config
+
+    def sequence_parallel(*a, **kw):
+        tc = real(*a, **kw)
+        tc.sequence_parallel = True
+        return tc
+
+    monkeypatch.setattr(policy, "transformer_config", sequence_parallel)
+    cfg = PolicyConfig(hf_dir=str(tiny_hf), loss=LossOptions(backend="fused_linear"))
+    with pytest.raises(ValueError, match="fused_linear.*sequence_parallel"):
+        validate_config(cfg, 1)
+    validate_config(PolicyConfig(hf_dir=str(tiny_hf), loss=LossOptions(backend="kernel")), 1)
+
+
+def test_actor_loss_backend_fused_linear_reaches_the_policy():
+    from da3po_megatron.config import load_config
+    from da3po_megatron.megatron.actor_group import policy_config_from_run_config
+
+    example = Path(__file__).resolve().parents[1] / "examples/tiny_cpu_da3po.yaml"
+    loss = policy_config_from_run_config(load_config(example, ["actor.loss_backend=fused_linear"])).loss
+    assert (loss.backend, loss.kernel_backend) == ("fused_linear", "auto")
+    loss = policy_config_from_run_config(load_config(example, ["actor.loss_backend=chunked"])).loss
+    assert (loss.backend, loss.kernel_backend) == ("kernel", "chunked")

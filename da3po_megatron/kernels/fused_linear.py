@@ -16,6 +16,13 @@ Tensor parallelism: `weight` is this rank's vocab shard [V_local, H] (Megatron's
 what Megatron's `copy_to_tensor_model_parallel_region` does for the output layer's input. Pass False when the caller
 already wraps `hidden` in such a region (or gathers it from sequence-parallel ranks, whose backward reduce-scatters).
 
+Sampling temperature and vocabulary padding, for a policy that scores softmax(z / T) over the real vocabulary:
+`temperature` divides each chunk's logits in float32 (the backward divides dlogits by T before the matmuls), and
+`vocab_limit` drops the weight rows whose global index is >= the real vocabulary size before the matmul, which is the
+softmax with those logits at -inf and also skips their columns of both matmuls (their dweight rows stay 0). A rank
+whose whole shard is padding contributes (max = float32 min, sum-exp = 0), which the merge weights by exp(-huge) = 0.
+Targets must be real tokens (< vocab_limit).
+
 Memory: per chunk one [chunk x V_local] logits buffer in the hidden dtype plus two float32 ones; dweight is accumulated
 in float32 when the weight is bf16/fp16 ([V_local x H] fp32, independent of the token count). Left out: Triton for the
 per-chunk reductions (the matmuls dominate; the torch chunk reductions are shared with `chunked.py`).
@@ -38,20 +45,31 @@ from .common import (
 )
 
 
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """One chunk's logits h @ weight.T / T: the matmul in the weight's dtype, the division in float32."""
+    z = h @ weight.t()
+    return z if temperature == 1.0 else z.float().div_(temperature)
+
+
 class FusedLinearVocabParallelLogprobs(torch.autograd.Function):
-    """(hidden [N, H], weight [V_local, H], targets [N]) -> (logp [N] fp32, entropy [N] fp32 or empty)."""
+    """(hidden [N, H], weight [V_local, H], targets [N]) -> (logp [N] fp32, entropy [N] fp32 or empty).
+
+    `n_real`: the leading rows of `weight` that are real vocabulary (the rest is padding, left out of the softmax).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, hidden, weight, targets, vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad
+        ctx, hidden, weight, targets, vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad,
+        temperature, n_real,
     ):
         n = hidden.shape[0]
-        m = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        s, tgt = torch.empty_like(m), torch.empty_like(m)
-        w = torch.empty_like(m) if compute_entropy else None
-        for a in range(0, n, chunk_tokens):
+        w_real = weight[:n_real]
+        m = torch.full((n,), torch.finfo(torch.float32).min, dtype=torch.float32, device=hidden.device)
+        s, tgt = torch.zeros_like(m), torch.zeros_like(m)
+        w = torch.zeros_like(m) if compute_entropy else None
+        for a in range(0, n if n_real else 0, chunk_tokens):
             b = min(n, a + chunk_tokens)
-            z = hidden[a:b] @ weight.t()
+            z = _chunk_logits(hidden[a:b], w_real, temperature)
             mc, sc, wc, tc = chunk_stats(z, targets[a:b], vocab_start, compute_entropy)
             del z
             m[a:b], s[a:b], tgt[a:b] = mc, sc, tc
@@ -60,48 +78,61 @@ class FusedLinearVocabParallelLogprobs(torch.autograd.Function):
         lse, entropy, tgt = combine_vocab_stats(m, s, w, tgt, group)
         ent_out = entropy if entropy is not None else lse.new_empty(0)
         ctx.save_for_backward(hidden, weight, targets, lse, ent_out)
-        ctx.cfg = (vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad)
+        ctx.cfg = (vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad, temperature, n_real)
         return tgt - lse, ent_out
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):  # type: ignore[override]
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad = ctx.cfg
+        vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad, temperature, n_real = ctx.cfg
         if not compute_entropy:
             g_entropy = None
         if g_logp is None and g_entropy is None:
-            return (None,) * 8
+            return (None,) * 10
         if g_logp is None:
             g_logp = torch.zeros_like(lse)
         n = hidden.shape[0]
-        dhidden = torch.empty_like(hidden)
+        w_real = weight[:n_real]
+        dhidden = torch.zeros_like(hidden)
         acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
         need_dweight = ctx.needs_input_grad[1]
         dweight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_dweight else None
-        for a in range(0, n, chunk_tokens):
+        dw_real = dweight[:n_real] if need_dweight else None
+        for a in range(0, n if n_real else 0, chunk_tokens):
             b = min(n, a + chunk_tokens)
             h = hidden[a:b]
-            z = h @ weight.t()
+            z = _chunk_logits(h, w_real, temperature)
             d = chunk_dlogits(
                 z, targets[a:b], vocab_start, lse[a:b], g_logp[a:b],
                 entropy[a:b] if g_entropy is not None else None,
                 g_entropy[a:b] if g_entropy is not None else None,
-            ).to(hidden.dtype)
+            )
             del z
-            dhidden[a:b] = d @ weight
+            if temperature != 1.0:
+                d.div_(temperature)  # d/dh of z / T
+            d = d.to(hidden.dtype)
+            dhidden[a:b] = d @ w_real
             if not need_dweight:
                 continue
             if acc_dtype == weight.dtype:
-                dweight.addmm_(d.t(), h)
+                dw_real.addmm_(d.t(), h)
             else:
-                dweight.add_(d.t() @ h)
+                dw_real.add_(d.t() @ h)
         if reduce_hidden_grad and tp_world_size(group) > 1:
             dist.all_reduce(dhidden, op=dist.ReduceOp.SUM, group=group)
         dweight = dweight.to(weight.dtype) if need_dweight else None
-        return dhidden, dweight, None, None, None, None, None, None
+        return (dhidden, dweight) + (None,) * 8
 
 
-def _prepare_fused(hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int | None) -> int:
+def _prepare_fused(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_tokens: int | None,
+    vocab_start: int,
+    temperature: float,
+    vocab_limit: int | None,
+) -> tuple[int, int]:
+    """Checks; -> (tokens per chunk, real vocabulary rows of this shard)."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"weight must be the output-layer shard [V_local, H={hidden.shape[-1]}], "
@@ -114,7 +145,13 @@ def _prepare_fused(hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int
         )
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, weight.shape[0])))
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if vocab_limit is not None and vocab_limit < 1:
+        raise ValueError(f"vocab_limit must be >= 1 (the real vocabulary size) or None, got {vocab_limit}")
+    v_local = weight.shape[0]
+    n_real = v_local if vocab_limit is None else max(0, min(v_local, vocab_limit - vocab_start))
+    return chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, v_local))), n_real
 
 
 def fused_linear_vocab_parallel_logprobs(
@@ -126,12 +163,16 @@ def fused_linear_vocab_parallel_logprobs(
     compute_entropy: bool = False,
     chunk_tokens: int | None = None,
     reduce_hidden_grad: bool = True,
+    temperature: float = 1.0,
+    vocab_limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropy) of logits = hidden @ weight.T without materialising the logits."""
+    """Per-token log-probs (and entropy) of softmax(hidden @ weight.T / temperature) over the global vocabulary
+    columns < vocab_limit, without materialising the logits."""
     inp = prepare_inputs(hidden, targets, need_loss_inputs=False, logits_name="hidden")
-    chunk = _prepare_fused(hidden, weight, chunk_tokens)
+    chunk, n_real = _prepare_fused(hidden, weight, chunk_tokens, vocab_start, temperature, vocab_limit)
     logp, ent = FusedLinearVocabParallelLogprobs.apply(
-        inp.logits, weight, inp.targets, vocab_start, tp_group, compute_entropy, chunk, reduce_hidden_grad
+        inp.logits, weight, inp.targets, vocab_start, tp_group, compute_entropy, chunk, reduce_hidden_grad,
+        float(temperature), n_real,
     )
     shape = inp.token_shape
     return logp.reshape(shape), ent.reshape(shape) if compute_entropy else None
@@ -156,16 +197,20 @@ def fused_linear_daa_policy_loss(
     compute_entropy: bool = False,
     chunk_tokens: int | None = None,
     reduce_hidden_grad: bool = True,
+    temperature: float = 1.0,
+    vocab_limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-    """DAA policy loss of logits = hidden [..., H] @ weight[V_local, H].T; same outputs as `daa_policy_loss`."""
+    """DAA policy loss of logits = hidden [..., H] @ weight[V_local, H].T / temperature, global vocabulary columns
+    >= vocab_limit excluded; same outputs as `daa_policy_loss` on those logits."""
     check_clip(clip_ratio_low, clip_ratio_high)
     use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
     inp = prepare_inputs(
         hidden, targets, old_logprobs, advantages, mask, correct, p_hat, daa_lambda, logits_name="hidden"
     )
-    chunk = _prepare_fused(hidden, weight, chunk_tokens)
+    chunk, n_real = _prepare_fused(hidden, weight, chunk_tokens, vocab_start, temperature, vocab_limit)
     logp, ent = FusedLinearVocabParallelLogprobs.apply(
-        inp.logits, weight, inp.targets, vocab_start, tp_group, compute_entropy, chunk, reduce_hidden_grad
+        inp.logits, weight, inp.targets, vocab_start, tp_group, compute_entropy, chunk, reduce_hidden_grad,
+        float(temperature), n_real,
     )
     adv = inp.advantages
     if use_daa:

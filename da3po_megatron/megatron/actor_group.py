@@ -210,7 +210,8 @@ def policy_config_from_run_config(cfg: Any) -> PolicyConfig:
 
     ``actor.ppo_mini_batch_size`` counts prompts there (each with ``rollout.n`` responses); here responses.
     ``optim.lr_warmup_steps`` are optimizer steps; the schedule's horizon is ``trainer.total_steps`` x mini-batches
-    per step x ``actor.ppo_epochs``. ``actor.loss_backend``: "torch" -> torch; any kernel backend -> the kernel.
+    per step x ``actor.ppo_epochs``. ``actor.loss_backend``: "torch" -> torch; "fused_linear" -> fused_linear (from
+    the hidden states); any other kernel backend -> the kernel.
     ``rollout.temperature`` becomes the loss temperature: the policy scores softmax(logits / T), what the engines
     sampled from.
     """
@@ -221,7 +222,7 @@ def policy_config_from_run_config(cfg: Any) -> PolicyConfig:
     p, o, a = cfg.parallel, cfg.optim, cfg.actor
     updates_per_step = max(1, cfg.data.train_batch_size // max(1, a.ppo_mini_batch_size)) * a.ppo_epochs
     total = max(cfg.trainer.total_steps * updates_per_step, o.lr_warmup_steps + 1)
-    backend = "torch" if a.loss_backend == "torch" else "kernel"
+    backend = a.loss_backend if a.loss_backend in ("torch", "fused_linear") else "kernel"
     return PolicyConfig(
         hf_dir=cfg.model.path,
         layout=ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size),
@@ -236,7 +237,7 @@ def policy_config_from_run_config(cfg: Any) -> PolicyConfig:
                                    total_steps=total, use_distributed_optimizer=o.use_distributed_optimizer),
         loss=LossOptions(algorithm=cfg.algorithm.name, clip_ratio_low=cfg.algorithm.clip_ratio_low,
                          clip_ratio_high=cfg.algorithm.clip_ratio_high, loss_agg_mode=cfg.loss_agg_mode,
-                         backend=backend, kernel_backend="auto" if backend == "torch" else a.loss_backend,
+                         backend=backend, kernel_backend=a.loss_backend if backend == "kernel" else "auto",
                          compute_entropy=a.entropy, temperature=cfg.rollout.temperature),
         batching=BatchingOptions(max_tokens_per_microbatch=a.max_tokens_per_microbatch,
                                  ppo_mini_batch_size=a.ppo_mini_batch_size * cfg.rollout.n, ppo_epochs=a.ppo_epochs),

@@ -30,6 +30,11 @@ What it implements (paper equations as in DESIGN.md):
   ``min_lr`` at ``total_steps``. Weight decay is constant (Megatron's ``wd_mult`` keeps it off biases and norms).
 - ``save`` / ``load``: :mod:`.checkpoint` (model resharding-safe across TP/PP; optimizer at the same TP x PP).
 - ``state_dict_for_export``: full tensors with global Megatron names for the bridge / vLLM weight sync.
+- Fused linear loss (``LossOptions.backend = "fused_linear"``): the last stage runs GPTModel with its output layer
+  swapped for a pass-through, so the forward returns the final hidden states (after the final norm) instead of
+  logits, and log-probs, entropy and loss come from :mod:`da3po_megatron.kernels.fused_linear` with this rank's
+  output-weight shard: no ``[tokens x vocab]`` logits tensor exists at all, at the price of one more matmul per
+  chunk in backward. Not with sequence parallelism (the hidden states are sequence-sharded there).
 
 Left out: context parallelism (CUDA only, not wired), virtual pipeline stages, KL-to-reference and entropy bonus
 terms (DAPO / DA3PO use neither), dual-clip PPO.
@@ -42,6 +47,7 @@ import math
 import re
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -65,7 +71,7 @@ from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_para
 
 log = logging.getLogger(__name__)
 
-LOSS_BACKENDS = ("torch", "kernel")
+LOSS_BACKENDS = ("torch", "kernel", "fused_linear")
 LR_DECAY_STYLES = ("constant", "cosine")
 
 
@@ -114,8 +120,10 @@ class LossOptions:
         algorithm: grpo | dapo | gspo | da3po: picks ratio level and aggregation from ``POLICY_LOSS_PRESETS``.
         clip_ratio_low / clip_ratio_high: eps_low / eps_high of Eq. 11; None = the algorithm's preset.
         loss_agg_mode: None = the preset's; "token-mean" (Eq. 9) or "seq-mean-token-mean" (Eq. 4).
-        backend: "torch" (Megatron vocab-parallel log-probs + ``losses.policy_loss``) or "kernel" (the fused DAA-loss
-            kernel for the token-level losses dapo / da3po; its vocab-parallel log-probs otherwise).
+        backend: "torch" (Megatron vocab-parallel log-probs + ``losses.policy_loss``), "kernel" (the fused DAA-loss
+            kernel for the token-level losses dapo / da3po; its vocab-parallel log-probs otherwise) or
+            "fused_linear" (the same from the final hidden states and the output weight, no logits tensor at all;
+            the kernel_backend does not apply).
         kernel_backend: the kernel's own backend: "auto" | "triton" | "chunked" | "reference".
         compute_entropy: report the mean token entropy of pi_theta (a metric; no entropy term in the loss).
         temperature: the rollout's sampling temperature T; every log-prob, entropy and loss term is of
@@ -197,9 +205,12 @@ def validate_config(cfg: PolicyConfig, world_size: int) -> None:
     cfg.layout.validate(world_size)
     hf = load_hf_config(cfg.hf_dir)
     tp, pp = cfg.layout.tensor_model_parallel_size, cfg.layout.pipeline_model_parallel_size
-    transformer_config(hf, cfg.model, tp, pp, cfg.layout.context_parallel_size)
+    tconf = transformer_config(hf, cfg.model, tp, pp, cfg.layout.context_parallel_size)
     cfg.optimizer.validate()
     cfg.loss.resolved()
+    if cfg.loss.backend == "fused_linear" and tconf.sequence_parallel:
+        raise ValueError("loss backend 'fused_linear' does not support sequence_parallel=True: the final hidden states "
+                         "are sharded over the sequence there; use loss backend 'kernel' or 'torch'")
     b = cfg.batching
     if b.max_tokens_per_microbatch < 1 or b.ppo_epochs < 1 or b.ppo_mini_batch_size < 0:
         raise ValueError(f"need max_tokens_per_microbatch >= 1, ppo_epochs >= 1, ppo_mini_batch_size >= 0; got {b}")
@@ -328,9 +339,10 @@ class PolicyWorker:
 
     def loss_backend_name(self) -> str:
         """What computes the policy loss here, with "auto" resolved: e.g. "kernel:triton" on a GPU where the Triton
-        kernels compile, "kernel:chunked" on CPU, "torch" (Megatron's vocab-parallel cross-entropy + algorithms/)."""
+        kernels compile, "kernel:chunked" on CPU, "torch" (Megatron's vocab-parallel cross-entropy + algorithms/),
+        "fused_linear" (kernels/fused_linear.py from the final hidden states)."""
         if self.cfg.loss.backend != "kernel":
-            return "torch"
+            return self.cfg.loss.backend
         from da3po_megatron.kernels import resolve_backend
 
         return "kernel:" + resolve_backend(self.cfg.loss.kernel_backend, torch.empty(0, device=self.device))
@@ -374,7 +386,8 @@ class PolicyWorker:
                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
             elif self.te:
                 mask = None  # TE attention is causal by type; right-padded rows need nothing more
-            output = model(mb.tokens, mb.position_ids, mask, **kwargs)
+            with self._final_hidden_states_as_output():
+                output = model(mb.tokens, mb.position_ids, mask, **kwargs)
             return output, partial(loss_builder, mb)
 
         fb = get_forward_backward_func()
@@ -388,6 +401,63 @@ class PolicyWorker:
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )
+
+    @contextmanager
+    def _final_hidden_states_as_output(self) -> Iterator[None]:
+        """With the fused_linear loss, make this forward of the last stage return the final hidden states.
+
+        GPTModel's ``_postprocess`` ends in ``self.output_layer(hidden_states, weight=..., runtime_gather_output=...)``
+        on the final-normed hidden states and returns its output transposed to [B, S, ...]; with the output layer
+        swapped for :class:`_PassThroughOutputLayer` for the duration of the call, that output is the hidden states
+        [B, S, H], laid out like the logits (the same ``token_index`` gathers them), and no logits are computed. The
+        real layer is put back right after, so parameters, checkpoints and export never see the swap. Other stages
+        and backends: nothing changes.
+        """
+        gpt = self._gpt
+        if self.cfg.loss.backend != "fused_linear" or not gpt.post_process:
+            yield
+            return
+        layer = gpt.output_layer
+        gpt.output_layer = _PassThroughOutputLayer(layer.weight)
+        try:
+            yield
+        finally:
+            gpt.output_layer = layer
+
+    def _output_weight(self) -> torch.Tensor:
+        """This rank's output-weight shard [V_local, H], the weight Megatron's output layer would use: with tied
+        embeddings the word-embedding weight (or its last-stage copy when PP > 1), else the output layer's own."""
+        gpt = self._gpt
+        if gpt.share_embeddings_and_output_weights:
+            return gpt.shared_embedding_or_output_weight()
+        return gpt.output_layer.weight
+
+    def _fused_linear_args(self, weight: torch.Tensor) -> dict[str, Any]:
+        """The vocab-parallel arguments of the fused-linear functions for this rank's output-weight shard.
+
+        The hidden states are replicated over the TP group (no sequence parallelism) and each rank's shard sees only
+        its part of their gradient: ``reduce_hidden_grad`` sums it, what the output layer's
+        ``copy_to_tensor_model_parallel_region`` does on the logits path.
+        """
+        return dict(vocab_start=self.tp_rank * weight.shape[0], tp_group=self.tp_group,
+                    temperature=self.cfg.loss.temperature, vocab_limit=self.vocab, reduce_hidden_grad=True)
+
+    @staticmethod
+    def _response_hidden(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """``[N, H]`` final hidden states at the positions that score response tokens (fused_linear backend)."""
+        return output.reshape(-1, output.shape[-1]).index_select(0, mb.token_index)
+
+    def _token_logprobs(self, output: torch.Tensor, mb: MicroBatch, entropy: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (differentiable) and entropy (detached) of the response tokens of one micro-batch's output."""
+        if self.cfg.loss.backend != "fused_linear":
+            return self._logprobs(self._response_logits(output, mb), mb.token_targets, entropy)
+        from da3po_megatron.kernels import fused_linear_vocab_parallel_logprobs
+
+        weight = self._output_weight()
+        lp, ent = fused_linear_vocab_parallel_logprobs(self._response_hidden(output, mb), weight, mb.token_targets,
+                                                       compute_entropy=entropy, **self._fused_linear_args(weight))
+        return lp, None if ent is None else ent.detach()
 
     def _response_logits(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """``[N, V_local]`` logits at the positions that score response tokens, divided by the sampling temperature,
@@ -452,8 +522,7 @@ class PolicyWorker:
                            row_capacity=None if thd else 0) if shard else []
 
         def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = False):
-            logits = self._response_logits(output, mb)
-            lp, ent = self._logprobs(logits, mb.token_targets, return_entropy)
+            lp, ent = self._token_logprobs(output, mb, return_entropy)
             if self.tp_rank == 0:
                 dest = torch.tensor([offsets[mb.rows[s]] for s in mb.token_seq.tolist()], dtype=torch.long,
                                     device=self.device) + mb.token_pos
@@ -483,28 +552,35 @@ class PolicyWorker:
 
         p = self.loss_params
         entropy = self.cfg.loss.compute_entropy
-        logits = self._response_logits(output, mb)
+        backend = self.cfg.loss.backend
         n = mb.num_response_tokens
         old_flat = mb.old_logprobs[mb.token_seq, mb.token_pos]
-        fused = (self.cfg.loss.backend == "kernel" and p["ratio_level"] == "token"
-                 and p["loss_agg_mode"] == "token-mean")
+        fused = backend != "torch" and p["ratio_level"] == "token" and p["loss_agg_mode"] == "token-mean"
         if fused:
-            from da3po_megatron.kernels import daa_policy_loss
+            from da3po_megatron.kernels import daa_policy_loss, fused_linear_daa_policy_loss
 
             adv_flat = mb.advantages[mb.token_seq]
             if mb.token_weights is not None:  # w > 0: w min(r A, clip(r) A) = min(r wA, clip(r) wA)
                 adv_flat = adv_flat * mb.token_weights[mb.token_seq, mb.token_pos]
-            loss_sum, lp, ent, km = daa_policy_loss(
-                logits, mb.token_targets, old_flat, adv_flat, torch.ones_like(old_flat),
-                clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
-                vocab_start=self.tp_rank * logits.shape[-1], tp_group=self.tp_group, compute_entropy=entropy,
-                backend=self.cfg.loss.kernel_backend)
+            common = dict(clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
+                          compute_entropy=entropy)
+            if backend == "fused_linear":
+                weight = self._output_weight()
+                loss_sum, lp, ent, km = fused_linear_daa_policy_loss(
+                    self._response_hidden(output, mb), weight, mb.token_targets, old_flat, adv_flat,
+                    torch.ones_like(old_flat), **common, **self._fused_linear_args(weight))
+            else:
+                logits = self._response_logits(output, mb)
+                loss_sum, lp, ent, km = daa_policy_loss(
+                    logits, mb.token_targets, old_flat, adv_flat, torch.ones_like(old_flat), **common,
+                    vocab_start=self.tp_rank * logits.shape[-1], tp_group=self.tp_group,
+                    backend=self.cfg.loss.kernel_backend)
             loss = loss_sum / global_tokens.clamp_min(1)
             clip_low, clip_high = km["clip_low_count"], km["clip_high_count"]
             lp = lp.detach()
             ent = None if ent is None else ent.detach()
         else:
-            lp, ent = self._logprobs(logits, mb.token_targets, entropy)
+            lp, ent = self._token_logprobs(output, mb, entropy)
             adv = mb.advantages if mb.token_weights is None else mb.advantages.unsqueeze(1) * mb.token_weights
             loss, m = policy_loss(
                 mb.unflatten(lp), mb.old_logprobs, adv, mb.response_mask,
@@ -684,6 +760,23 @@ class PolicyWorker:
         from da3po_megatron.megatron.runtime import destroy_parallel
 
         destroy_parallel()
+
+
+class _PassThroughOutputLayer(torch.nn.Module):
+    """Stands in for GPTModel's ColumnParallelLinear ``output_layer`` (same call signature, same (output, bias)
+    return): hands the final hidden states through, so that the fused_linear loss gets them instead of logits.
+
+    It exposes the real layer's ``weight``, because ``GPTModel.shared_embedding_or_output_weight()`` reads
+    ``output_layer.weight`` during the forward on a last pipeline stage with tied embeddings (PP > 1).
+    """
+
+    def __init__(self, weight: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        return hidden_states, None
 
 
 def _vocab_parallel_entropy(logits: torch.Tensor, tp_group, chunk: int = 4096) -> torch.Tensor:
