@@ -37,6 +37,8 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     assert {"env.txt", "summary.txt", "bench_loss_8k.json", "bench_loss_8k.txt", "train_step.txt"} <= set(files)
     assert "torch" in (tmp_path / "out" / "env.txt").read_text()
     assert "| reference" in (tmp_path / "out" / "bench_loss_8k.txt").read_text()
+    train = (tmp_path / "out" / "train_step.txt").read_text()
+    assert '"loss_backend": "kernel"' in train and '"loss_backend": "fused_linear"' in train
 
 
 def test_a_failing_step_is_recorded_and_the_script_exits_non_zero(tmp_path):

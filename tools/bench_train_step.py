@@ -48,7 +48,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=1024, help="max_tokens_per_microbatch")
     ap.add_argument("--mini-batch", type=int, default=0, help="ppo_mini_batch_size in responses (0 = whole batch)")
     ap.add_argument("--algorithm", default="da3po")
-    ap.add_argument("--loss-backend", default="torch", choices=["torch", "kernel"])
+    ap.add_argument("--loss-backend", default="torch", choices=["torch", "kernel", "fused_linear"],
+                    help="policy loss path: Megatron cross-entropy + torch loss, the fused kernel on logits, or the "
+                         "fused-linear kernel on the final hidden states (no logits tensor)")
     ap.add_argument("--recompute", default=None, choices=[None, "full", "selective"])
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)

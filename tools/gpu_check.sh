@@ -117,7 +117,11 @@ if "$PY" -c "import megatron.core" 2>/dev/null; then
         train=(--tiny --tiny-hidden 2048 --tiny-layers 8 --dtype bfloat16 --batch 32 --prompt-len 512
                --response-len 1536 --steps 3 --warmup 1)
     fi
-    step train_step 150 "$out/train_step.txt" "$PY" tools/bench_train_step.py "${train[@]}" --loss-backend kernel
+    # the fused kernel on logits, then the fused-linear path (no logits tensor): time and peak memory side by side
+    # shellcheck disable=SC2016  # $0 / $@ are expanded by the inner bash, on purpose
+    step train_step 200 "$out/train_step.txt" bash -c \
+        '"$0" tools/bench_train_step.py "$@" --loss-backend kernel && "$0" tools/bench_train_step.py "$@" --loss-backend fused_linear' \
+        "$PY" "${train[@]}"
 else
     record train_step SKIP "megatron-core not importable (run 'tools/gpu_check.sh prepare' here and carry .devwhl)"
 fi
