@@ -15,20 +15,16 @@ logits it computes, summed over ranks: none with fused_linear. Rank 0 writes the
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _policy_job import ADVANTAGES, finish, small_policy
 
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.model import ModelOptions
-from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions, PolicyConfig, PolicyWorker
-from da3po_megatron.megatron.runtime import ParallelLayout
+from da3po_megatron.megatron.policy import LossOptions
 from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
 
-ADVANTAGES = [1.0, -1.0, 2.0, 0.5, -1.0, 2.0, -0.5, 1.0]
 TEMPERATURES = (1.0, 0.7)
 BACKENDS = ("kernel", "fused_linear")
 ALGORITHMS = ("da3po", "grpo")
@@ -41,14 +37,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
-    tp = int(os.environ.get("WORLD_SIZE", 1)) // args.pp
-    cfg = PolicyConfig(hf_dir=args.hf, layout=ParallelLayout(tp, args.pp),
-                       model=ModelOptions(make_vocab_size_divisible_by=48),
-                       optimizer=OptimizerOptions(lr=1e-4, adam_eps=1e-4, clip_grad=1.0),
-                       batching=BatchingOptions(max_tokens_per_microbatch=24))
-    w = PolicyWorker(cfg)
-    if not w.hf_loaded:
-        raise RuntimeError(f"the HF weights in {args.hf} were not loaded")
+    w = small_policy(args.hf, int(os.environ.get("WORLD_SIZE", 1)) // args.pp, args.pp)
     prompts, responses = fixed_batch()
     batch = PolicyBatch(prompts, responses)
     w.train_step(PolicyBatch(prompts, responses, perturbed(w.compute_logprobs(batch)), ADVANTAGES))
@@ -86,11 +75,7 @@ def main() -> int:
     calls = torch.tensor([res["output_layer_calls"][b] for b in BACKENDS], dtype=torch.float64)
     dist.all_reduce(calls)
     res["output_layer_calls"] = dict(zip(BACKENDS, calls.tolist()))
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
-    w.shutdown()
-    return 0
+    return finish(w, res, args.out)
 
 
 if __name__ == "__main__":

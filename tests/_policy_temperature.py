@@ -12,19 +12,14 @@ test to recompute with transformers. Rank 0 writes the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
-import torch.distributed as dist
+from _policy_job import ADVANTAGES, finish, small_policy
 
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.model import ModelOptions
-from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions, PolicyConfig, PolicyWorker
-from da3po_megatron.megatron.runtime import ParallelLayout
+from da3po_megatron.megatron.policy import LossOptions
 from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
 
-ADVANTAGES = [1.0, -1.0, 2.0, 0.5, -1.0, 2.0, -0.5, 1.0]
 TEMPERATURES = (0.7, 1.0)
 LOSS_PATHS = (("da3po", "torch"), ("da3po", "kernel"), ("grpo", "kernel"))
 
@@ -34,13 +29,7 @@ def main() -> int:
     ap.add_argument("--hf", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    cfg = PolicyConfig(hf_dir=args.hf, layout=ParallelLayout(tensor_model_parallel_size=2),
-                       model=ModelOptions(make_vocab_size_divisible_by=48),
-                       optimizer=OptimizerOptions(lr=1e-4, adam_eps=1e-4, clip_grad=1.0),
-                       batching=BatchingOptions(max_tokens_per_microbatch=24))
-    w = PolicyWorker(cfg)
-    if not w.hf_loaded:
-        raise RuntimeError(f"the HF weights in {args.hf} were not loaded")
+    w = small_policy(args.hf, tp=2)
     prompts, responses = fixed_batch()
     batch = PolicyBatch(prompts, responses)
     res: dict = {"info": w.info(), "advantages": ADVANTAGES, "runs": {}}
@@ -56,11 +45,7 @@ def main() -> int:
                                            temperature=t))
             w.load_hf(args.hf)  # every step from the same weights (loss and grad norm do not depend on Adam's state)
             run["steps"][f"{algorithm}/{backend}"] = w.train_step(PolicyBatch(prompts, responses, old, ADVANTAGES))
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
-    w.shutdown()
-    return 0
+    return finish(w, res, args.out)
 
 
 if __name__ == "__main__":

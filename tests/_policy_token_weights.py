@@ -12,19 +12,16 @@ Rank 0 writes the JSON (with the batch, the old log-probs and the weights, for t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-from pathlib import Path
 
 import torch.distributed as dist
+from _policy_job import ADVANTAGES, finish, small_policy
 
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.model import ModelOptions
-from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions, PolicyConfig, PolicyWorker
+from da3po_megatron.megatron.policy import LossOptions
 from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
 
-ADVANTAGES = [1.0, -1.0, 2.0, 0.5, -1.0, 2.0, -0.5, 1.0]
 LOSS_PATHS = (("da3po", "torch"), ("da3po", "kernel"), ("grpo", "torch"))
 
 
@@ -34,11 +31,8 @@ def main() -> int:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    cfg = PolicyConfig(hf_dir=args.hf, model=ModelOptions(),
-                       optimizer=OptimizerOptions(lr=1e-4, adam_eps=1e-4, clip_grad=1.0),
-                       loss=LossOptions(algorithm="da3po", backend="torch"),
-                       batching=BatchingOptions(max_tokens_per_microbatch=24))
-    w = PolicyWorker(cfg)  # world of WORLD_SIZE ranks at TP = PP = 1: data parallel
+    # world of WORLD_SIZE ranks at TP = PP = 1: data parallel
+    w = small_policy(args.hf, padded_vocab=False, loss=LossOptions(algorithm="da3po", backend="torch"))
     prompts, responses = fixed_batch()
     w.train_step(PolicyBatch(prompts, responses, perturbed(w.compute_logprobs(PolicyBatch(prompts, responses))),
                              ADVANTAGES))  # one step first, so that the checkpoint holds Adam moments
@@ -72,11 +66,7 @@ def main() -> int:
         res["gspo_error"] = None
     except ValueError as e:
         res["gspo_error"] = str(e)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
-    w.shutdown()
-    return 0
+    return finish(w, res, args.out)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _policy_job import ADVANTAGES
 from _ray import local_ray
 
 from da3po_megatron.megatron.batching import PolicyBatch
@@ -26,8 +27,6 @@ from da3po_megatron.megatron.model import ModelOptions
 from da3po_megatron.megatron.policy import PolicyConfig, PolicyWorker, validate_config
 from da3po_megatron.megatron.runtime import ParallelLayout, free_port
 from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
-
-ADVANTAGES = [1.0, -1.0, 2.0, 0.5, -1.0, 2.0, -0.5, 1.0]  # as in selfcheck.main
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
