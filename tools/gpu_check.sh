@@ -110,7 +110,9 @@ step bench_loss_8k 150 "$out/bench_loss_8k.txt" "$PY" tools/bench_loss.py "${ben
 step bench_loss_16k 120 "$out/bench_loss_16k.txt" "$PY" tools/bench_loss.py "${bench_big[@]}"
 
 # 3. One bf16 policy train step on CUDA through megatron-core (local spec), with MFU; skipped without megatron-core.
-if "$PY" -c "import megatron.core" 2>/dev/null; then
+have_mcore=0  # steps 3 and 4 need megatron-core (importing it takes seconds of device time: test once)
+"$PY" -c "import megatron.core" 2>/dev/null && have_mcore=1
+if [[ $have_mcore == 1 ]]; then
     if [[ $small == 1 ]]; then
         train=(--tiny --batch 4 --prompt-len 8 --response-len 24 --steps 1 --warmup 0)
     else
@@ -127,7 +129,7 @@ else
 fi
 
 # 4. The bridge on CUDA: a tiny Qwen3 converted HF -> Megatron (TP=1) and its logits compared with transformers'.
-if "$PY" -c "import megatron.core" 2>/dev/null; then
+if [[ $have_mcore == 1 ]]; then
     tiny=$(mktemp -d)
     "$PY" -c "from da3po_megatron.tiny import build_model; build_model('$tiny/hf', 'qwen3', seed=0)" > /dev/null 2>&1
     step convert_verify 120 "$out/convert_verify.txt" "$PY" -m da3po_megatron.cli convert hf-to-megatron \
