@@ -432,15 +432,22 @@ class PolicyWorker:
             return gpt.shared_embedding_or_output_weight()
         return gpt.output_layer.weight
 
-    def _fused_linear_args(self, weight: torch.Tensor) -> dict[str, Any]:
-        """The vocab-parallel arguments of the fused-linear functions for this rank's output-weight shard.
+    def _vocab_local(self) -> int:
+        """V_local: this rank's columns of the (padded) vocabulary; rank r holds [r V_local, (r + 1) V_local)."""
+        return self.padded_vocab // self.tp
+
+    def _output_layer(self):
+        """This rank's output-weight shard as the fused-linear functions apply it: divided by the sampling
+        temperature, padded vocab columns left out.
 
         The hidden states are replicated over the TP group (no sequence parallelism) and each rank's shard sees only
         its part of their gradient: ``reduce_hidden_grad`` sums it, what the output layer's
         ``copy_to_tensor_model_parallel_region`` does on the logits path.
         """
-        return dict(vocab_start=self.tp_rank * weight.shape[0], tp_group=self.tp_group,
-                    temperature=self.cfg.loss.temperature, vocab_limit=self.vocab, reduce_hidden_grad=True)
+        from da3po_megatron.kernels import OutputLayer
+
+        return OutputLayer(self._output_weight(), temperature=self.cfg.loss.temperature, vocab_limit=self.vocab,
+                           reduce_hidden_grad=True)
 
     @staticmethod
     def _response_hidden(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -452,11 +459,10 @@ class PolicyWorker:
         """Log-probs (differentiable) and entropy (detached) of the response tokens of one micro-batch's output."""
         if self.cfg.loss.backend != "fused_linear":
             return self._logprobs(self._response_logits(output, mb), mb.token_targets, entropy)
-        from da3po_megatron.kernels import fused_linear_vocab_parallel_logprobs
+        from da3po_megatron.kernels import LogprobInputs, fused_linear_vocab_parallel_logprobs
 
-        weight = self._output_weight()
-        lp, ent = fused_linear_vocab_parallel_logprobs(self._response_hidden(output, mb), weight, mb.token_targets,
-                                                       compute_entropy=entropy, **self._fused_linear_args(weight))
+        inputs = LogprobInputs(mb.token_targets, self.tp_rank * self._vocab_local(), self.tp_group, entropy)
+        lp, ent = fused_linear_vocab_parallel_logprobs(self._response_hidden(output, mb), self._output_layer(), inputs)
         return lp, None if ent is None else ent.detach()
 
     def _response_logits(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -487,10 +493,10 @@ class PolicyWorker:
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Vocab-parallel log-probs (differentiable) and entropy (detached) of ``[N, V_local]`` logits."""
         if self.cfg.loss.backend == "kernel":
-            from da3po_megatron.kernels import vocab_parallel_logprobs
+            from da3po_megatron.kernels import LogprobInputs, vocab_parallel_logprobs
 
-            lp, ent = vocab_parallel_logprobs(logits, targets, self.tp_rank * logits.shape[-1], self.tp_group,
-                                              compute_entropy=entropy, backend=self.cfg.loss.kernel_backend)
+            inputs = LogprobInputs(targets, self.tp_rank * logits.shape[-1], self.tp_group, entropy)
+            lp, ent = vocab_parallel_logprobs(logits, inputs, backend=self.cfg.loss.kernel_backend)
             return lp, None if ent is None else ent.detach()
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -557,24 +563,21 @@ class PolicyWorker:
         old_flat = mb.old_logprobs[mb.token_seq, mb.token_pos]
         fused = backend != "torch" and p["ratio_level"] == "token" and p["loss_agg_mode"] == "token-mean"
         if fused:
-            from da3po_megatron.kernels import daa_policy_loss, fused_linear_daa_policy_loss
+            from da3po_megatron.kernels import LossInputs, daa_policy_loss, fused_linear_daa_policy_loss
 
             adv_flat = mb.advantages[mb.token_seq]
             if mb.token_weights is not None:  # w > 0: w min(r A, clip(r) A) = min(r wA, clip(r) wA)
                 adv_flat = adv_flat * mb.token_weights[mb.token_seq, mb.token_pos]
-            common = dict(clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
-                          compute_entropy=entropy)
+            inputs = LossInputs(
+                mb.token_targets, vocab_start=self.tp_rank * self._vocab_local(), tp_group=self.tp_group,
+                compute_entropy=entropy, old_logprobs=old_flat, advantages=adv_flat, mask=torch.ones_like(old_flat),
+                clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"])
             if backend == "fused_linear":
-                weight = self._output_weight()
                 loss_sum, lp, ent, km = fused_linear_daa_policy_loss(
-                    self._response_hidden(output, mb), weight, mb.token_targets, old_flat, adv_flat,
-                    torch.ones_like(old_flat), **common, **self._fused_linear_args(weight))
+                    self._response_hidden(output, mb), self._output_layer(), inputs)
             else:
-                logits = self._response_logits(output, mb)
                 loss_sum, lp, ent, km = daa_policy_loss(
-                    logits, mb.token_targets, old_flat, adv_flat, torch.ones_like(old_flat), **common,
-                    vocab_start=self.tp_rank * logits.shape[-1], tp_group=self.tp_group,
-                    backend=self.cfg.loss.kernel_backend)
+                    self._response_logits(output, mb), inputs, backend=self.cfg.loss.kernel_backend)
             loss = loss_sum / global_tokens.clamp_min(1)
             clip_low, clip_high = km["clip_low_count"], km["clip_high_count"]
             lp = lp.detach()
