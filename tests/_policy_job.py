@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from da3po_megatron.bridge.export import load_policy_hf
 from da3po_megatron.megatron.model import ModelOptions
 from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions, PolicyConfig, PolicyWorker
 from da3po_megatron.megatron.runtime import ParallelLayout
@@ -26,7 +27,7 @@ def small_policy(hf: str, tp: int = 1, pp: int = 1, *, padded_vocab: bool = True
                        loss=loss or LossOptions(),
                        batching=BatchingOptions(max_tokens_per_microbatch=24))
     w = PolicyWorker(cfg)
-    if not w.hf_loaded:
+    if not load_policy_hf(w, hf):
         raise RuntimeError(f"the HF weights in {hf} were not loaded")
     return w
 

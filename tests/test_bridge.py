@@ -195,7 +195,8 @@ def megatron_world():
 def test_megatron_logits_equal_transformers_logits_and_export_reproduces_hf(models, megatron_world, family, tied):
     from transformers import AutoModelForCausalLM
 
-    from da3po_megatron.bridge.megatron_io import export_state_dict, load_hf_weights
+    from da3po_megatron.bridge.export import export_model
+    from da3po_megatron.bridge.megatron_io import load_hf_weights
     from da3po_megatron.megatron.model import ModelOptions, build_gpt_model
 
     d = models[(family, tied)]
@@ -213,9 +214,7 @@ def test_megatron_logits_equal_transformers_logits_and_export_reproduces_hf(mode
     print(f"{family} tied={tied}: max |megatron - transformers| logits = {diff:.2e} (max |logit| "
           f"{theirs.abs().max().item():.2f})")
     assert diff < 1e-4
-    exported = {}
-    for name, t in export_state_dict(model, hf):
-        exported.update(mapping.megatron_to_hf(name, t, hf))
+    exported = dict(export_model(model, hf))
     state = load_file(str(d / "model.safetensors"))
     assert sorted(exported) == sorted(state) and all(torch.equal(exported[k], state[k]) for k in state)
 

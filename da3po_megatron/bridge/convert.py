@@ -14,8 +14,9 @@ Megatron checkpoint layout (shared with the policy's checkpoints, :mod:`da3po_me
 hf-to-megatron spawns TP x PP processes (gloo on CPU, NCCL on GPU); each builds its GPTModel stage, reads only its
 slices of the HF safetensors and saves its shard. Peak memory per process: its shard + one tensor slice.
 megatron-to-hf reads a checkpoint saved at *any* TP x PP in one process, without building a model: it streams
-one layer at a time out of the checkpoint (PyTorch DCP slice reads) and writes safetensors shards of at most
-``--max-shard-size``. Peak memory: one layer + one output shard + the embedding.
+one layer at a time out of the checkpoint (PyTorch DCP slice reads) through the same HF export stream as the weight
+sync (:mod:`da3po_megatron.bridge.export`) and writes safetensors shards of at most ``--max-shard-size``. Peak
+memory: one layer + one output shard + the embedding.
 
 ``--verify`` runs both models on a few random token sequences and prints the max absolute logit difference between
 Megatron and transformers (float32 is expected to agree to ~1e-5); it exits with status 3 above ``--verify-tol``.
@@ -176,19 +177,18 @@ def _verify_rank(model, task: dict[str, Any]) -> None:
 
 
 def _verify_export(model, task: dict[str, Any], rank: int) -> None:
-    """The weight-sync path: export_state_dict (TP gather) + megatron_to_hf must give back the source HF tensors."""
+    """The weight sync's stream (:func:`~da3po_megatron.bridge.export.export_model`: TP gather + mapping) must give
+    back the source HF tensors."""
+    from da3po_megatron.bridge.export import export_model
     from da3po_megatron.bridge.hf_io import SafetensorsReader
-    from da3po_megatron.bridge.megatron_io import export_state_dict
 
-    hf = load_hf_config(task["hf_dir"])
     reader = SafetensorsReader(task["hf_dir"])
     checked, bad = 0, []
-    for name, full in export_state_dict(model, hf):
-        for hf_name, t in mapping.megatron_to_hf(name, full, hf):
-            src = reader.read(hf_name).to(DTYPES[task["params_dtype"]]).to(t.dtype)
-            checked += 1
-            if not torch.equal(t.cpu(), src):
-                bad.append(hf_name)
+    for hf_name, t in export_model(model, task["hf_dir"]):
+        src = reader.read(hf_name).to(DTYPES[task["params_dtype"]]).to(t.dtype)
+        checked += 1
+        if not torch.equal(t.cpu(), src):
+            bad.append(hf_name)
     if checked:
         Path(task["result"]).with_name(f"export_{rank}.json").write_text(json.dumps({"checked": checked,
                                                                                        "mismatched": bad}))
@@ -309,7 +309,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
             meta["verify"] = _check_verify(Path(task["result"]), verify_tol)
             exports = [json.loads(p.read_text()) for p in Path(tmp).glob("export_*.json")]
             checked, bad = sum(e["checked"] for e in exports), [b for e in exports for b in e["mismatched"]]
-            _say(f"verify: export path (TP gather + megatron_to_hf) reproduced {checked - len(bad)}/{checked} HF "
+            _say(f"verify: export stream (TP gather + mapping) reproduced {checked - len(bad)}/{checked} HF "
                  f"tensors exactly")
             meta["verify"]["export_checked"] = checked
             if bad or not checked:
@@ -326,7 +326,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
 
     ``ckpt`` may also be a run's step directory or ``latest`` pointer (see :func:`resolve_ckpt_dir`); ``hf_config``
     replaces ``ckpt/hf`` as the source of config.json and tokenizer files."""
-    from da3po_megatron.bridge.megatron_io import CheckpointReader, iter_checkpoint
+    from da3po_megatron.bridge.export import export_checkpoint
+    from da3po_megatron.bridge.megatron_io import CheckpointReader
 
     t0 = time.perf_counter()
     ckpt, out = resolve_ckpt_dir(ckpt), Path(out)
@@ -351,10 +352,9 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
          f"{str(out_dtype).replace('torch.', '')}, shards <= {max_shard_size}")
     writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size), out_dtype, progress=_say)
     n = 0
-    for name, tensor in iter_checkpoint(ckpt / "model", hf, progress=_say):
-        for hf_name, t in mapping.megatron_to_hf(name, tensor, hf):
-            writer.add(hf_name, t)
-            n += 1
+    for hf_name, t in export_checkpoint(ckpt / "model", hf, progress=_say):  # the weight sync's stream, from disk
+        writer.add(hf_name, t)
+        n += 1
     files = writer.close()
     expected = {n for r in mapping.rules(hf) for n in (mapping.hf_names(r, None) if not r.per_layer else
                 [h for i in range(int(hf["num_hidden_layers"])) for h in mapping.hf_names(r, i)])}

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithm", default="da3po")
     ap.add_argument("--loss-backend", default="torch")
     args = ap.parse_args(argv)
+    # HF weights in and out through the bridge (a test harness, on its way to tests/: issue 14 item 5)
+    from da3po_megatron.bridge.export import export_policy_state, load_policy_hf
 
     cfg = PolicyConfig(
         hf_dir=args.hf,
@@ -78,13 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         optimizer=OptimizerOptions(lr=args.lr, adam_eps=1e-4, clip_grad=1.0),
         loss=LossOptions(algorithm=args.algorithm, backend=args.loss_backend, kernel_backend="chunked"),
         batching=BatchingOptions(max_tokens_per_microbatch=args.max_tokens),
-        load_hf_weights=args.load_hf,
     )
     w = PolicyWorker(cfg)
     rank = dist.get_rank()
-    res: dict = {"info": w.info()}
-    if args.load_hf and not w.hf_loaded:
-        raise RuntimeError(f"--load-hf: the HF weights in {args.hf} were not loaded (bridge missing?)")
+    res: dict = {"info": w.info(), "hf_loaded": bool(args.load_hf and load_policy_hf(w, args.hf))}
+    if args.load_hf and not res["hf_loaded"]:
+        raise RuntimeError(f"--load-hf: the HF weights in {args.hf} were not loaded")
     if args.init_base:
         w.save_model(args.base)
     w.load_model(args.base)
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     export_owner = w.tp_rank == 0 and w.dp_rank == 0
 
     def export(tag: str) -> None:
-        sd = w.export_state_dict()
+        sd = export_policy_state(w)  # the weight sync's HF stream
         if args.export and export_owner:
             torch.save(sd, f"{args.export}_{tag}_pp{w.pp_rank}.pt")
 

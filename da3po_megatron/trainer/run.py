@@ -107,6 +107,7 @@ def load_train_data(cfg: Config) -> PromptDataset:
 
 class Run:
     def __init__(self, cfg: Config) -> None:
+        from da3po_megatron.bridge.export import load_policy_hf
         from da3po_megatron.megatron.actor_group import PolicyGroup
         from da3po_megatron.rewards import RewardPool
         from da3po_megatron.rollout import RolloutClient
@@ -143,6 +144,7 @@ class Run:
         init_ray(cfg)
         t0 = time.perf_counter()
         self.policy = PolicyGroup.from_config(cfg)
+        self.policy.run_on_all(load_policy_hf, cfg.model.path)  # the HF weights, through the bridge, on every rank
         self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                          num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
