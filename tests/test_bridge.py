@@ -121,6 +121,20 @@ def test_every_hf_tensor_round_trips_bit_exactly_through_full_megatron_tensors(m
     assert ("lm_head.weight" in state) == (not tied)
 
 
+@pytest.mark.parametrize("family,tied", FAMILIES)
+def test_the_export_stream_of_full_megatron_tensors_is_the_hf_state(models, family, tied):
+    from da3po_megatron.bridge.export import to_hf
+
+    d = models[(family, tied)]
+    hf = load_hf_config(d)
+    state = load_file(str(d / "model.safetensors"))
+    megatron = ((n, mapping.hf_to_megatron(n, state, hf, padded_vocab=130)) for n in _megatron_names(hf))
+    streamed = list(to_hf(megatron, d))  # the stage every export (sync, convert, --verify) goes through
+    assert len(streamed) == len(state) and all(torch.equal(t, state[k]) for k, t in streamed)
+    with pytest.raises(ValueError, match=r"'decoder\.layers\.0\.mlp\.router\.weight' \(1,\) to HF"):
+        list(to_hf([("decoder.layers.0.mlp.router.weight", torch.zeros(1))], hf))
+
+
 def test_unsupported_architecture_is_named_in_the_error():
     cfg, state = _qkv_hf()
     cfg["architectures"] = ["MixtralForCausalLM"]

@@ -116,8 +116,9 @@ def iter_model(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iterator[tu
         shards = [torch.empty_like(shard) for _ in range(tp_size)] if tp_rank == 0 else None
         dist.gather(shard, shards, dst=dst, group=group)
         if tp_rank == 0:
-            yield name, mapping.full_from_tp_shards(name, shards, hf_config)
-            del shards
+            full = mapping.full_from_tp_shards(name, shards, hf_config)
+            del shards  # one full tensor alive while the consumer holds the item
+            yield name, full
 
 
 # ----------------------------------------------------------------------------------- reading a dist checkpoint
