@@ -144,7 +144,9 @@ class Run:
         init_ray(cfg)
         t0 = time.perf_counter()
         self.policy = PolicyGroup.from_config(cfg)
-        self.policy.run_on_all(load_policy_hf, cfg.model.path)  # the HF weights, through the bridge, on every rank
+        if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
+            print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
+                  flush=True)
         self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                          num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
