@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from da3po_megatron.algorithms.registry import (
+    ADVANTAGE_FN_ARGS,
+    ALGORITHMS,
+    POLICY_LOSS_FN_ARGS,
+    load_function,
+    preset_overrides,
+    resolve_presets,
+)
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -51,7 +63,8 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = doc(1, "TP: heads / MLP columns / vocabulary split over this many ranks.")
     pipeline_model_parallel_size: int = doc(1, "PP: layers split into this many stages (1F1B schedule).")
-    context_parallel_size: int = doc(1, "CP: sequence split for long contexts (CUDA only).")
+    context_parallel_size: int = doc(1, "CP: sequence split for long contexts. Only 1 is supported: sequences are not "
+                                        "split across CP ranks yet (validation refuses > 1).")
     data_parallel_size: int = doc(1, "DP: model replicas. Policy world size = TP x PP x CP x DP ranks (one Ray actor "
                                      "each).")
 
@@ -118,22 +131,37 @@ class RolloutConfig:
 
 @dataclass
 class OverlongConfig:
-    enable: bool = doc(True, "DAPO overlong reward shaping (Eq. 8).")
+    enable: bool | None = doc(None, "DAPO overlong reward shaping (Eq. 8). None = the algorithm's preset (on for dapo/"
+                                    "da3po; off for grpo/gspo, our choice).")
     buffer_length: int = doc(512, "L_cache of Eq. 8 (tokens): penalty ramps linearly over the last L_cache tokens "
                                   "before L_max = rollout.max_response_length.")
 
 
 @dataclass
 class AlgorithmConfig:
-    name: Literal["grpo", "dapo", "gspo", "da3po"] = doc(
-        "da3po", "Preset: grpo = symmetric clip, per-sample mean (Eq. 4); dapo = clip-higher + token-level loss "
-                 "(Eq. 9) + dynamic sampling; gspo = sequence-level ratio; da3po = dapo + DAA (Eq. 14).")
-    clip_ratio_low: float = doc(0.2, "eps_low of Eq. 5/11: ratio clipped below at 1 - eps_low.")
-    clip_ratio_high: float = doc(0.28, "eps_high of Eq. 11 (clip-higher; = eps_low for GRPO).")
-    loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-mean"] = doc(
-        "auto", "'auto' = the preset's: token-mean (Eq. 9) for dapo/da3po, seq-mean-token-mean (Eq. 4) for grpo/gspo.")
+    name: Literal[ALGORITHMS] = doc(  # type: ignore[valid-type]
+        "da3po", "The algorithm (algorithms/registry.py): grpo = symmetric clip, per-sample mean (Eq. 4); dapo = "
+                 "clip-higher + token-level loss (Eq. 9) + dynamic sampling + overlong shaping (Eq. 8); gspo = "
+                 "sequence-level ratio; da3po = dapo + DAA (Eq. 14). It decides every field below documented as "
+                 "'None = the preset's'; an explicit value overrides the preset (reported at load).")
+    clip_ratio_low: float | None = doc(None, "eps_low of Eq. 5/11: ratio clipped below at 1 - eps_low. None = the "
+                                             "preset's (0.2; gspo 3e-4).")
+    clip_ratio_high: float | None = doc(None, "eps_high of Eq. 11 (clip-higher). None = the preset's (grpo 0.2, "
+                                              "dapo/da3po 0.28, gspo 4e-4).")
+    ratio_level: Literal["token", "sequence"] | None = doc(
+        None, "Importance ratio per token (Eq. 5/11) or per sequence (GSPO). None = the preset's.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] | None = doc(
+        None, "Loss aggregation: token-mean (Eq. 9) or seq-mean-token-mean (Eq. 4). None = the preset's (token-mean "
+              "for dapo/da3po, seq-mean-token-mean for grpo/gspo).")
     filter_groups: bool | None = doc(None, "Dynamic sampling: keep only groups with 0 < p_hat < 1 and over-sample "
-                                           "until the batch is full. None = the preset's (on for dapo/da3po).")
+                                           "until the batch is full. None = the preset's (on for dapo/da3po; off for "
+                                           "grpo/gspo, our choice).")
+    policy_loss_fn: str = doc("", "Custom policy loss by import path, 'package.module:function' or "
+                                  "'path/to/file.py:function' ('' = algorithms/losses.py policy_loss). Called like "
+                                  "policy_loss (algorithms/registry.py POLICY_LOSS_FN_ARGS, docs/algorithms.md); the "
+                                  "fused kernel is then not used for the loss.")
+    advantage_fn: str = doc("", "Custom advantage estimator replacing Eq. 3, by import path: fn(rewards, group_size, "
+                                "*, eps) -> advantages ('' = group z-scores, Eq. 3). DAA is applied to its output.")
     max_generation_rounds: int = doc(8, "Dynamic sampling gives up after this many generation rounds per step "
                                         "(clear error with the observed keep rate).")
     surplus: Literal["drop", "carry"] = doc("drop", "Kept groups beyond the batch: dropped (verl) or carried to the "
@@ -150,8 +178,8 @@ class AlgorithmConfig:
 
 @dataclass
 class DAAConfig:
-    enable: bool | None = doc(None, "Direct Advantage Amplification (Eq. 14). None = the preset's (on for da3po); "
-                                    "may be turned on for grpo/gspo too.")
+    enable: bool | None = doc(None, "Direct Advantage Amplification (Eq. 14). None = the preset's (on for da3po only); "
+                                    "may be turned on for grpo/gspo/dapo too.")
     lambda_: float = doc(2.0, "lambda of Eq. 14: correct responses of hard prompts (p_hat < tau) get lambda x A "
                               "(paper: 2; ablation 1, 1.5, 2, 2.5).")
     tau: float = doc(0.5, "tau of Eq. 14: difficulty threshold on p_hat, strict (paper: 0.5).")
@@ -246,27 +274,6 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-    # ---- derived values (one place for the preset logic) ----
-    @property
-    def daa_enabled(self) -> bool:
-        return self.algorithm.name == "da3po" if self.daa.enable is None else self.daa.enable
-
-    @property
-    def filter_groups(self) -> bool:
-        f = self.algorithm.filter_groups
-        return self.algorithm.name in ("dapo", "da3po") if f is None else f
-
-    @property
-    def loss_agg_mode(self) -> str:
-        m = self.algorithm.loss_agg_mode
-        if m != "auto":
-            return m
-        return "token-mean" if self.algorithm.name in ("dapo", "da3po") else "seq-mean-token-mean"
-
-    @property
-    def ratio_level(self) -> str:
-        return "sequence" if self.algorithm.name == "gspo" else "token"
 
     @property
     def policy_world_size(self) -> int:
@@ -406,7 +413,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = _build(Config, data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+    resolve(cfg)
     validate(cfg)
+    for line in preset_overrides(cfg):
+        log.info("%s", line)
+    return cfg
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill, in place, every field the algorithm's preset decides and that is unset (None) -- the ONE place presets
+    reach the config (``algorithms/registry.py``) -- and check custom functions given by import path (imported and
+    signature-checked; a relative ``file.py`` path is made absolute so that workers with another working directory
+    find it). Called by :func:`load_config`; call it on a :class:`Config` built in code. Returns ``cfg``."""
+    resolve_presets(cfg)
+    a = cfg.algorithm
+    for name, args in (("policy_loss_fn", POLICY_LOSS_FN_ARGS), ("advantage_fn", ADVANTAGE_FN_ARGS)):
+        spec = getattr(a, name)
+        if not spec:
+            continue
+        try:
+            load_function(spec, args, where=f"algorithm.{name}")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        module, _, fn = spec.partition(":")
+        if module.endswith(".py"):
+            setattr(a, name, f"{Path(module).resolve()}:{fn}")
     return cfg
 
 
@@ -421,11 +452,23 @@ def validate(cfg: Config) -> None:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "data_parallel_size"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), ">= 1")
+    if p.context_parallel_size > 1:
+        raise ConfigError(f"parallel.context_parallel_size = {p.context_parallel_size}: context parallelism is not "
+                          "supported yet (sequences are not split across CP ranks, so pi_old would come out multiplied "
+                          "by the CP size); use parallel.context_parallel_size=1")
     d = cfg.daa
     _check(d.lambda_ > 0, "daa.lambda_", d.lambda_, "> 0 (1 = no amplification)")
     _check(0 < d.tau < 1, "daa.tau", d.tau, "the open interval (0, 1)")
     _check(0 < d.lambda_min <= d.lambda_max, "daa.lambda_min", d.lambda_min, f"(0, daa.lambda_max={d.lambda_max}]")
     a = cfg.algorithm
+    unresolved = [n for n, v in (("algorithm.clip_ratio_low", a.clip_ratio_low),
+                                 ("algorithm.clip_ratio_high", a.clip_ratio_high),
+                                 ("algorithm.ratio_level", a.ratio_level), ("algorithm.loss_agg_mode", a.loss_agg_mode),
+                                 ("algorithm.filter_groups", a.filter_groups),
+                                 ("algorithm.overlong.enable", a.overlong.enable), ("daa.enable", d.enable))
+                  if v is None]
+    if unresolved:
+        raise ConfigError(f"{', '.join(unresolved)} unset: call config.resolve(cfg) before validate(cfg)")
     _check(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low", a.clip_ratio_low, "[0, 1)")
     _check(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", a.clip_ratio_high, ">= 0")
     _check(a.max_generation_rounds >= 1, "algorithm.max_generation_rounds", a.max_generation_rounds, ">= 1")
@@ -435,7 +478,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("algorithm.rollout_correction='tis' with actor.use_rollout_logprobs=true: pi_old would BE "
                           "pi_rollout, so every weight pi_old / pi_rollout is 1; recompute pi_old "
                           "(actor.use_rollout_logprobs=false) or set algorithm.rollout_correction=none")
-    if a.rollout_correction == "tis" and cfg.ratio_level != "token":
+    if a.rollout_correction == "tis" and a.ratio_level != "token":
         raise ConfigError(f"algorithm.rollout_correction='tis' with algorithm.name={a.name!r}: its ratio is per "
                           "sequence, and per-token TIS weights do not apply to it; use a token-ratio algorithm "
                           "(grpo, dapo, da3po) or algorithm.rollout_correction=none")

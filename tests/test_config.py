@@ -29,9 +29,11 @@ def test_paper_recipes_carry_paper_hyperparameters():
     r = cfg.rollout
     assert (r.max_prompt_length, r.max_response_length, cfg.trainer.total_steps) == (2048, 4096, 200)
     assert (cfg.algorithm.clip_ratio_low, cfg.algorithm.clip_ratio_high) == (0.2, 0.28)
-    assert (cfg.daa.lambda_, cfg.daa.tau, cfg.daa_enabled, cfg.filter_groups) == (2.0, 0.5, True, True)
+    assert (cfg.daa.lambda_, cfg.daa.tau, cfg.daa.enable, cfg.algorithm.filter_groups) == (2.0, 0.5, True, True)
+    assert cfg.algorithm.overlong.buffer_length == 1024
     grpo = load_config(ROOT / "examples/qwen3_4b_grpo.yaml")
-    assert not grpo.daa_enabled and not grpo.filter_groups and grpo.loss_agg_mode == "seq-mean-token-mean"
+    assert not grpo.daa.enable and not grpo.algorithm.filter_groups
+    assert grpo.algorithm.loss_agg_mode == "seq-mean-token-mean"
     lambdas = sorted(load_config(p).daa.lambda_ for p in (ROOT / "examples/ablation").glob("*.yaml"))
     assert lambdas == [1.0, 1.5, 2.0, 2.5]
 

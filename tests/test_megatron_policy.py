@@ -299,11 +299,11 @@ def test_token_weights_equal_advantages_scaled_by_the_same_factors(token_weight_
 def test_per_token_weights_give_the_loss_of_per_token_scaled_advantages(token_weight_runs, path):
     """Weights that differ within a response must reach exactly their own token, over DP ranks and micro-batches: the
     step's loss equals ``policy_loss`` on the whole batch with advantages A_i * w_t."""
-    from da3po_megatron.algorithms import POLICY_LOSS_PRESETS, policy_loss
+    from da3po_megatron.algorithms import ALGORITHM_REGISTRY, policy_loss
 
     r = token_weight_runs
     algorithm = path.split("/")[0]
-    p = POLICY_LOSS_PRESETS[algorithm]
+    p = vars(ALGORITHM_REGISTRY[algorithm])
     assert r["world_size"] == 2
 
     def pad(rows: list[list[float]]) -> torch.Tensor:
@@ -375,11 +375,11 @@ def test_train_step_at_temperature_has_the_loss_and_gradient_of_tempered_logits(
                                                                                temperature, path):
     """The loss and global gradient norm of one step equal those of ``policy_loss`` on transformers' logits / T with
     autograd: the in-place division of the policy's logits back-propagates exactly, on every loss path."""
-    from da3po_megatron.algorithms import POLICY_LOSS_PRESETS, policy_loss
+    from da3po_megatron.algorithms import ALGORITHM_REGISTRY, policy_loss
 
     run = temperature_runs["runs"][str(temperature)]
     got = run["steps"][path]
-    p = POLICY_LOSS_PRESETS[path.split("/")[0]]
+    p = vars(ALGORITHM_REGISTRY[path.split("/")[0]])
     model, logits = _transformers_at(tiny_hf, temperature)
     lps = _token_logprobs(logits)
     width = max(len(x) for x in lps)

@@ -56,7 +56,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from da3po_megatron.algorithms import ALGORITHMS
 from da3po_megatron.megatron import cpu_compat
 from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, balance_across_dp, microbatches
 from da3po_megatron.megatron.model import (
@@ -117,9 +116,11 @@ class LossOptions:
     """The policy loss.
 
     Attributes:
-        algorithm: grpo | dapo | gspo | da3po: picks ratio level and aggregation from ``POLICY_LOSS_PRESETS``.
+        algorithm: grpo | dapo | gspo | da3po (``algorithms/registry.py``): fills what is left None below.
         clip_ratio_low / clip_ratio_high: eps_low / eps_high of Eq. 11; None = the algorithm's preset.
+        ratio_level: None = the preset's; "token" (Eq. 5/11) or "sequence" (GSPO).
         loss_agg_mode: None = the preset's; "token-mean" (Eq. 9) or "seq-mean-token-mean" (Eq. 4).
+        policy_loss_fn: a custom loss by import path ("" = ``losses.policy_loss``); never the fused kernel.
         backend: "torch" (Megatron vocab-parallel log-probs + ``losses.policy_loss``), "kernel" (the fused DAA-loss
             kernel for the token-level losses dapo / da3po; its vocab-parallel log-probs otherwise) or
             "fused_linear" (the same from the final hidden states and the output weight, no logits tensor at all;
@@ -134,31 +135,32 @@ class LossOptions:
     algorithm: str = "da3po"
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
+    ratio_level: str | None = None
     loss_agg_mode: str | None = None
+    policy_loss_fn: str = ""
     backend: str = "torch"
     kernel_backend: str = "auto"
     compute_entropy: bool = True
     temperature: float = 1.0
 
     def resolved(self) -> dict[str, Any]:
-        from da3po_megatron.algorithms.losses import POLICY_LOSS_PRESETS
+        from da3po_megatron.algorithms.registry import get_algorithm
 
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"loss algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.backend not in LOSS_BACKENDS:
             raise ValueError(f"loss backend must be one of {LOSS_BACKENDS}, got {self.backend!r}")
         if not self.temperature > 0:
             raise ValueError(f"loss temperature must be > 0 (the rollout's sampling temperature), "
                              f"got {self.temperature}")
-        p = dict(POLICY_LOSS_PRESETS[self.algorithm])
-        if self.clip_ratio_low is not None:
-            p["clip_ratio_low"] = self.clip_ratio_low
-        if self.clip_ratio_high is not None:
-            p["clip_ratio_high"] = self.clip_ratio_high
-        if self.loss_agg_mode is not None:
-            if self.loss_agg_mode not in ("token-mean", "seq-mean-token-mean"):
-                raise ValueError(f"loss_agg_mode must be token-mean or seq-mean-token-mean, got {self.loss_agg_mode!r}")
-            p["loss_agg_mode"] = self.loss_agg_mode
+        preset = get_algorithm(self.algorithm)
+        p = {k: getattr(preset, k) if getattr(self, k) is None else getattr(self, k)
+             for k in ("ratio_level", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high")}
+        if p["loss_agg_mode"] not in ("token-mean", "seq-mean-token-mean"):
+            raise ValueError(f"loss_agg_mode must be token-mean or seq-mean-token-mean, got {p['loss_agg_mode']!r}")
+        p["policy_loss_fn"] = None
+        if self.policy_loss_fn:
+            from da3po_megatron.algorithms.registry import POLICY_LOSS_FN_ARGS, load_function
+
+            p["policy_loss_fn"] = load_function(self.policy_loss_fn, POLICY_LOSS_FN_ARGS, "algorithm.policy_loss_fn")
         return p
 
 
@@ -555,7 +557,8 @@ class PolicyWorker:
         backend = self.cfg.loss.backend
         n = mb.num_response_tokens
         old_flat = mb.old_logprobs[mb.token_seq, mb.token_pos]
-        fused = backend != "torch" and p["ratio_level"] == "token" and p["loss_agg_mode"] == "token-mean"
+        fused = backend != "torch" and p["ratio_level"] == "token" and p["loss_agg_mode"] == "token-mean" and \
+            p["policy_loss_fn"] is None
         if fused:
             from da3po_megatron.kernels import daa_policy_loss, fused_linear_daa_policy_loss
 
@@ -582,12 +585,12 @@ class PolicyWorker:
         else:
             lp, ent = self._token_logprobs(output, mb, entropy)
             adv = mb.advantages if mb.token_weights is None else mb.advantages.unsqueeze(1) * mb.token_weights
-            loss, m = policy_loss(
-                mb.unflatten(lp), mb.old_logprobs, adv, mb.response_mask,
+            loss, m = (p["policy_loss_fn"] or policy_loss)(
+                logprobs=mb.unflatten(lp), old_logprobs=mb.old_logprobs, advantages=adv, mask=mb.response_mask,
                 clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
                 ratio_level=p["ratio_level"], loss_agg_mode=p["loss_agg_mode"],
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs)
-            clip_low, clip_high = m["clipfrac_low"] * n, m["clipfrac_high"] * n
+            clip_low, clip_high = m.get("clipfrac_low", 0.0) * n, m.get("clipfrac_high", 0.0) * n
             lp = lp.detach()
         if n == 0:  # no response token: keep the graph connected for Megatron's backward
             loss = loss + 0.0 * output.sum()

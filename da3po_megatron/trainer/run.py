@@ -170,7 +170,7 @@ class Run:
     def prompts_for_round(self, need: int) -> int:
         """Prompts to generate for ``need`` missing groups: over-sampled by the inverse of the keep rate observed so
         far in this run (at most 4x; exactly ``need`` without filtering or on the first round of a run)."""
-        if not self.cfg.filter_groups or self.totals["groups"] == 0:
+        if not self.cfg.algorithm.filter_groups or self.totals["groups"] == 0:
             return need
         keep_rate = max(self.totals["kept_groups"] / self.totals["groups"], 0.25)
         return max(need, math.ceil(need / keep_rate))
