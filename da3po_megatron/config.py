@@ -7,21 +7,19 @@ Names follow Megatron for parallelism/model fields and verl/DAPO for RL fields; 
 
 A YAML file may start with ``defaults: [other.yaml, ...]`` (paths relative to the file): those are loaded first and
 this file's keys override theirs, so the paper's recipes share one base. Unknown keys are errors naming the key and
-the closest valid one; values are type-checked; ranges are checked in :func:`validate` with the allowed range named.
+the closest valid one; values are type-checked (the generic machinery: :mod:`da3po_megatron.config_io`); ranges are
+checked in :func:`validate` with the allowed range named. Fields an algorithm's preset decides are resolved once, in
+:func:`resolve` (from ``algorithms/registry.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import yaml
 
 from da3po_megatron.algorithms.registry import (
     ADVANTAGE_FN_ARGS,
@@ -31,12 +29,12 @@ from da3po_megatron.algorithms.registry import (
     preset_overrides,
     resolve_presets,
 )
+from da3po_megatron.config_io import ConfigError, build, parse_override, read_yaml
+
+__all__ = ["Config", "ConfigError", "algorithm_config", "describe", "load_config", "resolve",
+           "standalone_policy_config", "to_dict", "validate"]
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the field (and the file when known)."""
 
 
 def doc(default: Any, help_: str, **kw: Any) -> Any:
@@ -57,6 +55,8 @@ class ModelConfig:
     recompute_granularity: Literal["full", "selective"] | None = doc(None, "Activation recomputation (Megatron).")
     recompute_method: Literal["uniform", "block"] | None = doc(None, "With 'full' recomputation (Megatron).")
     recompute_num_layers: int | None = doc(None, "Layers per recomputation chunk with 'full' (Megatron).")
+    make_vocab_size_divisible_by: int = doc(1, "Pad the vocabulary to a multiple of this x TP (Megatron's option; 1 = "
+                                               "only what TP needs, so the real models' vocabularies stay unpadded).")
 
 
 @dataclass
@@ -72,24 +72,33 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     lr: float = doc(1e-6, "Adam learning rate (paper: 1e-6).")
-    weight_decay: float = doc(0.1, "Decoupled weight decay (AdamW).")
+    weight_decay: float = doc(0.1, "Decoupled weight decay (AdamW; DAPO's recipe: 0.1); not applied to biases and "
+                                   "norms.")
     adam_beta1: float = doc(0.9, "Adam beta1.")
     adam_beta2: float = doc(0.999, "Adam beta2.")
     adam_eps: float = doc(1e-8, "Adam epsilon.")
     clip_grad: float = doc(1.0, "Global gradient-norm clip (0 = off).")
-    lr_warmup_steps: int = doc(0, "Linear warm-up, in optimizer steps.")
-    lr_schedule: Literal["constant", "cosine"] = doc("constant", "LR schedule after warm-up (paper: constant).")
+    lr_warmup_steps: int = doc(0, "Linear warm-up, in optimizer steps (optimizer step k uses lr * k / warmup).")
+    lr_schedule: Literal["constant", "cosine"] = doc(
+        "constant", "LR schedule after warm-up (paper: constant); cosine decays to min_lr at the run's last optimizer "
+                    "step (Config.optimizer_steps = trainer.total_steps x mini-batches per step x actor.ppo_epochs).")
     min_lr: float = doc(0.0, "Final LR of the cosine schedule.")
     use_distributed_optimizer: bool = doc(True, "Megatron distributed optimizer (optimizer state sharded over DP).")
 
 
 @dataclass
 class ActorConfig:
-    ppo_mini_batch_size: int = doc(32, "Prompts per optimizer step (each with its n responses); the step's batch of "
-                                       "data.train_batch_size prompts gives train_batch_size / this updates per pass.")
+    ppo_mini_batch_size: int = doc(32, "PROMPTS per optimizer step, each with its rollout.n responses (verl's "
+                                       "meaning): the policy updates on this x rollout.n responses at a time, so the "
+                                       "step's data.train_batch_size prompts give train_batch_size / this updates per "
+                                       "pass.")
     ppo_epochs: int = doc(1, "Passes over the step's batch.")
     max_tokens_per_microbatch: int = doc(16384, "Dynamic micro-batching: responses are packed up to this many "
                                                 "tokens (prompt + response) per micro-batch, per rank.")
+    logprob_max_tokens_per_microbatch: int = doc(0, "Token budget of a micro-batch when computing pi_old (forward "
+                                                    "only, so it may be larger); 0 = 2 x max_tokens_per_microbatch.")
+    packing: bool = doc(True, "Pack several sequences per micro-batch row (block-diagonal attention, THD with "
+                              "Transformer-Engine); false = one padded row per sequence (same values, slower).")
     loss_backend: Literal["auto", "torch", "chunked", "triton", "reference", "fused_linear"] = doc(
         "auto", "Policy-loss implementation: 'torch' = algorithms/losses.py on Megatron's vocab-parallel "
                 "cross-entropy; kernel backends from kernels/ ('auto' = Triton where it compiles, else chunked); "
@@ -275,6 +284,19 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    # ---- derived values
+    @property
+    def ppo_mini_batch_responses(self) -> int:
+        """Responses per optimizer step: actor.ppo_mini_batch_size prompts x rollout.n."""
+        return self.actor.ppo_mini_batch_size * self.rollout.n
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run, the LR schedule's horizon: trainer.total_steps x (data.train_batch_size
+        / actor.ppo_mini_batch_size) x actor.ppo_epochs."""
+        per_step = max(1, self.data.train_batch_size // max(1, self.actor.ppo_mini_batch_size))
+        return self.trainer.total_steps * per_step * self.actor.ppo_epochs
+
     @property
     def policy_world_size(self) -> int:
         p = self.parallel
@@ -286,121 +308,9 @@ class Config:
 # Loading
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check/convert a YAML value to the annotated type; ConfigError naming ``where`` otherwise."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
-    if origin is Literal:
-        if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}{hint}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            if isinstance(value, str):  # "a,b" on the command line
-                value = [v for v in value.split(",") if v]
-            else:
-                raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            if isinstance(value, str):  # yaml reads 1e-6 as a string
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return _build(tp, value, where)
-    return value
-
-
-def _build(cls: type, data: dict[str, Any], where: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else key
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{(where + '.') if where else ''}{close[0]}'?" if close else \
-                f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown config key '{path}'{hint}")
-        kwargs[key] = _coerce(value, hints[key], path)
-    return cls(**kwargs)
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"{path}: circular 'defaults'")
-    if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    merged: dict[str, Any] = {}
-    defaults = data.pop("defaults", [])
-    for d in [defaults] if isinstance(defaults, str) else defaults:
-        merged = _deep_merge(merged, _read_yaml(path.parent / d, (*seen, path)))
-    return _deep_merge(merged, data)
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """'a.b.c=value' -> (['a', 'b', 'c'], yaml-parsed value)."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like section.key=value")
-    key, raw = item.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """YAML file (with ``defaults``) + dotted overrides -> validated :class:`Config`."""
-    data: dict[str, Any] = _read_yaml(Path(path)) if path else {}
+    data: dict[str, Any] = read_yaml(Path(path)) if path else {}
     for item in overrides or []:
         keys, value = parse_override(item)
         node = data
@@ -410,7 +320,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raise ConfigError(f"override {item!r}: '{k}' is not a section")
         node[keys[-1]] = value
     try:
-        cfg = _build(Config, data)
+        cfg = build(Config, data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
     resolve(cfg)
@@ -439,6 +349,24 @@ def resolve(cfg: Config) -> Config:
         if module.endswith(".py"):
             setattr(a, name, f"{Path(module).resolve()}:{fn}")
     return cfg
+
+
+def algorithm_config(name: str, **explicit: Any) -> AlgorithmConfig:
+    """A resolved ``algorithm`` section for ``name``, explicit fields winning over the preset: for code that switches
+    a live policy between algorithms (ablations, tests) without loading a whole run config."""
+    cfg = Config(algorithm=AlgorithmConfig(name=name, **explicit))
+    resolve(cfg)
+    return cfg.algorithm
+
+
+def standalone_policy_config(model_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A resolved, validated run config for a policy used without the RL loop (torchrun jobs, tests, benchmarks,
+    self-checks): the synthetic data format (no files) and rollout lengths of a few tokens so that any micro-batch
+    budget validates, then ``overrides`` as on the command line (e.g. ``parallel.tensor_model_parallel_size=2``,
+    ``actor.loss_backend=torch``). Every other value is the run config's own default."""
+    base = [f"model.path={model_path}", "data.format=synthetic", "rollout.max_prompt_length=1",
+            "rollout.max_response_length=2", "algorithm.overlong.buffer_length=1"]
+    return load_config(None, [*base, *overrides])
 
 
 def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
@@ -491,13 +419,21 @@ def validate(cfg: Config) -> None:
     ov = a.overlong
     _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,
            f"[0, rollout.max_response_length={r.max_response_length})")
-    _check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "> 0")
+    o = cfg.optim
+    _check(o.lr > 0, "optim.lr", o.lr, "> 0")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"[0, optim.lr={o.lr}]")
+    _check(o.lr_warmup_steps >= 0, "optim.lr_warmup_steps", o.lr_warmup_steps, ">= 0")
     dc = cfg.data
     _check(dc.train_batch_size >= 1, "data.train_batch_size", dc.train_batch_size, ">= 1")
     ac = cfg.actor
     _check(ac.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, ">= 1")
     _check(dc.train_batch_size % ac.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size,
            f"a divisor of data.train_batch_size={dc.train_batch_size}")
+    _check(ac.ppo_epochs >= 1, "actor.ppo_epochs", ac.ppo_epochs, ">= 1")
+    _check(ac.logprob_max_tokens_per_microbatch >= 0, "actor.logprob_max_tokens_per_microbatch",
+           ac.logprob_max_tokens_per_microbatch, ">= 0 (0 = 2 x actor.max_tokens_per_microbatch)")
+    _check(cfg.model.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
+           cfg.model.make_vocab_size_divisible_by, ">= 1")
     _check(ac.max_tokens_per_microbatch >= r.max_prompt_length + r.max_response_length,
            "actor.max_tokens_per_microbatch", ac.max_tokens_per_microbatch,
            f">= rollout.max_prompt_length + rollout.max_response_length = {r.max_prompt_length + r.max_response_length}"
@@ -505,6 +441,8 @@ def validate(cfg: Config) -> None:
     if dc.format != "synthetic" and not dc.train_files:
         raise ConfigError(f"data.train_files is empty; give at least one file for data.format={dc.format!r}")
     _check(cfg.trainer.total_steps >= 1, "trainer.total_steps", cfg.trainer.total_steps, ">= 1")
+    _check(o.lr_warmup_steps < cfg.optimizer_steps, "optim.lr_warmup_steps", o.lr_warmup_steps,
+           f"< the run's {cfg.optimizer_steps} optimizer steps (trainer.total_steps x mini-batches x ppo_epochs)")
     _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory")

@@ -35,12 +35,13 @@ def client(ray_session, dirs):
 
 
 def policy_group(hf_dir: str, tp: int):
+    from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.actor_group import PolicyGroup
-    from da3po_megatron.megatron.policy import OptimizerOptions, PolicyConfig
-    from da3po_megatron.megatron.runtime import ParallelLayout
 
-    cfg = PolicyConfig(hf_dir=hf_dir, layout=ParallelLayout(tensor_model_parallel_size=tp),
-                       optimizer=OptimizerOptions(lr=1e-2, weight_decay=0.0, total_steps=10))
+    cfg = standalone_policy_config(hf_dir, ["model.params_dtype=float32", f"parallel.tensor_model_parallel_size={tp}",
+                                            "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10",
+                                            "actor.ppo_mini_batch_size=512", "data.train_batch_size=512",
+                                            "actor.loss_backend=torch", "trainer.seed=1234"])
     return PolicyGroup(cfg, world_size=tp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
 
 

@@ -62,7 +62,7 @@ def engine_config(cfg: Config) -> EngineConfig:
     """The training engines' :class:`~da3po_megatron.rollout.EngineConfig`. They return the log-probs of the
     distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
     renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
-    ``actor_group.policy_config_from_run_config``)."""
+    ``megatron.policy.loss_setup``)."""
     r = cfg.rollout
     return EngineConfig(
         model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
