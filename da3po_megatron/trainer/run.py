@@ -62,7 +62,7 @@ def engine_config(cfg: Config) -> EngineConfig:
     """The training engines' :class:`~da3po_megatron.rollout.EngineConfig`. They return the log-probs of the
     distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
     renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
-    ``actor_group.policy_config_from_run_config``)."""
+    ``megatron.policy.loss_setup``)."""
     r = cfg.rollout
     return EngineConfig(
         model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
@@ -173,7 +173,7 @@ class Run:
     def prompts_for_round(self, need: int) -> int:
         """Prompts to generate for ``need`` missing groups: over-sampled by the inverse of the keep rate observed so
         far in this run (at most 4x; exactly ``need`` without filtering or on the first round of a run)."""
-        if not self.cfg.filter_groups or self.totals["groups"] == 0:
+        if not self.cfg.algorithm.filter_groups or self.totals["groups"] == 0:
             return need
         keep_rate = max(self.totals["kept_groups"] / self.totals["groups"], 0.25)
         return max(need, math.ceil(need / keep_rate))
