@@ -102,11 +102,11 @@ def main(argv=None) -> dict:
                 rows["disk"].append(save_and_reload(hf_state_tensors(hf), disk_dir, client, model)["seconds"])
         else:
             from da3po_megatron.bridge.export import export_policy_state, load_policy_hf
+            from da3po_megatron.config import standalone_policy_config
             from da3po_megatron.megatron.actor_group import PolicyGroup
-            from da3po_megatron.megatron.policy import PolicyConfig
-            from da3po_megatron.megatron.runtime import ParallelLayout
 
-            pcfg = PolicyConfig(hf_dir=model, layout=ParallelLayout(tensor_model_parallel_size=args.policy_tp))
+            pcfg = standalone_policy_config(model, ["model.params_dtype=float32",
+                                                    f"parallel.tensor_model_parallel_size={args.policy_tp}"])
             group = PolicyGroup(pcfg, world_size=args.policy_tp, num_cpus_per_rank=1)
             group.run_on_all(load_policy_hf, model)
             for _ in range(args.repeats):
