@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from da3po_megatron.eval import compare as C
 from da3po_megatron.eval.curves import read_metrics
+from da3po_megatron.studies import compare as C
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKETS = (1, 2, 3, 4)

@@ -13,8 +13,8 @@ run.
 Runs live in ``--runs-dir`` (default ``runs/compare/<basename of --out>``, with checkpoints); the report directory holds
 only ``report.md``, ``summary.json``, ``figures/`` and ``logs/`` (copies of each run's metrics.jsonl). Re-running the
 same command skips finished runs and resumes unfinished ones; ``--report-only`` rebuilds the report from what exists.
-The implementation is ``da3po_megatron.eval.compare`` (grid, stats, report and plots in its ``compare_*``
-siblings); run it under ``nice -n 10`` on a shared machine.
+The implementation is the study package ``da3po_megatron.studies.compare`` (modules grid, stats, report and
+plots); run it under ``nice -n 10`` on a shared machine.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from da3po_megatron.eval import compare as C
+from da3po_megatron.studies import compare as C
 
 DEFAULT_METHODS = "grpo,dapo,gspo,da3po:1.5,da3po:2,da3po:2.5,da3po:adaptive"
 SMOKE_METHODS = "grpo,da3po:2"

@@ -36,14 +36,14 @@ Left out: parallel runs (2 cores), significance tests beyond the 2-SE screen (no
 correction), math-benchmark evals (the report reads ``eval/synthetic/*``; other ``eval/<bench>/avg@k`` keys are
 plotted by ``eval.curves``), wall-clock-matched comparisons.
 
-Where each part lives (this module re-exports their public names, so ``from da3po_megatron.eval import compare``
-is the whole API): the grid, its runner and the warm-up in :mod:`~da3po_megatron.eval.compare_grid`; interpolation,
-seed statistics and the significance screen in :mod:`~da3po_megatron.eval.compare_stats` (pure functions); table
-points, tables, verdict and ``report.md`` in :mod:`~da3po_megatron.eval.compare_report`; the PNG figures in
-:mod:`~da3po_megatron.eval.compare_plots`.
+Where each part lives (this module re-exports their public names, so ``from da3po_megatron.studies import compare``
+is the whole API): the grid, its runner and the warm-up in :mod:`~da3po_megatron.studies.compare.grid`; interpolation,
+seed statistics and the significance screen in :mod:`~da3po_megatron.studies.compare.stats` (pure functions); table
+points, tables, verdict and ``report.md`` in :mod:`~da3po_megatron.studies.compare.report`; the PNG figures in
+:mod:`~da3po_megatron.studies.compare.plots`.
 """
 
-from da3po_megatron.eval.compare_grid import (
+from da3po_megatron.studies.compare.grid import (
     ALGORITHMS,
     DONE_MARKER,
     Method,
@@ -60,9 +60,9 @@ from da3po_megatron.eval.compare_grid import (
     train_command,
     warmup_digest,
 )
-from da3po_megatron.eval.compare_plots import plot_report
-from da3po_megatron.eval.compare_report import ReportData, build_report, choose_points, prepare, start_evals, verdict
-from da3po_megatron.eval.compare_stats import (
+from da3po_megatron.studies.compare.plots import plot_report
+from da3po_megatron.studies.compare.report import ReportData, build_report, choose_points, prepare, start_evals, verdict
+from da3po_megatron.studies.compare.stats import (
     Comparison,
     Point,
     compare_means,

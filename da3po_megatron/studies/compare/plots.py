@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from da3po_megatron.eval.compare_stats import mean_std, seed_values, series
+from da3po_megatron.studies.compare.stats import mean_std, seed_values, series
 
 if TYPE_CHECKING:  # the report module draws the figures: a runtime import would be circular
-    from da3po_megatron.eval.compare_report import ReportData
+    from da3po_megatron.studies.compare.report import ReportData
 
 
 def _band(ax, xs_list: Sequence[Sequence[float]], ys_list: Sequence[Sequence[float]], label: str, color: str,
