@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "the next invocation resumes); 0 = none")
     p.add_argument("--window", type=int, default=5, help="trailing-mean window (steps) of training accuracy")
     p.add_argument("--z", type=float, default=2.0, help="significance screen: |diff| > z standard errors")
+    p.add_argument("--heldout", choices=("synthetic", "benchmarks"), default=None,
+                   help="which held-out metrics the report reads when the runs logged both (default: synthetic); "
+                        "with math benchmarks (eval.benchmarks) the groups are the benchmarks")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides applied to every run")
     a = p.parse_args(argv)
 
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             return 143
     report = C.build_report(specs, methods, a.out, command=command, rebuilt_with=rebuilt_with, base_config=a.base,
                             records=records,
-                            window=a.window, z=a.z, warmup_dir=warmup_dir, page=a.page,
+                            window=a.window, z=a.z, warmup_dir=warmup_dir, page=a.page, prefer=a.heldout,
                             figures=not a.no_figures)
     print(f"report: {report} ({time.perf_counter() - t0:.0f} s)" + (f"; page: {a.page}" if a.page else ""))
     failed = [r for r in records or [] if r["status"] == "failed"]
