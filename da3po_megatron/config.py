@@ -184,6 +184,9 @@ class DataConfig:
     apply_chat_template: bool = doc(True, "Wrap prompts in the tokenizer's chat template.")
     train_batch_size: int = doc(512, "Prompts per RL step (paper: 512), i.e. groups after dynamic sampling.")
     shuffle: bool = doc(True, "Shuffle by (seed, epoch).")
+    dedup: bool = doc(False, "Drop repeated (prompt, answer) rows of each train file (count in data_stats.json). "
+                             "DAPO-Math-17K's parquet has ~1.79M rows of ~17.9K problems: with dedup, epochs and the "
+                             "data position count unique problems (docs/data_and_rewards.md).")
     on_bad_row: Literal["error", "skip"] = doc("error", "Malformed rows: stop with file/row/field, or skip and count.")
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
 
@@ -226,6 +229,10 @@ class TrainerConfig:
     run_dir: str = doc("runs/da3po", "Where logs, checkpoints and plots go.")
     save_every: int = doc(20, "Checkpoint every N steps (0 = only at the end).")
     keep_last: int = doc(3, "Checkpoints kept (older ones deleted after a newer one is complete).")
+    keep_best_metric: str = doc("", "Also keep the best checkpoint by this eval metric key (e.g. eval/avg/avg@k), "
+                                    "never pruned, in checkpoints/best.json (paper: best of 200 steps; "
+                                    "trainer/best.py). '' = off.")
+    keep_best_mode: Literal["max", "min"] = doc("max", "Whether a larger or a smaller keep_best_metric is better.")
     resume: bool = doc(True, "Resume from run_dir/checkpoints/latest when it exists.")
     tensorboard: bool = doc(True, "Write TensorBoard events to run_dir/tb (JSONL metrics are always written).")
     wandb_project: str = doc("", "Weights & Biases project ('' = off).")
@@ -463,6 +470,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.train_files is empty; give at least one file for data.format={dc.format!r}")
     _check(cfg.trainer.total_steps >= 1, "trainer.total_steps", cfg.trainer.total_steps, ">= 1")
     _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
+    best, ev = cfg.trainer.keep_best_metric, cfg.eval
+    _check(not best or (best.startswith("eval/") and ev.every > 0 and bool(ev.benchmarks)), "trainer.keep_best_metric",
+           best, f"'' or an eval/... metric key with evaluations on (eval.every={ev.every}, eval.benchmarks="
+           f"{ev.benchmarks})")
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory")
 
