@@ -91,11 +91,13 @@ class ActorConfig:
 @dataclass
 class RolloutConfig:
     n: int = doc(16, "G: responses sampled per prompt (paper: 16). Eq. 3 normalises within these groups.")
-    temperature: float = doc(1.0, "T: training rollouts sample from softmax(logits / T) (paper: 1.0). The same T "
+    temperature: float = doc(1.0, "T: training rollouts sample from softmax(logits / T) (not stated in the paper; "
+                                  "1.0 as in DAPO/verl). The same T "
                                   "divides the policy's logits before every log-softmax (pi_old, pi_theta of the "
                                   "Eq. 5/11 ratio, the logged entropy), and the engines return log-probs after T "
                                   "(vLLM processed_logprobs), so rollout and policy log-probs score one distribution.")
-    top_p: float = doc(1.0, "Nucleus sampling for training rollouts (paper: 1.0). Below 1 the engines' log-probs are "
+    top_p: float = doc(1.0, "Nucleus sampling for training rollouts (not stated in the paper; 1.0 as in DAPO). "
+                            "Below 1 the engines' log-probs are "
                             "renormalised over the nucleus while the policy's cover the whole vocabulary: the "
                             "rollout/policy log-prob diff and TIS weights then carry that gap.")
     max_prompt_length: int = doc(2048, "Prompts longer than this many tokens are rejected (paper: 2K).")

@@ -32,8 +32,10 @@ def test_paper_recipes_carry_paper_hyperparameters():
     assert (cfg.daa.lambda_, cfg.daa.tau, cfg.daa_enabled, cfg.filter_groups) == (2.0, 0.5, True, True)
     grpo = load_config(ROOT / "examples/qwen3_4b_grpo.yaml")
     assert not grpo.daa_enabled and not grpo.filter_groups and grpo.loss_agg_mode == "seq-mean-token-mean"
-    lambdas = sorted(load_config(p).daa.lambda_ for p in (ROOT / "examples/ablation").glob("*.yaml"))
-    assert lambdas == [1.0, 1.5, 2.0, 2.5]
+    for size in ("4b", "8b"):  # the lambda ablation of both models
+        ablation = [load_config(p) for p in (ROOT / "examples/ablation").glob(f"qwen3_{size}_da3po_lambda*.yaml")]
+        assert sorted(c.daa.lambda_ for c in ablation) == [1.0, 1.5, 2.0, 2.5]
+        assert {c.model.path for c in ablation} == {f"checkpoints/Qwen3-{size.upper()}-Base"}
 
 
 def test_dotted_overrides_apply_with_yaml_types(tmp_path):
