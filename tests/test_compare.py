@@ -287,6 +287,20 @@ def test_report_holds_equal_step_and_equal_sample_tables_per_bucket_figures_and_
                                                                          ).read_text()
 
 
+def test_report_shows_a_previous_reports_numbers_side_by_side(tmp_path):
+    ms, specs = _grid(tmp_path / "old", "grpo,dapo,da3po:2",
+                      lambda m, s: {"grpo": 0.5, "dapo": 0.5, "da3po:2": 0.7}[m] + 0.01 * s)
+    C.build_report(specs, ms, tmp_path / "old_rep", figures=False)
+    ms, specs = _grid(tmp_path / "new", "grpo,dapo,da3po:2", lambda m, s: 0.5 + 0.01 * s)
+    text = C.build_report(specs, ms, tmp_path / "new_rep", figures=False, previous=tmp_path / "old_rep",
+                          previous_note="The baselines are now true baselines.").read_text()
+    section = text.split("## Compared with the previous report")[1].split("\n## ")[0]
+    assert "The baselines are now true baselines." in section
+    assert "| da3po:2 | 71.0 ± 1.0 | 51.0 ± 1.0 |" in section  # previous | this run, all buckets, equal steps
+    assert "| da3po:2 vs dapo | equal steps, all | +20.0 (**better**) | +0.0 (n.s.) |" in section
+    assert "previous 4 / 0 / 0; this run 0 / 0 / 4" in section
+
+
 def test_report_names_missing_and_unfinished_runs(tmp_path):
     ms, specs = _grid(tmp_path, "dapo,da3po:2", lambda m, s: 0.5, seeds=(0,))
     extra = C.grid_specs(ms, [1], 8, tmp_path / "runs")

@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout", choices=("synthetic", "benchmarks"), default=None,
                    help="which held-out metrics the report reads when the runs logged both (default: synthetic); "
                         "with math benchmarks (eval.benchmarks) the groups are the benchmarks")
+    p.add_argument("--previous", type=Path, default=None, help="an earlier report directory (with summary.json): its "
+                                                                  "numbers are shown side by side with the new ones")
+    p.add_argument("--previous-note", type=Path, default=None,
+                   help="a Markdown file saying what changed since --previous (shown above the side-by-side tables)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides applied to every run")
     a = p.parse_args(argv)
 
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     report = C.build_report(specs, methods, a.out, command=command, rebuilt_with=rebuilt_with, base_config=a.base,
                             records=records,
                             window=a.window, z=a.z, warmup_dir=warmup_dir, page=a.page, prefer=a.heldout,
+                            previous=a.previous,
+                            previous_note=a.previous_note.read_text().strip() if a.previous_note else "",
                             figures=not a.no_figures)
     print(f"report: {report} ({time.perf_counter() - t0:.0f} s)" + (f"; page: {a.page}" if a.page else ""))
     failed = [r for r in records or [] if r["status"] == "failed"]

@@ -22,6 +22,7 @@ import numpy as np
 from da3po_megatron.studies.compare.grid import Method, RunSpec, load_grid, warmup_digest
 from da3po_megatron.studies.compare.keys import HeldOutKeys, discover, train_buckets
 from da3po_megatron.studies.compare.plots import plot_report
+from da3po_megatron.studies.compare.previous import load_summary, side_by_side
 from da3po_megatron.studies.compare.stats import Comparison, Point, compare_means, curve_at, mean_std, seed_values
 
 
@@ -318,11 +319,13 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
                  rebuilt_with: str = "", base_config: str = "", records: Sequence[dict] | None = None,
                  window: int = 5, z: float = 2.0, tau: float = 0.5, warmup_dir: str | Path | None = None,
                  page: str | Path | None = None, prefer: str | None = None,
+                 previous: str | Path | None = None, previous_note: str = "",
                  title: str = "Does DAA help? Compute-matched algorithm comparison", figures: bool = True) -> Path:
     """Write ``out_dir/report.md``, ``out_dir/figures/*.png``, ``out_dir/logs/<method>/seed<k>.jsonl`` and
     ``out_dir/summary.json`` from the runs of ``specs``; with ``page``, also a copy of the report at that path whose
     figure links are relative to it (e.g. docs/results_cpu.md). The held-out metric is whatever the runs logged
-    (synthetic task or math benchmarks; ``prefer`` chooses when both are there). Returns the report path."""
+    (synthetic task or math benchmarks; ``prefer`` chooses when both are there). ``previous``: an earlier report
+    directory whose numbers are shown side by side (``previous.py``), after ``previous_note``. Returns the path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     grid = load_grid(specs)
@@ -412,6 +415,9 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             md += [f"- failed in this invocation: {', '.join(failed)}"] if failed else []
         md.append("")
         md += ["## Verdict", "", verdict_text, ""]
+        if previous:
+            md += [f"## Compared with the previous report (`{previous}`)", "", previous_note, "",
+                   side_by_side(load_summary(previous), summary), ""]
         if d.step_point:
             t, _ = _heldout_table(d, d.step_point, 0)
             g, _ = _heldout_table(d, d.step_point, 1)
@@ -468,14 +474,6 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
         return "\n".join(md)
 
     verdict_text, verdict_data = verdict(d)
-    report = out / "report.md"
-    report.write_text(body("figures/"))
-    if page:
-        page = Path(page)
-        page.parent.mkdir(parents=True, exist_ok=True)
-        prefix = os.path.relpath(out / "figures", page.parent).replace(os.sep, "/") + "/"
-        page.write_text(body(prefix))
-
     summary: dict[str, Any] = {"metric": metric, "second_metric": second, "group_kind": kind, "groups": d.groups,
                                "hard_groups": d.hard, "keys": asdict(d.keys) if d.keys else None,
                                "start_acc": {str(k): v for k, v in d.start_acc.items()}, "verdict": verdict_data,
@@ -484,5 +482,13 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
         summary["tables"][pt.name] = {"heldout": _heldout_table(d, pt, 0)[1],
                                       "second": _heldout_table(d, pt, 1)[1],
                                       "train": _train_table(d, pt)[1], "x_key": pt.x_key, "x": pt.x}
+    report = out / "report.md"
+    report.write_text(body("figures/"))
+    if page:
+        page = Path(page)
+        page.parent.mkdir(parents=True, exist_ok=True)
+        prefix = os.path.relpath(out / "figures", page.parent).replace(os.sep, "/") + "/"
+        page.write_text(body(prefix))
+
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     return report
