@@ -1,13 +1,16 @@
 """`da3po train --config X.yaml [section.key=value ...]`: run (or resume) DA3PO / DAPO / GRPO / GSPO training.
 
 Restarting the same command resumes from ``run_dir/checkpoints/latest`` (exactly, on CPU). ``--describe`` lists every
-config field with its documentation; ``--print-config`` shows the resolved config and exits.
+config field with its documentation; ``--print-config`` shows the resolved config and exits. The console shows our
+progress lines; third-party logs (Transformer-Engine/Apex fallbacks, vLLM start-up, Ray workers) go to
+``run_dir/logs/`` unless ``--verbose`` (``trainer/console.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from da3po_megatron.config import ConfigError, describe, load_config, to_dict
@@ -19,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=10 daa.lambda_=2.5")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     ap.add_argument("--describe", action="store_true", help="list every config field with its documentation")
+    ap.add_argument("--verbose", action="store_true", help="also show third-party logs (megatron-core, vLLM, Ray "
+                                                           "workers) on the console; they always go to run_dir/logs/")
     args = ap.parse_args(argv)
     if args.describe:
         print("\n".join(describe()))
@@ -32,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     from da3po_megatron.data.datasets import BadRowError
+    from da3po_megatron.trainer.console import configure
     from da3po_megatron.trainer.loop import train
+
+    log_dir = configure(cfg.trainer.run_dir, verbose=args.verbose or os.environ.get("DA3PO_VERBOSE") == "1")
+    print(f"logs: third-party output in {log_dir}/" + ("" if args.verbose else " (--verbose to see it here)"),
+          flush=True)
 
     try:
         run = train(cfg)

@@ -36,6 +36,7 @@ from da3po_megatron.rollout.types import EngineConfig
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.best import BestCheckpoint, save_checkpoint
 from da3po_megatron.trainer.checkpoint import CheckpointManager
+from da3po_megatron.trainer.console import ray_init_kwargs
 from da3po_megatron.trainer.metrics import MetricsLogger
 
 
@@ -55,9 +56,9 @@ def init_ray(cfg: Config) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=str(tmp),
                  num_cpus=max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
-                 log_to_driver=os.environ.get("DA3PO_RAY_LOG_TO_DRIVER", "1") == "1")
+                 **ray_init_kwargs())
     else:
-        ray.init(address=cfg.ray.address, include_dashboard=False)
+        ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
 
 
 def engine_config(cfg: Config) -> EngineConfig:
