@@ -344,7 +344,11 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             dst = logs / s.method.slug / f"seed{s.seed}.jsonl"
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
-    figs = plot_report(d, out / "figures") if grid and figures else []
+    # without figures=True the report links the PNGs an earlier build left (a quick rebuild keeps its figures)
+    order = ("train_acc", "heldout_vs", "heldout_b", "filtered", "daa", "theory")
+    figs = plot_report(d, out / "figures") if grid and figures else sorted(
+        (out / "figures").glob("*.png"), key=lambda f: (next((i for i, o in enumerate(order) if f.stem.startswith(o)),
+                                                               9), f.stem))
 
     walls: dict[str, list[float]] = {}
     resumed = 0
