@@ -1,7 +1,7 @@
 """The megatron-core policy on CPU (gloo): parallel layouts agree, training learns, checkpoints reshard and resume.
 
 Real megatron-core 0.16.1, real torch.distributed (torchrun, 1-2 processes), real Ray (2 actors), a tiny random Qwen3.
-Three torchrun launches of ``da3po_megatron.megatron.selfcheck`` (TP1 / TP2 / PP2, shared by all tests through a
+Three torchrun launches of ``tests/_policy_selfcheck.py`` (TP1 / TP2 / PP2, shared by all tests through a
 module fixture) write JSON + exported tensors; the Ray test runs a DP=2 PolicyGroup from the same starting weights.
 The TP1 launch loads the HF weights through the bridge and writes the common starting checkpoint. The PP=2 launch
 uses the fused-kernel loss backend (chunked), the others the torch backend, so the two backends are also compared.
@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from _policy_job import ADVANTAGES, small_policy_config
+from _policy_selfcheck import fixed_batch, perturbed
 from _ray import local_ray
 
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.policy import PolicyWorker, validate_config
 from da3po_megatron.megatron.runtime import free_port
-from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
+
+SELFCHECK = Path(__file__).with_name("_policy_selfcheck.py")
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -36,7 +38,7 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 def _launch(nproc: int, out: Path, *args: str, script: Path | None = None) -> dict:
     """torchrun ``nproc`` processes of the selfcheck (or of ``script``) writing JSON to ``out``; returns it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    target = [str(script)] if script else ["-m", "da3po_megatron.megatron.selfcheck"]
+    target = [str(script or SELFCHECK)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), *target, "--out", str(out), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -54,6 +54,12 @@ def test_algorithm_trains_end_to_end(warm_model, tmp_path, algo):
     assert p.returncode == 0
     assert "policy loss: kernel:chunked (actor.loss_backend=auto)" in p.stdout  # CPU: auto -> the chunked kernel
     assert "overrides the" not in p.stderr  # the recipe leaves clips, filtering, overlong shaping to the preset
+    # quiet console: third-party output (megatron-core's TE/Apex fallbacks, vLLM start-up) is in run_dir/logs
+    console = p.stdout + p.stderr
+    for noise in ("Falling back", "Initializing a V1 LLM engine", "Failed to load weights", "pid="):
+        assert noise not in console, noise
+    workers = "".join(f.read_text() for f in (run_dir / "logs").glob("worker-*.log"))
+    assert "Initializing a V1 LLM engine" in workers and "Failed to load weights" not in workers
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -109,8 +109,9 @@ def train(cfg: Config) -> Run:
                 with timer("eval"):
                     metrics.update(run.evaluate())
             run.logger.log(step, metrics)
-            if run.should_checkpoint(step) or run.preempted():
-                run.save_checkpoint()
+            best = run.best_candidate(metrics)  # trainer.keep_best_metric improved: keep this step's checkpoint
+            if run.should_checkpoint(step) or run.preempted() or best is not None:
+                run.save_checkpoint(best_value=best)
             if run.preempted():
                 print(f"preemption requested: checkpoint of step {step} saved; exiting for requeue", flush=True)
                 break

@@ -7,9 +7,9 @@ step 1, step 2, load, step 2 again: identical), checkpoints of other layouts loa
 the fixed batch, and the largest parameter difference between data-parallel replicas. The tests
 (``tests/test_megatron_policy.py``) launch it with ``torchrun`` and assert; on a GPU cluster it checks a real install::
 
-    python -m torch.distributed.run --nproc-per-node 1 -m da3po_megatron.megatron.selfcheck --hf HF --base B \\
+    python -m torch.distributed.run --nproc-per-node 1 tests/_policy_selfcheck.py --hf HF --base B \\
         --init-base --out tp1.json
-    python -m torch.distributed.run --nproc-per-node 2 -m da3po_megatron.megatron.selfcheck --hf HF --base B \\
+    python -m torch.distributed.run --nproc-per-node 2 tests/_policy_selfcheck.py --hf HF --base B \\
         --tp 2 --out tp2.json
 
 Only for small models: exports are written as whole tensors with ``--export``.
