@@ -90,3 +90,13 @@ def test_train_check_prints_refuses_or_lowers_the_budget(tmp_path):
     cfg.actor.memory_check = "refuse"
     with pytest.raises(MemoryBudgetError, match="no micro-batch of one longest sequence fits"):
         check_policy_memory(cfg, SMOLLM2, available=GiB, where="test", log=lines.append)
+
+
+def test_train_preflight_rejects_parallel_sizes_that_do_not_divide_the_model(tmp_path):
+    from da3po_megatron.trainer.run import preflight
+
+    cfg = _cfg(tmp_path, "parallel.tensor_model_parallel_size=2", f"trainer.run_dir={tmp_path / 'run'}")
+    with pytest.raises(ValueError, match=r"parallel: num_attention_heads \(9\) is not divisible by "
+                                         r"tensor_model_parallel_size \(2\); sizes that divide this model: \[1, 3\]"):
+        preflight(cfg)
+    assert not (tmp_path / "run").exists()
