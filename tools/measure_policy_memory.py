@@ -30,25 +30,26 @@ def _rss() -> int:
 def _one(args: argparse.Namespace, tokens: int) -> dict:
     import torch
 
+    from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.cpu_compat import apply_if_needed
     from da3po_megatron.megatron.memory import estimate_policy_memory
-    from da3po_megatron.megatron.model import ModelOptions, load_hf_config
-    from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, PolicyBatch, PolicyConfig, PolicyWorker
-    from da3po_megatron.megatron.runtime import ParallelLayout, free_port
+    from da3po_megatron.megatron.model import load_hf_config
+    from da3po_megatron.megatron.policy import PolicyBatch, PolicyWorker
+    from da3po_megatron.megatron.runtime import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     apply_if_needed()
     hf = load_hf_config(args.hf)
     backend = args.loss_backend if args.loss_backend in ("torch", "fused_linear") else "kernel"
-    cfg = PolicyConfig(hf_dir=args.hf, layout=ParallelLayout(1, 1),
-                       model=ModelOptions(recompute_granularity=args.recompute,
-                                          recompute_method="uniform" if args.recompute == "full" else None,
-                                          recompute_num_layers=1 if args.recompute == "full" else None),
-                       loss=LossOptions(backend=backend, kernel_backend=args.loss_backend if backend == "kernel"
-                                        else "auto", temperature=args.temperature),
-                       batching=BatchingOptions(max_tokens_per_microbatch=tokens,
-                                                logprob_max_tokens_per_microbatch=tokens))
+    overrides = ["model.params_dtype=float32", f"actor.loss_backend={args.loss_backend}",
+                 f"actor.max_tokens_per_microbatch={tokens}", f"actor.logprob_max_tokens_per_microbatch={tokens}",
+                 f"rollout.temperature={args.temperature}", "actor.memory_check=off"]
+    if args.recompute:
+        overrides.append(f"model.recompute_granularity={args.recompute}")
+    if args.recompute == "full":
+        overrides += ["model.recompute_method=uniform", "model.recompute_num_layers=1"]
+    cfg = standalone_policy_config(args.hf, overrides)
     base = _rss()
     w = PolicyWorker(cfg)
     after_build = _rss()

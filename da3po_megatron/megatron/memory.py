@@ -192,10 +192,10 @@ def estimate_for_config(cfg: Any, hf: dict[str, Any], max_tokens_per_microbatch:
     """:func:`estimate_policy_memory` for a run config (``da3po_megatron.config.Config``)."""
     import torch
 
-    from da3po_megatron.megatron.model import ModelOptions, use_te
+    from da3po_megatron.megatron.model import use_te
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    te = use_te(ModelOptions(use_transformer_engine=cfg.model.use_transformer_engine)) if device == "cuda" else False
+    te = use_te(cfg.model) if device == "cuda" else False
     p, a = cfg.parallel, cfg.actor
     backend = a.loss_backend if a.loss_backend in ("torch", "fused_linear") else "kernel"
     return estimate_policy_memory(
@@ -205,7 +205,8 @@ def estimate_for_config(cfg: Any, hf: dict[str, Any], max_tokens_per_microbatch:
         params_dtype=cfg.model.params_dtype if device == "cuda" else "float32",
         layer_spec="te" if te else "local", recompute_granularity=cfg.model.recompute_granularity,
         loss_backend=backend, distributed_optimizer=cfg.optim.use_distributed_optimizer,
-        temperature_scaled=cfg.rollout.temperature != 1.0, device=device)
+        temperature_scaled=cfg.rollout.temperature != 1.0, device=device,
+        logprob_max_tokens_per_microbatch=getattr(a, "logprob_max_tokens_per_microbatch", 0) or None)
 
 
 def device_memory_bytes(device: str | None = None) -> tuple[int, str]:
