@@ -141,3 +141,4 @@ def test_short_rl_run_keeps_the_rollout_policy_mismatch_at_the_fresh_sync_level(
     assert diffs[0] < 1e-4
     assert all(d <= max(3 * diffs[0], 2e-5) for d in diffs[1:]), diffs
     assert all(r["dynamic_sampling/kept_groups"] >= 2 for r in recs)
+    assert all(r.get("rollout/logprob_drift_alert", 0.0) == 0.0 for r in recs)  # the trainer's own drift alarm
