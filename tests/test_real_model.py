@@ -14,6 +14,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from da3po_megatron.bridge import convert
@@ -38,6 +39,8 @@ def test_smollm2_fixture_is_the_tied_llama_checkpoint(smollm2):
     assert "quantization_config" not in cfg and cfg["vocab_size"] == 49152
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_conversion_tp3_pp2_round_trip_is_bit_exact_and_verifies(smollm2, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ckpt, back = tmp_path / "megatron", tmp_path / "back"
@@ -55,6 +58,8 @@ def test_conversion_tp3_pp2_round_trip_is_bit_exact_and_verifies(smollm2, tmp_pa
     assert len(diffs) == 2 and max(diffs) < 5e-4
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_eval_greedy_texts_equal_transformers_on_math500(smollm2, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,6 +114,8 @@ def addition_task(path: Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_short_rl_run_keeps_the_rollout_policy_mismatch_at_the_fresh_sync_level(smollm2, tmp_path):
     import os
     import subprocess
