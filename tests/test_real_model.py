@@ -127,7 +127,7 @@ def test_short_rl_run_keeps_the_rollout_policy_mismatch_at_the_fresh_sync_level(
     cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", "--config", str(root / "examples/tiny_cpu_da3po.yaml"),
            f"model.path={smollm2}", f"trainer.run_dir={run_dir}", "data.format=generic", f"data.train_files=[{data}]",
            "data.template=none", "data.apply_chat_template=false", "reward.kind=math", "rollout.n=4",
-           "rollout.max_prompt_length=96", "rollout.max_response_length=16", "algorithm.overlong.enable=false",
+           "rollout.max_prompt_length=96", "rollout.max_response_length=20", "algorithm.overlong.enable=false",
            "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "actor.max_tokens_per_microbatch=512",
            "optim.lr=1e-5", "algorithm.max_generation_rounds=4", "eval.every=0", "trainer.tensorboard=false",
            "trainer.total_steps=3", "trainer.save_every=0",

@@ -44,7 +44,7 @@ def _one(args: argparse.Namespace, tokens: int) -> dict:
     backend = args.loss_backend if args.loss_backend in ("torch", "fused_linear") else "kernel"
     overrides = ["model.params_dtype=float32", f"actor.loss_backend={args.loss_backend}",
                  f"actor.max_tokens_per_microbatch={tokens}", f"actor.logprob_max_tokens_per_microbatch={tokens}",
-                 f"rollout.temperature={args.temperature}", "actor.memory_check=off"]
+                 f"rollout.temperature={args.temperature}", "actor.memory_check=skip"]
     if args.recompute:
         overrides.append(f"model.recompute_granularity={args.recompute}")
     if args.recompute == "full":

@@ -256,7 +256,7 @@ def check_policy_memory(cfg: Any, hf: dict[str, Any], available: int | None = No
 
     mode = getattr(cfg.actor, "memory_check", "refuse")
     tokens = int(cfg.actor.max_tokens_per_microbatch)
-    if mode == "off":
+    if mode == "skip":
         return tokens
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if available is None:
