@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _kernel_cases import loss_inputs, random_case, run_loss
 
 from da3po_megatron.kernels import (
     LogprobInputs,
@@ -15,7 +16,6 @@ from da3po_megatron.kernels import (
     resolve_backend,
     vocab_parallel_logprobs,
 )
-from da3po_megatron.kernels.testing import loss_inputs, random_case, run_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import LossInputs
-from .reference import reference_logprobs_2d
+from da3po_megatron.kernels.common import LossInputs
+from da3po_megatron.kernels.reference import reference_logprobs_2d
 
 
 @dataclass
