@@ -140,6 +140,7 @@ class VLLMEngine:
         self.weights_version = 0
         self.generated_tokens = 0
         self._session_open = False
+        self._stale: str | None = None  # set when a weight update was aborted half-way: generation refused
 
     # ---------------------------------------------------------------- generation
     def prompt_token_ids(self, prompt: Any, apply_chat_template: bool) -> list[int]:
@@ -185,6 +186,8 @@ class VLLMEngine:
     def generate(self, prompts: list[Any], prompt_indices: list[int], sampling: SamplingConfig) -> list[Completion]:
         """Sample ``sampling.n`` responses for each prompt; ``prompt_indices`` are the prompts' global indices."""
         sampling.validate()
+        if self._stale:
+            raise RolloutError(self._stale)
         if len(prompts) != len(prompt_indices):
             raise ValueError(f"{len(prompts)} prompts but {len(prompt_indices)} prompt indices")
         if not prompts:
@@ -232,12 +235,18 @@ class VLLMEngine:
         self._session_open = False
         result = self.llm.collective_rpc("da3po_finish_weight_update", kwargs={"strict": strict})[0]
         self.weights_version += 1
+        self._stale = None
         self.reset_prefix_cache()
         return result
 
     def abort_bucket_update(self) -> None:
+        """Close a failed session. The engine may now hold a mix of old and new weights: it refuses to generate
+        until the next complete update."""
         if self._session_open:
             self._session_open = False
+            self._stale = (f"engine {self.engine_index}: its last weight update was aborted half-way (weights "
+                           f"partially updated after version {self.weights_version}); it refuses to generate until "
+                           "the next complete weight sync")
             self.llm.collective_rpc("da3po_abort_weight_update")
             self.reset_prefix_cache()
 
@@ -245,8 +254,32 @@ class VLLMEngine:
         """Reload all weights from an HF checkpoint directory (benchmark baseline); returns seconds."""
         seconds = self.llm.collective_rpc("da3po_reload_from_path", args=(str(path),))[0]
         self.weights_version += 1
+        self._stale = None
         self.reset_prefix_cache()
         return seconds
+
+    # ------------------------------------------------------ "collective" weight transport (rollout/collective.py)
+    def collective_join(self, groups: list[dict], rank_offset: int) -> list[dict]:
+        """Every worker joins the stage groups (worker w of this engine: rank ``rank_offset + w``)."""
+        from da3po_megatron.rollout.collective import node_ip
+
+        return self.llm.collective_rpc("da3po_collective_join", args=(groups, rank_offset, node_ip()))
+
+    def collective_receive(self) -> dict:
+        """Receive one sync's streams into the open session (begin_bucket_update first). Errors name this engine."""
+        if not self._session_open:
+            raise RolloutError(f"engine {self.engine_index}: collective_receive outside begin/finish_bucket_update")
+        try:
+            reports = self.llm.collective_rpc("da3po_collective_receive")
+        except Exception as e:
+            raise RolloutError(f"engine {self.engine_index}: {type(e).__name__}: {e}") from e
+        return {k: max(r[k] for r in reports) for k in reports[0]}
+
+    def collective_recv_raw(self, nbytes: int) -> float:
+        return float(max(self.llm.collective_rpc("da3po_collective_recv_raw", args=(int(nbytes),))))
+
+    def collective_leave(self) -> None:
+        self.llm.collective_rpc("da3po_collective_leave")
 
     # ----------------------------------------- vLLM weight-transfer API ("ipc"/"nccl")
     def _rpc_transfer(self, method: str, **kwargs) -> None:
@@ -298,7 +331,8 @@ class VLLMEngine:
     def health(self) -> dict:
         return {"engine_index": self.engine_index, "pid": os.getpid(), "host": socket.gethostname(), "ok": True,
                 "weights_version": self.weights_version, "generated_tokens": self.generated_tokens,
-                "startup_seconds": self.startup_seconds, "transfer_backend": self.transfer_backend}
+                "startup_seconds": self.startup_seconds, "transfer_backend": self.transfer_backend,
+                "stale": self._stale}
 
     def pid(self) -> int:
         return os.getpid()

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 
+from da3po_megatron.rollout.collective import CollectiveReceiverMixin
+
 
 def _unpack(payload) -> dict:
     """The tensors of one bucket payload (see :meth:`WeightSyncExtension.da3po_load_bucket`)."""
@@ -47,7 +49,7 @@ def _unpack(payload) -> dict:
     return out
 
 
-class WeightSyncExtension:
+class WeightSyncExtension(CollectiveReceiverMixin):
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
 
     def _da3po_model(self):
