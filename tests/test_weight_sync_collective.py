@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from da3po_megatron.rollout import EngineConfig, RolloutClient, RolloutError, SamplingConfig
-from da3po_megatron.rollout.collective import CollectiveTransport, StreamSender
+from da3po_megatron.rollout.collective_transport import CollectiveTransport, StreamSender
 from da3po_megatron.rollout.consistency import check_consistency
 from da3po_megatron.rollout.weight_sync import hf_state_tensors
 

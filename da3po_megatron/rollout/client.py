@@ -414,11 +414,10 @@ class RolloutClient:
                 out.append({"engine_index": i, "ok": False, "error": str(e)})
         return out
 
-    def engine_handles(self) -> list[Any]:
-        """The Ray actor handles (for vLLM's ``RayVLLMWeightSyncClient`` in the GPU transports)."""
-        if self.mode != "ray":
-            raise RolloutError("engine_handles needs a Ray client (RolloutClient.ray)")
-        return list(self.engines)
+    def check_transport(self, transport: str) -> None:
+        """Every engine checks that the installed vLLM has what ``transport`` needs (RolloutError naming it)."""
+        self._gather([(i, self._call(i, "check_transport", transport)) for i in range(self.num_engines)],
+                     "transport check")
 
     def shutdown(self) -> None:
         """Stop every engine (kill the actors / free the in-process engines)."""

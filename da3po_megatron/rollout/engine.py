@@ -41,18 +41,52 @@ def cuda_available() -> bool:
 
 
 def resolve_transfer_backend(config: EngineConfig, has_cuda: bool | None = None) -> str:
-    """The weight transport an engine uses: "bytes" without CUDA; "ipc" (colocated) or "nccl" with it (see
-    :attr:`EngineConfig.weight_transfer_backend`). Raise ValueError naming the field for a GPU transport on CPU."""
+    """The weight transport this engine is prepared for (see :attr:`EngineConfig.weight_transfer_backend`): "auto"
+    is "bytes" without CUDA, "ipc" with CUDA and sleep mode (colocated), else "collective". Raise ValueError naming
+    the field for "ipc" without CUDA. (The trainer picks the run's transport from the placement:
+    ``weight_sync.choose_transport``.)"""
     has_cuda = cuda_available() if has_cuda is None else has_cuda
     backend = config.weight_transfer_backend
     if backend == "auto":
         if not has_cuda:
             return "bytes"
-        return "ipc" if config.enable_sleep_mode else "nccl"
-    if backend in ("ipc", "nccl") and not has_cuda:
-        raise ValueError(f"EngineConfig.weight_transfer_backend={backend!r} needs CUDA (vLLM's {backend} weight "
-                         "transfer is CUDA-only); use 'bytes' or 'auto' on CPU")
+        return "ipc" if config.enable_sleep_mode else "collective"
+    if backend == "ipc" and not has_cuda:
+        raise ValueError("EngineConfig.weight_transfer_backend='ipc' needs CUDA (CUDA-IPC handles); use 'bytes', "
+                         "'collective' or 'auto' on CPU")
     return backend
+
+
+VLLM_API_VERSION = "0.32"
+"""The vLLM release whose APIs the engine and worker extension use (setup.py pins the GPU extra to it)."""
+
+
+def check_vllm_support(transport: str) -> None:
+    """Raise RolloutError naming the installed vLLM version and what is missing for ``transport`` ("auto": what
+    every transport needs: ``LLM.collective_rpc`` and the layerwise-reload session)."""
+    import vllm
+
+    missing = []
+    if not hasattr(vllm.LLM, "collective_rpc"):
+        missing.append("vllm.LLM.collective_rpc")
+    try:
+        from vllm.model_executor.model_loader.reload import (  # noqa: F401
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        missing.append("vllm.model_executor.model_loader.reload.{initialize,finalize}_layerwise_reload")
+    if transport == "ipc":
+        missing += [f"vllm.LLM.{m}" for m in ("sleep", "wake_up") if not hasattr(vllm.LLM, m)]
+    if transport == "collective":
+        import torch.distributed as dist
+
+        if not hasattr(dist, "ProcessGroupGloo") and not hasattr(dist, "ProcessGroupNCCL"):
+            missing.append("torch.distributed.ProcessGroupGloo / ProcessGroupNCCL")
+    if missing:
+        raise RolloutError(f"vLLM {getattr(vllm, '__version__', '?')} lacks what the {transport!r} weight transport "
+                           f"needs: {', '.join(missing)}; this project uses the APIs of vLLM {VLLM_API_VERSION} "
+                           f"(pip install 'vllm=={VLLM_API_VERSION}.*', the GPU extra of setup.py)")
 
 
 def engine_env(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, str]:
@@ -101,9 +135,7 @@ def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
         kw["enable_chunked_prefill"] = False
     if config.distributed_executor_backend is not None:
         kw["distributed_executor_backend"] = config.distributed_executor_backend
-    backend = resolve_transfer_backend(config, has_cuda)
-    if backend in ("ipc", "nccl"):
-        kw["weight_transfer_config"] = {"backend": backend}
+    resolve_transfer_backend(config, has_cuda)  # refuses "ipc" without CUDA
     if config.enable_sleep_mode:
         if not has_cuda:
             raise ValueError("EngineConfig.enable_sleep_mode needs CUDA (sleep mode is a no-op on CPU)")
@@ -130,6 +162,7 @@ class VLLMEngine:
             os.environ.setdefault(key, value)
         import vllm
 
+        check_vllm_support(self.transfer_backend)
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**llm_kwargs(config, self.has_cuda))
         self.startup_seconds = time.perf_counter() - t0
@@ -281,34 +314,16 @@ class VLLMEngine:
     def collective_leave(self) -> None:
         self.llm.collective_rpc("da3po_collective_leave")
 
-    # ----------------------------------------- vLLM weight-transfer API ("ipc"/"nccl")
-    def _rpc_transfer(self, method: str, **kwargs) -> None:
-        if self.transfer_backend not in ("ipc", "nccl"):
-            raise RolloutError(f"engine {self.engine_index}: {method} needs weight_transfer_backend 'ipc' or 'nccl' "
-                               f"(this engine uses {self.transfer_backend!r})")
-        self.llm.collective_rpc(method, kwargs=kwargs or None)
+    # ------------------------------------------------------ "ipc" weight transport (rollout/ipc.py, CUDA)
+    def check_transport(self, transport: str) -> None:
+        """The trainer's chosen transport is usable with the installed vLLM (RolloutError naming the version)."""
+        check_vllm_support(transport)
 
-    def init_weight_transfer_engine(self, request: Any) -> None:
-        """vLLM ``init_weight_transfer_engine``. For NCCL, this engine's workers take ranks after those of engines
-        ``0..engine_index-1`` (vLLM's trainer sends every engine ``rank_offset=1``; ranks would collide)."""
-        info = dict(getattr(request, "init_info", request))
-        if self.transfer_backend == "nccl" and "rank_offset" in info:
-            info["rank_offset"] = int(info["rank_offset"]) + self.engine_index * self.config.tensor_parallel_size
-        self._rpc_transfer("init_weight_transfer_engine", init_info=info)
-
-    def start_weight_update(self) -> None:
-        self._rpc_transfer("start_weight_update")
-
-    def update_weights(self, request: Any) -> None:
-        self._rpc_transfer("update_weights", update_info=getattr(request, "update_info", request))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._rpc_transfer("finish_weight_update")
-        self.weights_version += 1
-        self.reset_prefix_cache()
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._rpc_transfer("shutdown_weight_transfer_engine")
+    def ipc_load_bucket(self, handle_args: tuple, sender_uuid: str, meta: list) -> dict:
+        """Every worker maps the sender's CUDA-IPC buffer and loads it into the open session."""
+        if not self._session_open:
+            raise RolloutError(f"engine {self.engine_index}: ipc_load_bucket outside begin/finish_bucket_update")
+        return self.llm.collective_rpc("da3po_ipc_load", args=(handle_args, sender_uuid, meta))[0]
 
     def sleep(self, level: int = 1) -> None:
         """GPU colocated mode: free weights (level 2) or offload them (level 1) and drop the KV cache."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 
 from da3po_megatron.rollout.collective import CollectiveReceiverMixin
+from da3po_megatron.rollout.ipc import IpcReceiverMixin
 
 
 def _unpack(payload) -> dict:
@@ -49,7 +50,7 @@ def _unpack(payload) -> dict:
     return out
 
 
-class WeightSyncExtension(CollectiveReceiverMixin):
+class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
 
     def _da3po_model(self):

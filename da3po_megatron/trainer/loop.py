@@ -81,6 +81,7 @@ def train(cfg: Config) -> Run:
 
             # 1. Generation rounds + rewards + dynamic sampling (DAPO), until the batch is full.
             groups, generated = fill_batch(run, step, timer)
+            run.engines_idle()  # colocated CUDA: engines sleep while the policy trains (woken by the sync)
 
             # 2. Advantages: group z-scores (Eq. 3), then Direct Advantage Amplification (Eq. 14).
             daa = B.compute_advantages(groups, cfg.algorithm.advantage_eps, cfg.daa_enabled, cfg.daa.lambda_,

@@ -160,6 +160,7 @@ class Run:
         self.weight_transfer = choose_transport(cfg.rollout.weight_transfer, has_cuda=torch.cuda.is_available(),
                                                 colocate=cfg.rollout.colocate, policy_hosts=policy_hosts,
                                                 engine_hosts=engine_hosts)
+        self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
         self._transport: Any = None
         self.rollout.resync = self.sync_weights  # an engine restarted after a sync gets the weights again
         print(f"weight transfer: {self.weight_transfer} (rollout.weight_transfer={cfg.rollout.weight_transfer})",
@@ -256,7 +257,7 @@ class Run:
 
         r = self.cfg.rollout
         if self.weight_transfer == "collective":
-            from da3po_megatron.rollout.collective import CollectiveTransport
+            from da3po_megatron.rollout.collective_transport import CollectiveTransport
 
             if self._transport is None:
                 self._transport = CollectiveTransport(self.policy.run_on_all,
@@ -266,8 +267,14 @@ class Run:
         if self.weight_transfer == "ipc":
             from da3po_megatron.rollout.ipc import ipc_sync
 
-            return ipc_sync(self.policy, self.rollout)
+            return ipc_sync(self.policy, self.rollout, bucket_mb=r.weight_sync_bucket_mb)
         return sync_policy_group_to_engines(self.policy, self.rollout, bucket_mb=r.weight_sync_bucket_mb)
+
+    def engines_idle(self) -> None:
+        """The step's generation is over. Colocated on CUDA ("ipc"), the engines sleep (level 2: KV cache and weights
+        freed; the next sync rewrites every weight) so the policy has the GPU memory; ``ipc_sync`` wakes them."""
+        if self.weight_transfer == "ipc":
+            self.rollout.sleep(level=2)
 
     # ------------------------------------------------------------------------------------------------ metrics
     def step_metrics(self, groups, generated, daa, mismatch, train_metrics, sync, phase_seconds, step_seconds
