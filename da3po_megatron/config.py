@@ -120,6 +120,10 @@ class RolloutConfig:
                                               "log-probs are recomputed by the policy and compared (mean/max abs diff "
                                               "logged). Without it every response is compared (pi_old is recomputed "
                                               "anyway).")
+    logprob_drift_factor: float = doc(10.0, "Alert (a warning and rollout/logprob_drift_alert=1) when a step's mean "
+                                            "rollout/policy log-prob mismatch exceeds this multiple of the fresh-sync "
+                                            "level (the first step's, floored by dtype: rollout/consistency.py "
+                                            "DriftMonitor). 0 = no alert; the ratio is logged either way.")
     colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate.")
     num_cpus_per_engine: float = doc(1, "Ray resources per engine actor.")
     restart_on_failure: bool = doc(False, "Restart an engine that died (else the step fails with a clear error).")
@@ -453,6 +457,7 @@ def validate(cfg: Config) -> None:
     _check(r.temperature > 0, "rollout.temperature", r.temperature, "> 0")
     _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "(0, 1]")
     _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, ">= 1")
+    _check(r.logprob_drift_factor >= 0, "rollout.logprob_drift_factor", r.logprob_drift_factor, ">= 0 (0 = off)")
     _check(0 <= r.logprob_check_fraction <= 1, "rollout.logprob_check_fraction", r.logprob_check_fraction, "[0, 1]")
     _check(r.weight_transfer in ("auto", "bytes", "collective", "ipc"), "rollout.weight_transfer", r.weight_transfer,
            "auto, bytes, collective or ipc")

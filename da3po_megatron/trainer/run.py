@@ -118,6 +118,9 @@ class Run:
         self.totals = {"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
                        "reward_errors": 0}
         self._preempt = False
+        from da3po_megatron.rollout.consistency import DRIFT_FLOOR, DriftMonitor
+
+        self.drift = DriftMonitor(cfg.rollout.logprob_drift_factor, DRIFT_FLOOR.get(cfg.model.params_dtype, 1e-2))
         (self.run_dir / "PREEMPT").unlink(missing_ok=True)  # a request of the previous (requeued) job
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
@@ -238,9 +241,11 @@ class Run:
             if not idx:
                 return batch, {}
             sub = PolicyBatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx])
-            return batch, logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
+            mismatch = logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
+            return batch, {**mismatch, **self.drift.update(self.step + 1, mismatch)}
         policy_lp = self.policy.compute_logprobs(batch)
         mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
+        mismatch.update(self.drift.update(self.step + 1, mismatch))
         weights = None
         if self.cfg.algorithm.rollout_correction == "tis":
             def flat(rows: list[list[float]]) -> torch.Tensor:
