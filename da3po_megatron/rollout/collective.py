@@ -201,10 +201,15 @@ class CollectiveSender:
                  "export_s": 0.0}
         t0 = time.perf_counter()
         in_flight: list[Any] | None = None
-        stream = _timed(named_tensors, stats)
-        tp = time.perf_counter()
-        for buf, meta in iter_flat_buckets(stream, bucket_bytes, self.device, dtype):
-            stats["pack_s"] += time.perf_counter() - tp
+        produce_s = 0.0  # export + mapping + packing: the time spent waiting for the next filled buffer
+        buckets = iter_flat_buckets(_timed(named_tensors, stats), bucket_bytes, self.device, dtype)
+        while True:
+            tp = time.perf_counter()
+            item = next(buckets, None)
+            produce_s += time.perf_counter() - tp
+            if item is None:
+                break
+            buf, meta = item
             tt = time.perf_counter()
             if in_flight is not None:
                 in_flight[0].wait()
@@ -214,8 +219,8 @@ class CollectiveSender:
             stats["buckets"] += 1
             stats["tensors"] += len(meta)
             stats["max_bucket_bytes"] = max(stats["max_bucket_bytes"], buf.numel())
-            tp = time.perf_counter()
-        stats["pack_s"] += time.perf_counter() - tp - stats["export_s"]
+            del buf, item
+        stats["pack_s"] = max(produce_s - stats["export_s"], 0.0)
         tt = time.perf_counter()
         if in_flight is not None:
             in_flight[0].wait()
