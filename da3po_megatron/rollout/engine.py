@@ -4,13 +4,14 @@ entry points the trainer needs. Used in-process (``RolloutClient.local``) or as 
 What it does: turns prompts (strings through the tokenizer's chat template, chat messages, or token ids) into n
 sampled responses per prompt with the log-prob of every sampled token (vLLM ``logprobs=0``), and receives new weights:
 
-- CPU (and GPU fallback) transport "bytes": safetensors buckets through the worker extension
+- "bytes": buckets through Ray's object store into the worker extension
   :class:`~da3po_megatron.rollout.worker_ext.WeightSyncExtension` (``reload_weights``-style layerwise session);
-- GPU transports "ipc" / "nccl": vLLM's weight-transfer API (``init_weight_transfer_engine``, ``start_weight_update``,
-  ``update_weights``, ``finish_weight_update``), driven from the policy process by vLLM's trainer-side engines and
-  :mod:`da3po_megatron.rollout.gpu_transfer`. The method names match vLLM's ``RayVLLMWeightSyncClient``, so that
-  client drives a Ray actor of this class directly.
+- "collective": the workers join a gloo / NCCL group of the policy's senders and receive broadcast buckets into the
+  same session (``collective_join`` / ``collective_receive``, :mod:`~da3po_megatron.rollout.collective`);
+- "ipc" (CUDA, colocated): the workers map CUDA-IPC handles of the sender's buckets (``ipc_load_bucket``,
+  :mod:`~da3po_megatron.rollout.ipc`), with ``sleep`` / ``wake_up`` around training.
 
+At start-up the engine checks that the installed vLLM has what its transport needs (:func:`check_vllm_support`).
 After every update the prefix cache is reset (stale prefix KV gives log-prob errors of ~6, see the shared notes).
 Left out on purpose: async/streaming generation and partial rollouts (the paper's loop is synchronous).
 """

@@ -18,8 +18,10 @@ Entry points:
 - :func:`save_and_reload` -- the slow baseline the benchmark compares against: write an HF checkpoint to disk and have
   every engine reload it.
 
-On GPU the same stream can instead go through vLLM's CUDA-IPC / NCCL weight-transfer engines
-(:mod:`da3po_megatron.rollout.gpu_transfer`). Left out: LoRA-only sync, quantised (fp8) weight sync.
+The same stream (:func:`policy_hf_stream`, from the senders :func:`sender_stage` names) feeds the other transports:
+"collective" (:mod:`~da3po_megatron.rollout.collective_transport`: a gloo / NCCL broadcast group per PP stage) and
+"ipc" (:mod:`~da3po_megatron.rollout.ipc`: CUDA-IPC handles, colocated); :func:`choose_transport` picks one per
+placement (``rollout.weight_transfer``). Left out: LoRA-only sync, quantised (fp8) weight sync.
 """
 
 from __future__ import annotations
