@@ -105,7 +105,7 @@ def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[d
     from da3po_megatron.rollout.weight_sync import hf_state_tensors, save_and_reload, sync_policy_group_to_engines
 
     client = RolloutClient.ray(EngineConfig(model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_mb * 2**20,
-                                            enable_prefix_caching=False), n_engines)
+                                            enable_prefix_caching=False, max_model_len=256), n_engines)
     group = hf = None
     rows: list[dict] = []
     try:

@@ -279,6 +279,32 @@ def close_sender(name: str | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ receiver
+def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: Any) -> None:
+    """Receiving thread of one stage's stream: put ``(buffer, meta)`` per bucket, then None; an error is put as is.
+    ``slots`` (a semaphore of 2) bounds the buffers alive: one being loaded, one being received."""
+    try:
+        while True:
+            slots.acquire()
+            t0 = time.perf_counter()
+            header = torch.empty(3, dtype=torch.int64, device=dev)
+            broadcast(pg, header)
+            kind, n_meta, n_buf = (int(x) for x in header.tolist())
+            if kind == _HEADER_END:
+                stats["transfer_s"] += time.perf_counter() - t0
+                out.put(None)
+                return
+            blob = torch.empty(n_meta, dtype=torch.uint8, device=dev)
+            broadcast(pg, blob)
+            meta = json.loads(bytes(blob.cpu().numpy().tobytes()).decode())
+            buf = torch.empty(n_buf, dtype=torch.uint8, device=dev)
+            broadcast(pg, buf)
+            stats["transfer_s"] += time.perf_counter() - t0
+            out.put((buf, meta))
+            del buf
+    except BaseException as e:  # noqa: BLE001 - handed to the loading thread, which raises it with the bucket
+        out.put(e)
+
+
 class CollectiveReceiverMixin:
     """Worker-extension half (mixed into :class:`~da3po_megatron.rollout.worker_ext.WeightSyncExtension`): join the
     stage groups, receive streams into the open layerwise-reload session, leave."""
@@ -299,41 +325,48 @@ class CollectiveReceiverMixin:
         return {"rank": rank, "groups": len(pgs), "seconds": time.perf_counter() - t0}
 
     def da3po_collective_receive(self) -> dict:
-        """Receive every stage's stream (stage order) into the open session. Raises naming the stage and bucket."""
+        """Receive every stage's stream (stage order) into the open session; a receiving thread fetches bucket k+1
+        while this thread loads bucket k (at most two buffers alive). Raises naming the stage and bucket."""
+        import queue
+        import threading
+
         pgs = getattr(self, "_da3po_groups", None)
         if not pgs:
             raise RuntimeError("collective weight sync: this worker has not joined the transfer group")
         dev = self._da3po_group_device
         stats = {"bytes": 0, "buckets": 0, "transfer_s": 0.0, "load_s": 0.0}
         for stage, pg in enumerate(pgs):
+            received: queue.Queue = queue.Queue()
+            slots = threading.Semaphore(2)
+            fetcher = threading.Thread(target=_receive_stream, args=(pg, dev, received, stats, slots), daemon=True,
+                                       name=f"da3po-recv-stage{stage}")
+            fetcher.start()
             bucket = 0
             names: list[str] = []
             try:
                 while True:
-                    t0 = time.perf_counter()
-                    header = torch.empty(3, dtype=torch.int64, device=dev)
-                    broadcast(pg, header)
-                    kind, n_meta, n_buf = (int(x) for x in header.tolist())
-                    if kind == _HEADER_END:
+                    item = received.get()
+                    if item is None:
                         break
-                    blob = torch.empty(n_meta, dtype=torch.uint8, device=dev)
-                    broadcast(pg, blob)
-                    meta = json.loads(bytes(blob.cpu().numpy().tobytes()).decode())
+                    if isinstance(item, BaseException):
+                        raise item
+                    buf, meta = item
                     names = [r[0] for r in meta]
-                    buf = torch.empty(n_buf, dtype=torch.uint8, device=dev)
-                    broadcast(pg, buf)
                     t1 = time.perf_counter()
-                    stats["transfer_s"] += t1 - t0
                     self.da3po_load_bucket(unpack_flat(buf, meta))
                     stats["load_s"] += time.perf_counter() - t1
                     stats["bytes"] += sum(r[4] for r in meta)
                     stats["buckets"] += 1
                     bucket += 1
-                    del buf
+                    del buf, item
+                    slots.release()
             except Exception as e:
                 raise RuntimeError(f"collective weight sync from PP stage {stage} broke at bucket {bucket} of that "
                                    f"stage ({bucket} complete; last tensors {names[:3]}): {type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''}") from e
+            finally:
+                slots.release()  # a fetcher waiting for a slot after a failure gets one and ends with the broken group
+                fetcher.join(timeout=5)
         return stats
 
     def da3po_collective_recv_raw(self, nbytes: int) -> float:
