@@ -45,14 +45,18 @@ def client(ray_session, dirs):
 
 
 def policy_group(hf_dir: str, tp: int = 1, pp: int = 1):
+    from da3po_megatron.bridge.export import load_policy_hf
+    from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.actor_group import PolicyGroup
-    from da3po_megatron.megatron.policy import OptimizerOptions, PolicyConfig
-    from da3po_megatron.megatron.runtime import ParallelLayout
 
-    cfg = PolicyConfig(hf_dir=hf_dir, layout=ParallelLayout(tensor_model_parallel_size=tp,
-                                                            pipeline_model_parallel_size=pp),
-                       optimizer=OptimizerOptions(lr=1e-2, weight_decay=0.0, total_steps=10))
-    return PolicyGroup(cfg, world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    cfg = standalone_policy_config(hf_dir, ["model.params_dtype=float32", f"parallel.tensor_model_parallel_size={tp}",
+                                            f"parallel.pipeline_model_parallel_size={pp}",
+                                            "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10",
+                                            "actor.ppo_mini_batch_size=512", "data.train_batch_size=512",
+                                            "actor.loss_backend=torch", "trainer.seed=1234"])
+    group = PolicyGroup(cfg, world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    assert all(group.run_on_all(load_policy_hf, hf_dir))  # the HF weights, through the bridge
+    return group
 
 
 def hf_max_diff(hf_dir: str, groups) -> float:

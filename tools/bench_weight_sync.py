@@ -122,12 +122,14 @@ def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[d
                     for p in hf.parameters():
                         p.add_(1e-3 * (r + 1))
         else:
+            from da3po_megatron.bridge.export import load_policy_hf
+            from da3po_megatron.config import standalone_policy_config
             from da3po_megatron.megatron.actor_group import PolicyGroup
-            from da3po_megatron.megatron.policy import PolicyConfig
-            from da3po_megatron.megatron.runtime import ParallelLayout
 
-            pcfg = PolicyConfig(hf_dir=model, layout=ParallelLayout(tensor_model_parallel_size=args.policy_tp))
+            pcfg = standalone_policy_config(model, ["model.params_dtype=float32",
+                                                    f"parallel.tensor_model_parallel_size={args.policy_tp}"])
             group = PolicyGroup(pcfg, world_size=args.policy_tp, num_cpus_per_rank=1)
+            group.run_on_all(load_policy_hf, model)
             transport = CollectiveTransport(group.run_on_all, num_stages=1)
             n_bytes = 0
 
@@ -168,11 +170,11 @@ def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[d
                 if args.source == "hf":
                     d = save_and_reload(hf_state_tensors(hf), f"{work}/ckpt", client, model)
                 else:
-                    from da3po_megatron.rollout.weight_sync import to_hf
+                    from da3po_megatron.bridge.export import export_policy_state
 
-                    t = time.perf_counter()
-                    exported = group.export_state_dict()
-                    d = save_and_reload(to_hf(exported.items(), model), f"{work}/ckpt", client, model)
+                    t = time.perf_counter()  # gathered on the policy ranks, sent to the driver
+                    exported = {k: v for part in group.run_on_all(export_policy_state) for k, v in part.items()}
+                    d = save_and_reload(exported.items(), f"{work}/ckpt", client, model)
                     d["seconds"] = time.perf_counter() - t
                     del exported
                 times["disk"].append({"seconds": d["seconds"], "export": float("nan"), "pack": d.get("save_seconds"),
