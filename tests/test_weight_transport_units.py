@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from da3po_megatron.config import Config, ConfigError, validate
+from da3po_megatron.config import Config, ConfigError, resolve, validate
 from da3po_megatron.rollout.collective import ALIGN, iter_flat_buckets, unpack_flat
 from da3po_megatron.rollout.weight_sync import choose_transport
 
@@ -33,6 +33,7 @@ def test_transports_the_placement_cannot_run_are_refused_naming_the_field():
         choose_transport("collective", has_cuda=True, colocate=True, policy_hosts=["a"], engine_hosts=["a"])
     cfg = Config()
     cfg.model.path = "x"
+    resolve(cfg)
     cfg.rollout.weight_transfer = "ipc"
     with pytest.raises(ConfigError, match="rollout.weight_transfer"):
         validate(cfg)
