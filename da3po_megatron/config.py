@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -227,6 +228,9 @@ class TrainerConfig:
     save_every: int = doc(20, "Checkpoint every N steps (0 = only at the end).")
     keep_last: int = doc(3, "Checkpoints kept (older ones deleted after a newer one is complete).")
     resume: bool = doc(True, "Resume from run_dir/checkpoints/latest when it exists.")
+    max_consecutive_skipped_updates: int = doc(
+        3, "Optimizer updates in a row that may be skipped for a non-finite loss or gradient (on any rank; "
+           "megatron/nonfinite.py) before the run stops with an error, ahead of the weight sync and any checkpoint.")
     tensorboard: bool = doc(True, "Write TensorBoard events to run_dir/tb (JSONL metrics are always written).")
     wandb_project: str = doc("", "Weights & Biases project ('' = off).")
     experiment_name: str = doc("", "Run name in logs ('' = basename of run_dir).")
@@ -391,11 +395,23 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def _nest(keys: list[str], value: Any) -> dict[str, Any]:
+    out: Any = value
+    for k in reversed(keys):
+        out = {k: out}
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """YAML file (with ``defaults``) + dotted overrides -> validated :class:`Config`."""
     data: dict[str, Any] = _read_yaml(Path(path)) if path else {}
     for item in overrides or []:
         keys, value = parse_override(item)
+        try:  # a wrong key on the command line is reported as the command line's, not the YAML file's
+            _build(Config, _nest(keys, value))
+        except ConfigError as e:
+            if "unknown config key" in str(e) or "is not a section" in str(e) or "expected a mapping" in str(e):
+                raise ConfigError(f"command line override {item!r}: {e}") from None
         node = data
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -415,8 +431,20 @@ def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name} = {value!r} is out of range: allowed {allowed}")
 
 
+def _check_finite(obj: Any, prefix: str = "") -> None:
+    """Every float field of the tree must be a finite number (nan / inf pass every range check written as a
+    comparison the wrong way round, and ``inf`` parses from YAML as ``.inf``)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name} = {value!r} is not a finite number")
+
+
 def validate(cfg: Config) -> None:
     """Range and consistency checks; each error names the field and its allowed range."""
+    _check_finite(cfg)
     p = cfg.parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "data_parallel_size"):
@@ -448,7 +476,18 @@ def validate(cfg: Config) -> None:
     ov = a.overlong
     _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,
            f"[0, rollout.max_response_length={r.max_response_length})")
-    _check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "> 0")
+    o = cfg.optim
+    _check(o.lr > 0, "optim.lr", o.lr, "> 0")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"[0, optim.lr={o.lr}]")
+    _check(o.clip_grad >= 0, "optim.clip_grad", o.clip_grad, ">= 0 (0 = off)")
+    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, ">= 0")
+    _check(o.adam_eps > 0, "optim.adam_eps", o.adam_eps, "> 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        _check(0 <= getattr(o, name) < 1, f"optim.{name}", getattr(o, name), "[0, 1)")
+    _check(o.lr_warmup_steps >= 0, "optim.lr_warmup_steps", o.lr_warmup_steps, ">= 0")
+    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "> 0")
+    _check(cfg.trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates",
+           cfg.trainer.max_consecutive_skipped_updates, ">= 1")
     dc = cfg.data
     _check(dc.train_batch_size >= 1, "data.train_batch_size", dc.train_batch_size, ">= 1")
     ac = cfg.actor

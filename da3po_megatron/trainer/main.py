@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     from da3po_megatron.data.datasets import BadRowError
+    from da3po_megatron.trainer.checkpoint import CheckpointWriteError, NoIntactCheckpointError
     from da3po_megatron.trainer.loop import train
 
     try:
@@ -39,9 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     except BadRowError as e:  # names file, row and field; data.on_bad_row=skip skips and counts instead
         print(f"data error: {e}\n(set data.on_bad_row=skip to skip and count malformed rows)", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, NoIntactCheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as e:  # e.g. disk full: the previous checkpoint and `latest` are intact
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: exit now (actors and reward workers were shut down)
+        print("interrupted: exited without a checkpoint", file=sys.stderr)
+        return 130
     print(f"done: step {run.step}; logs in {run.run_dir}/metrics.jsonl", flush=True)
     return 0
 

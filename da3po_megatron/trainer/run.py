@@ -8,8 +8,9 @@ dynamic-sampling buffer, driver RNG, cumulative counters, the policy's checkpoin
   num_gpus_per_policy_rank`` / ``num_gpus_per_engine`` decide whether they share GPUs (``rollout.colocate``);
 - the reward pool: processes of the driver.
 
-Preemption: SIGUSR1 / SIGTERM, or a file ``run_dir/PREEMPT`` (what ``slurm/train.sbatch`` creates before the job is
-killed), makes the loop checkpoint after the current step and exit; the requeued job resumes from ``latest``.
+Stop requests: SIGTERM / SIGUSR1 / SIGINT, or a file ``run_dir/PREEMPT`` (what ``slurm/train.sbatch`` creates before
+the job is killed), make the loop checkpoint the last completed step and exit 0 (``trainer/signals.py``: the handlers
+are installed after ``ray.init``); the requeued job resumes from ``latest``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +35,7 @@ from da3po_megatron.rollout.types import EngineConfig
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.checkpoint import CheckpointManager
 from da3po_megatron.trainer.metrics import MetricsLogger
+from da3po_megatron.trainer.signals import StopSignals
 
 
 def _hostname(_worker: Any = None) -> str:
@@ -116,11 +117,9 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
         self.totals = {"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
-                       "reward_errors": 0}
-        self._preempt = False
+                       "reward_errors": 0, "skipped_updates": 0, "consecutive_skipped_updates": 0}
         (self.run_dir / "PREEMPT").unlink(missing_ok=True)  # a request of the previous (requeued) job
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        self.stop = StopSignals(self.run_dir / "PREEMPT")
 
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed)
@@ -139,8 +138,11 @@ class Run:
         self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
         self.rewards = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
         self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
+        latest = self.ckpt.latest() if cfg.trainer.resume else None  # verified (a damaged one: the previous) before
+        # any actor starts
 
         init_ray(cfg)
+        self.stop.install()  # after ray.init, which replaces the SIGTERM handler with one that exits at once
         t0 = time.perf_counter()
         self.policy = PolicyGroup.from_config(cfg)
         self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
@@ -156,9 +158,10 @@ class Run:
         print(f"policy loss: {self.policy.info()[0]['loss_backend']} (actor.loss_backend={cfg.actor.loss_backend})",
               flush=True)
 
-        latest = self.ckpt.latest() if cfg.trainer.resume else None
         if latest is not None:
             self._restore(latest)
+        self.saved_step = self.step if latest is not None else -1
+        self.completed_state = self.trainer_state()  # what a checkpoint of the last completed step holds
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.total_steps, start_step=self.step,
                                     tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
                                     run_name=cfg.trainer.experiment_name, config=to_dict(cfg))
@@ -241,6 +244,30 @@ class Run:
             mismatch.update(stats)
         return replace(batch, old_logprobs=[list(x) for x in policy_lp], token_weights=weights), mismatch
 
+    def check_update(self, step: int, train_metrics: dict[str, Any]) -> None:
+        """Skipped optimizer updates (non-finite loss / gradient on some rank, see ``megatron/nonfinite.py``): warn
+        with the step and what was non-finite, count them, and stop -- before the weight sync and any checkpoint --
+        once ``trainer.max_consecutive_skipped_updates`` updates in a row were skipped (counted at step ends)."""
+        skipped, n = int(train_metrics.get("skipped_updates", 0)), int(train_metrics.get("num_updates", 0))
+        t = self.totals
+        t["skipped_updates"] += skipped
+        t["consecutive_skipped_updates"] = t["consecutive_skipped_updates"] + n if skipped == n else \
+            int(train_metrics.get("trailing_skipped_updates", 0))
+        if not skipped:
+            return
+        what = ", ".join(f"{k} in {int(train_metrics.get(f'nonfinite_{k}_updates', 0))}" for k in ("loss", "grad")
+                         if train_metrics.get(f"nonfinite_{k}_updates"))
+        print(f"warning: step {step}: skipped {skipped} of {n} optimizer updates: non-finite {what or 'loss scale'} "
+              f"(weights unchanged by them; {t['consecutive_skipped_updates']} in a row, limit "
+              f"trainer.max_consecutive_skipped_updates={self.cfg.trainer.max_consecutive_skipped_updates})",
+              flush=True)
+        if t["consecutive_skipped_updates"] >= self.cfg.trainer.max_consecutive_skipped_updates:
+            raise FloatingPointError(
+                f"step {step}: {t['consecutive_skipped_updates']} optimizer updates in a row skipped for a non-finite "
+                f"{what or 'loss scale'} (trainer.max_consecutive_skipped_updates="
+                f"{self.cfg.trainer.max_consecutive_skipped_updates}); stopping before the weights are synced or "
+                "saved. Lower optim.lr, check the data and rewards, or resume from the last checkpoint.")
+
     def sync_weights(self) -> dict[str, float]:
         from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
 
@@ -268,6 +295,7 @@ class Run:
         m["gen/cumulative_groups"] = float(self.totals["groups"])
         m["reward/timeouts_total"] = float(self.totals["reward_timeouts"])
         m["reward/errors_total"] = float(self.totals["reward_errors"])
+        m["train/skipped_updates_total"] = float(self.totals["skipped_updates"])
         m["data/skipped_rows"] = float(self.data_skipped_rows)
         m.update(daa)
         m.update(B.theory_stats(generated, groups, cfg.algorithm.advantage_eps))
@@ -296,42 +324,57 @@ class Run:
         return step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0)
 
     def trainer_state(self) -> dict[str, Any]:
+        """The driver's part of a checkpoint: plain values and tensors only (``torch.load(weights_only=True)``)."""
+        from da3po_megatron.megatron.runtime import numpy_rng_state
+
+        buffer = self.buffer.state_dict()
         return {
             "step": self.step,
             "prompts": self.prompts.state_dict(),
-            "buffer": self.buffer.state_dict(),
+            "buffer": {**buffer, "groups": [B.group_to_dict(g) for g in buffer["groups"]]},
             "totals": dict(self.totals),
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()},
             "config": to_dict(self.cfg),
         }
 
-    def save_checkpoint(self) -> Path:
+    def step_completed(self, step: int) -> None:
+        """Step ``step`` is done (policy updated, engines synced): remember the trainer state a checkpoint of it holds
+        (a stop request during the next step saves this, not the half-done step's state)."""
+        self.step = step
+        self.completed_state = self.trainer_state()
+
+    def save_checkpoint(self) -> Path | None:
+        """Checkpoint the last completed step (nothing to do when it is already saved)."""
+        step = int(self.completed_state["step"])
+        if step == self.saved_step or step == 0:
+            return None
         t0 = time.perf_counter()
-        path = self.ckpt.save(self.step, lambda p: self.policy.save(str(p)), self.trainer_state())
-        print(f"checkpoint step {self.step} -> {path} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        path = self.ckpt.save(step, lambda p: self.policy.save(str(p)), self.completed_state)
+        self.saved_step = step
+        print(f"checkpoint step {step} -> {path} ({time.perf_counter() - t0:.1f} s)", flush=True)
         return path
 
     def _restore(self, path: Path) -> None:
+        from da3po_megatron.megatron.runtime import set_numpy_rng_state
+
         t0 = time.perf_counter()
         state = self.ckpt.load_trainer_state(path)
         self.policy.load(str(path / "policy"))
         self.step = int(state["step"])
         self.prompts.load_state_dict(state["prompts"])
-        self.buffer.load_state_dict(state["buffer"])
-        self.totals = dict(state["totals"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        groups = state["buffer"]["groups"]
+        self.buffer.load_state_dict({**state["buffer"], "groups": [  # dicts; Group objects in old (pickled) states
+            B.group_from_dict(g) if isinstance(g, dict) else g for g in groups]})
+        self.totals = {**self.totals, **state["totals"]}
+        random.setstate(tuple(state["rng"]["python"]))
+        set_numpy_rng_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         self.sync_weights()  # the engines start from the HF weights; give them the checkpoint's
         print(f"resumed from {path} at step {self.step} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     # ------------------------------------------------------------------------------------------------ preemption
-    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
-        print(f"received signal {signum}: will checkpoint after this step and exit", flush=True)
-        self._preempt = True
-
     def preempted(self) -> bool:
-        return self._preempt or (self.run_dir / "PREEMPT").exists()
+        return self.stop.requested
 
     def close(self) -> None:
         for part in ("rollout", "policy", "rewards"):
