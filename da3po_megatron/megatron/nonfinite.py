@@ -28,7 +28,9 @@ KINDS = ("loss", "grad")
 
 
 def _buffers(ddp_model: torch.nn.Module, attr: str) -> Iterable[torch.Tensor]:
-    bufs = list(getattr(ddp_model, "buffers", []) or []) + list(getattr(ddp_model, "expert_parallel_buffers", []) or [])
+    # Megatron DDP's lists of _ParamAndGradBuffer (a plain nn.Module's ``buffers`` is a method: not those)
+    bufs = [b for name in ("buffers", "expert_parallel_buffers")
+            if isinstance(getattr(ddp_model, name, None), list) for b in getattr(ddp_model, name)]
     if bufs and all(getattr(b, attr, None) is not None for b in bufs):
         return [getattr(b, attr) for b in bufs]
     params = list(ddp_model.parameters())

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from da3po_megatron.data.datasets import BadRowError
     from da3po_megatron.trainer.checkpoint import CheckpointWriteError, NoIntactCheckpointError
+    from da3po_megatron.trainer.inputs import InputError
     from da3po_megatron.trainer.loop import train
 
     try:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadRowError as e:  # names file, row and field; data.on_bad_row=skip skips and counts instead
         print(f"data error: {e}\n(set data.on_bad_row=skip to skip and count malformed rows)", file=sys.stderr)
         return 2
-    except (FileNotFoundError, NoIntactCheckpointError) as e:
+    except (FileNotFoundError, NoIntactCheckpointError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except CheckpointWriteError as e:  # e.g. disk full: the previous checkpoint and `latest` are intact

@@ -90,12 +90,20 @@ def load_train_data(cfg: Config) -> PromptDataset:
                     "`huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k --local-dir .` "
                     "(writes data/dapo-math-17k.parquet), or set data.train_files")
         raise FileNotFoundError(f"data.train_files: not found: {', '.join(missing)}{hint}")
-    if d.format == "dapo":
-        parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row) for f in d.train_files]
-    else:
-        parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
-                              on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem)
-                 for f in d.train_files]
+    from da3po_megatron.data.datasets import BadRowError
+    from da3po_megatron.trainer.inputs import InputError
+
+    try:
+        if d.format == "dapo":
+            parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row) for f in d.train_files]
+        else:
+            parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                  on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem)
+                     for f in d.train_files]
+    except BadRowError:
+        raise
+    except (ValueError, OSError) as e:  # an unreadable file (not parquet, not JSON, unsupported suffix)
+        raise InputError(f"data.train_files: {e}") from None
     for f, part in zip(d.train_files, parts):
         if part.stats.skipped:
             print(f"data: {f}: skipped {part.stats.skipped} malformed rows (data.on_bad_row=skip)")
@@ -124,15 +132,11 @@ class Run:
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
-        from transformers import AutoTokenizer
+        from da3po_megatron.trainer.inputs import check_prompts, load_tokenizer
 
-        self.dataset = load_train_data(cfg)  # first: bad data fails before anything heavy starts
-        if not (Path(cfg.model.path) / "config.json").exists():
-            raise FileNotFoundError(
-                f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory (no config.json); no "
-                "downloads happen at run time: fetch it first, e.g. `huggingface-cli download Qwen/Qwen3-4B-Base "
-                "--local-dir checkpoints/Qwen3-4B-Base`, and point model.path there")
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        # first: bad inputs fail (InputError / BadRowError, exit 2) before anything heavy starts
+        self.tokenizer = load_tokenizer(cfg)
+        self.dataset = check_prompts(load_train_data(cfg), self.tokenizer, cfg)
         self.data_skipped_rows = self.dataset.stats.skipped if self.dataset.stats is not None else 0
         self.prompts = self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
