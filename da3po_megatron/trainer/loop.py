@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from da3po_megatron.config import Config
 from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.faults import fault_point
 from da3po_megatron.trainer.run import Run
 
 
@@ -32,11 +33,15 @@ class DynamicSamplingError(RuntimeError):
 
 
 class PhaseTimer:
-    def __init__(self) -> None:
+    """Seconds per phase of one step (and the fault-injection points of the reliability tests, ``faults.py``)."""
+
+    def __init__(self, run: Run | None = None, step: int = 0) -> None:
         self.seconds: dict[str, float] = {}
+        self.run, self.step = run, step
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        fault_point(name, self.step, self.run)
         t0 = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
@@ -97,7 +102,7 @@ def run_steps(run: Run) -> None:
     if run.step == 0 and run.should_evaluate(0):  # the starting policy, for before/after comparisons
         run.logger.log(0, run.evaluate())
     for step in range(run.step + 1, cfg.trainer.total_steps + 1):
-        t_step, timer = time.perf_counter(), PhaseTimer()
+        t_step, timer = time.perf_counter(), PhaseTimer(run, step)
         with run.stop.abandonable():  # a stop request in phases 1-3 abandons the step (nothing of it is kept)
             # 1. Generation rounds + rewards + dynamic sampling (DAPO), until the batch is full.
             groups, generated = fill_batch(run, step, timer)

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, NoIntactCheckpointError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # non-finite updates / rewards / weights: stopped before a sync or save
+        print(f"non-finite error: {e}", file=sys.stderr)
+        return 1
     except CheckpointWriteError as e:  # e.g. disk full: the previous checkpoint and `latest` are intact
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 1

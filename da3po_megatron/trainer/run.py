@@ -34,6 +34,7 @@ from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.rollout.types import EngineConfig
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.checkpoint import CheckpointManager
+from da3po_megatron.trainer.faults import fault_point, poisoned
 from da3po_megatron.trainer.metrics import MetricsLogger
 from da3po_megatron.trainer.signals import StopSignals
 
@@ -236,7 +237,7 @@ class Run:
                 return batch, {}
             sub = PolicyBatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx])
             return batch, logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
-        policy_lp = self.policy.compute_logprobs(batch)
+        policy_lp = poisoned(self.policy.compute_logprobs(batch), self.step + 1)  # (a no-op outside fault tests)
         mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
         weights = None
         if self.cfg.algorithm.rollout_correction == "tis":
@@ -353,7 +354,11 @@ class Run:
         if step == self.saved_step or step == 0:
             return None
         t0 = time.perf_counter()
-        path = self.ckpt.save(step, lambda p: self.policy.save(str(p)), self.completed_state)
+        def save_policy(p: Path) -> None:
+            self.policy.save(str(p))
+            fault_point("checkpoint", step, self)
+
+        path = self.ckpt.save(step, save_policy, self.completed_state)
         self.saved_step = step
         print(f"checkpoint step {step} -> {path} ({time.perf_counter() - t0:.1f} s)", flush=True)
         return path
