@@ -60,7 +60,8 @@ def leftover(tag: str, wait_s: float) -> list[str]:
                 continue
             try:
                 if f"DA3PO_TEST_RUN_TAG={tag}".encode() in (d / "environ").read_bytes():
-                    found.append(f"{d.name}: {(d / 'cmdline').read_bytes().replace(b'\0', b' ').decode()[:120]}")
+                    cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    found.append(f"{d.name}: {cmdline[:120]}")
             except OSError:
                 continue
         if not found or time.monotonic() > deadline:
