@@ -82,9 +82,16 @@ def tail(p: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(warm_model, tmp_path_factory):
+def model(request):
+    """The session's warmed-up tiny policy (conftest), or a prebuilt one named by DA3PO_TEST_WARM_MODEL."""
+    prebuilt = os.environ.get("DA3PO_TEST_WARM_MODEL")
+    return Path(prebuilt) if prebuilt else request.getfixturevalue("warm_model")
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    p, seconds = launch(warm_model, run_dir)
+    p, seconds = launch(model, run_dir)
     assert p.returncode == 0, tail(p)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -93,13 +100,13 @@ def reference(warm_model, tmp_path_factory):
 
 
 def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uninterrupted_metrics(
-        warm_model, reference, tmp_path):
+        model, reference, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     table = []
     # SIGKILL at each phase of step 2 (step 1 is checkpointed by the first launch); each restart redoes step 2
     for phase in ("generate", "reward", "old_logprobs", "train", "weight_sync", "checkpoint"):
-        p, seconds = launch(warm_model, run_dir, f"kill@{phase}@2")
+        p, seconds = launch(model, run_dir, f"kill@{phase}@2")
         assert p.returncode == -9, tail(p)
         assert f"fault injection: kill@{phase}@2" in p.stdout
         assert (ckpts / "latest").read_text().strip() == "step_000001", phase
@@ -109,14 +116,14 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     assert (ckpts / ".tmp-step_000002").exists()  # the save killed half-way left its temporary directory ...
 
     # SIGTERM while generating step 2: abandoned; step 1 is already saved; exit 0
-    p, seconds = launch(warm_model, run_dir, "term@generate@2")
+    p, seconds = launch(model, run_dir, "term@generate@2")
     assert p.returncode == 0, tail(p)
     assert "received SIGTERM: abandoning the step in progress" in p.stdout
     assert "stop requested (SIGTERM): step 1 checkpointed; exiting" in p.stdout
     table.append(("SIGTERM at generate", p.returncode, seconds))
 
     # SIGUSR1 during the train step of step 2: the step finishes, step 2 is saved, exit 0
-    p, seconds = launch(warm_model, run_dir, "usr1@train@2")
+    p, seconds = launch(model, run_dir, "usr1@train@2")
     assert p.returncode == 0, tail(p)
     assert "received SIGUSR1: will checkpoint after this step and exit" in p.stdout
     assert (ckpts / "latest").read_text().strip() == "step_000002"
@@ -127,7 +134,7 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     shard = max((ckpts / "step_000002/policy/model").glob("*.distcp"), key=lambda f: f.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     # and a reward worker killed while step 3 is scored: its items are scored again on a fresh worker
-    p, seconds = launch(warm_model, run_dir, "kill_reward_worker@reward@3")
+    p, seconds = launch(model, run_dir, "kill_reward_worker@reward@3")
     assert p.returncode == 0, tail(p)
     assert f"checkpoint {ckpts / 'step_000002'} is damaged: {shard}" in p.stdout
     assert "resumed from" in p.stdout and "at step 1" in p.stdout
@@ -142,13 +149,13 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     print("\n".join(f"{what}: exit {rc}, {s:.1f} s" for what, rc, s in table))
 
 
-def test_nonfinite_loss_skips_the_update_warns_and_stops_after_the_limit_before_the_sync(warm_model, tmp_path):
+def test_nonfinite_loss_skips_the_update_warns_and_stops_after_the_limit_before_the_sync(model, tmp_path):
     run_dir = tmp_path / "run"
-    p, _ = launch(warm_model, run_dir, "nan@old_logprobs@2,nan@old_logprobs@3")
+    p, _ = launch(model, run_dir, "nan@old_logprobs@2,nan@old_logprobs@3")
     assert p.returncode == 1, tail(p)
     out = p.stdout + p.stderr
     # step 2: both updates skipped (limit 3 not reached): warned, counted, the run goes on with unchanged weights
-    assert "warning: step 2: skipped 2 of 2 optimizer updates: non-finite loss in 2, grad in 2" in out
+    assert "warning: step 2: skipped 2 of 2 optimizer updates: non-finite loss in 2" in out, tail(p)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["train/skipped_updates"] == 2 and rows[1]["train/skipped_updates_total"] == 2
@@ -158,9 +165,9 @@ def test_nonfinite_loss_skips_the_update_warns_and_stops_after_the_limit_before_
 
 
 @pytest.mark.parametrize("restart", [True, False])
-def test_killed_engine(warm_model, reference, tmp_path, restart):
+def test_killed_engine(model, reference, tmp_path, restart):
     run_dir = tmp_path / "run"
-    p, seconds = launch(warm_model, run_dir, "kill_engine@generate@2", f"rollout.restart_on_failure={restart}")
+    p, seconds = launch(model, run_dir, "kill_engine@generate@2", f"rollout.restart_on_failure={restart}")
     print(f"killed engine, restart_on_failure={restart}: exit {p.returncode}, {seconds:.1f} s")
     if restart:  # the engine is replaced, the last weights replayed into it, its shard generated again
         assert p.returncode == 0, tail(p)

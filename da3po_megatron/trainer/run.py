@@ -190,12 +190,21 @@ class Run:
 
     def generate(self, examples: list[Example], seed: int) -> list[list[Any]]:
         from da3po_megatron.rollout import SamplingConfig
+        from da3po_megatron.rollout.types import EngineDeadError
 
         r = self.cfg.rollout
         sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length,
                                   seed=seed, apply_chat_template=False)
         prompts = [render_prompt(self.tokenizer, ex.prompt, self.cfg.data.apply_chat_template) for ex in examples]
-        out = self.rollout.generate(prompts, sampling)
+        try:
+            out = self.rollout.generate(prompts, sampling)
+        except EngineDeadError as e:  # the client restarted the engine but cannot replay weights the policy pushed
+            if not self.cfg.rollout.restart_on_failure:
+                raise
+            print(f"warning: {e}; syncing the policy's weights into the restarted engine and generating again",
+                  flush=True)
+            self.sync_weights()
+            out = self.rollout.generate(prompts, sampling)
         for ex, comps in zip(examples, out, strict=True):
             if len(comps[0].prompt_token_ids) > r.max_prompt_length:
                 raise ValueError(f"prompt {ex.uid} has {len(comps[0].prompt_token_ids)} tokens, more than "
