@@ -21,7 +21,8 @@ relay() {
 trap relay TERM
 python -c 'import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); os.execvp(sys.argv[1], sys.argv[1:])' "$@" &
 child=$!
+rc=0
 while kill -0 "$child" 2>/dev/null; do
-  wait "$child"  # returns early when a trapped signal arrives: keep waiting
+  rc=0; wait "$child" || rc=$?  # returns early (status > 128) when a trapped signal arrives: keep waiting
 done
-wait "$child"
+exit "$rc"
