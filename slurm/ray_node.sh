@@ -10,6 +10,7 @@
 set -uo pipefail
 relay_file=$1
 shift
+# shellcheck disable=SC2329  # invoked by the trap below
 relay() {
   local pid=""
   [[ $relay_file != - && -s $relay_file ]] && pid=$(<"$relay_file")

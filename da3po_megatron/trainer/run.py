@@ -64,7 +64,7 @@ def engine_config(cfg: Config) -> EngineConfig:
     """The training engines' :class:`~da3po_megatron.rollout.EngineConfig`. They return the log-probs of the
     distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
     renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
-    ``actor_group.policy_config_from_run_config``)."""
+    ``megatron.policy.loss_setup``)."""
     r = cfg.rollout
     return EngineConfig(
         model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
@@ -127,6 +127,9 @@ class Run:
         self.step = 0
         self.totals = {"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
                        "reward_errors": 0, "skipped_updates": 0, "consecutive_skipped_updates": 0}
+        from da3po_megatron.rollout.consistency import DRIFT_FLOOR, DriftMonitor
+
+        self.drift = DriftMonitor(cfg.rollout.logprob_drift_factor, DRIFT_FLOOR.get(cfg.model.params_dtype, 1e-2))
         (self.run_dir / "PREEMPT").unlink(missing_ok=True)  # a request of the previous (requeued) job
         self.stop = StopSignals(self.run_dir / "PREEMPT")
 
@@ -178,7 +181,7 @@ class Run:
     def prompts_for_round(self, need: int) -> int:
         """Prompts to generate for ``need`` missing groups: over-sampled by the inverse of the keep rate observed so
         far in this run (at most 4x; exactly ``need`` without filtering or on the first round of a run)."""
-        if not self.cfg.filter_groups or self.totals["groups"] == 0:
+        if not self.cfg.algorithm.filter_groups or self.totals["groups"] == 0:
             return need
         keep_rate = max(self.totals["kept_groups"] / self.totals["groups"], 0.25)
         return max(need, math.ceil(need / keep_rate))
@@ -245,9 +248,11 @@ class Run:
             if not idx:
                 return batch, {}
             sub = PolicyBatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx])
-            return batch, logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
+            mismatch = logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
+            return batch, {**mismatch, **self.drift.update(self.step + 1, mismatch)}
         policy_lp = poisoned(self.policy.compute_logprobs(batch), self.step + 1)  # (a no-op outside fault tests)
         mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
+        mismatch.update(self.drift.update(self.step + 1, mismatch))
         weights = None
         if self.cfg.algorithm.rollout_correction == "tis":
             def flat(rows: list[list[float]]) -> torch.Tensor:
@@ -347,6 +352,7 @@ class Run:
             "prompts": self.prompts.state_dict(),
             "buffer": {**buffer, "groups": [B.group_to_dict(g) for g in buffer["groups"]]},
             "totals": dict(self.totals),
+            "drift_baseline": self.drift.baseline,  # the fresh-sync mismatch level, so a resumed run compares alike
             "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()},
             "config": to_dict(self.cfg),
         }
@@ -384,6 +390,7 @@ class Run:
         self.buffer.load_state_dict({**state["buffer"], "groups": [  # dicts; Group objects in old (pickled) states
             B.group_from_dict(g) if isinstance(g, dict) else g for g in groups]})
         self.totals = {**self.totals, **state["totals"]}
+        self.drift.baseline = state.get("drift_baseline", self.drift.baseline)
         random.setstate(tuple(state["rng"]["python"]))
         set_numpy_rng_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
