@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from da3po_megatron.algorithms.registry import (
     preset_overrides,
     resolve_presets,
 )
-from da3po_megatron.config_io import ConfigError, build, parse_override, read_yaml
+from da3po_megatron.config_io import ConfigError, build, check_finite, nest, parse_override, read_yaml
 
 __all__ = ["Config", "ConfigError", "algorithm_config", "describe", "load_config", "resolve",
            "standalone_policy_config", "to_dict", "validate"]
@@ -316,20 +315,13 @@ class Config:
 # Loading
 
 
-def _nest(keys: list[str], value: Any) -> dict[str, Any]:
-    out: Any = value
-    for k in reversed(keys):
-        out = {k: out}
-    return out
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """YAML file (with ``defaults``) + dotted overrides -> validated :class:`Config`."""
     data: dict[str, Any] = read_yaml(Path(path)) if path else {}
     for item in overrides or []:
         keys, value = parse_override(item)
         try:  # a wrong key on the command line is reported as the command line's, not the YAML file's
-            build(Config, _nest(keys, value))
+            build(Config, nest(keys, value))
         except ConfigError as e:
             if "unknown config key" in str(e) or "is not a section" in str(e) or "expected a mapping" in str(e):
                 raise ConfigError(f"command line override {item!r}: {e}") from None
@@ -394,20 +386,9 @@ def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name} = {value!r} is out of range: allowed {allowed}")
 
 
-def _check_finite(obj: Any, prefix: str = "") -> None:
-    """Every float field of the tree must be a finite number (nan / inf pass every range check written as a
-    comparison the wrong way round, and ``inf`` parses from YAML as ``.inf``)."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            _check_finite(value, f"{prefix}{f.name}.")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{prefix}{f.name} = {value!r} is not a finite number")
-
-
 def validate(cfg: Config) -> None:
     """Range and consistency checks; each error names the field and its allowed range."""
-    _check_finite(cfg)
+    check_finite(cfg)
     p = cfg.parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "data_parallel_size"):
