@@ -6,7 +6,7 @@
 # the engines with them before the driver can write its checkpoint. So `ray start` runs here with SIGTERM *blocked*
 # (the mask is inherited by the raylet, the GCS, every worker and actor: the signal stays pending, never delivered),
 # and this wrapper relays the SIGTERM it receives to the pid in RELAY_FILE (the driver; head node only, "-" = none).
-# Ray is stopped with SIGUSR2 (slurm/ray_on_slurm.sh: ray_on_slurm_stop), or by Slurm's final SIGKILL.
+# The policy ranks and engines ignore SIGTERM (DA3PO_IGNORE_SIGTERM=1, exported below). Ray is stopped with SIGUSR2 (slurm/ray_on_slurm.sh: ray_on_slurm_stop), or by Slurm's final SIGKILL.
 set -uo pipefail
 relay_file=$1
 shift
@@ -20,6 +20,9 @@ relay() {
   fi
 }
 trap relay TERM
+# Ray's process spawner unblocks the mask for its workers and Ray's worker exits on SIGTERM: our actors ignore it
+# themselves when they see this (megatron/runtime.py: ignore_job_sigterm)
+export DA3PO_IGNORE_SIGTERM=1
 python -c 'import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); os.execvp(sys.argv[1], sys.argv[1:])' "$@" &
 child=$!
 rc=0

@@ -139,6 +139,9 @@ class PolicyWorker:
     ``PolicyWorker(cfg, ...)``."""
 
     def __init__(self, cfg: Config | None = None, **init_kwargs: Any) -> None:
+        from da3po_megatron.megatron.runtime import ignore_job_sigterm
+
+        ignore_job_sigterm()  # under Slurm: outlive the job-wide SIGTERM until the driver has checkpointed
         self.cfg: Config | None = None
         self.step = 0
         if cfg is not None:

@@ -144,6 +144,22 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
+def ignore_job_sigterm() -> None:
+    """In a Ray actor started under ``slurm/ray_node.sh`` (``DA3PO_IGNORE_SIGTERM=1``): ignore SIGTERM.
+
+    Slurm ends a job by sending SIGTERM to every process of it, KillWait seconds before SIGKILL; the driver uses that
+    time to checkpoint, for which the policy ranks and engines must still be alive. Ray's worker installs a SIGTERM
+    handler that exits (and its process spawner unblocks the signal mask ray_node.sh set), so each actor sets the
+    disposition itself, in its constructor (the main thread: the actors run with ``max_concurrency=1``)."""
+    import signal
+
+    if os.environ.get("DA3PO_IGNORE_SIGTERM") == "1":
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass
+
+
 def numpy_rng_state() -> tuple:
     """numpy's global RNG state with its key array as a tensor (loads with ``torch.load(weights_only=True)``)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
