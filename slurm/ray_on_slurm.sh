@@ -35,6 +35,7 @@ ray_on_slurm_stop() {
   wait $RAY_ON_SLURM_PIDS 2>/dev/null || true
   RAY_ON_SLURM_PIDS=""
   srun --overlap --nodes="$RAY_NUM_NODES" --ntasks-per-node=1 rm -rf "$RAY_TMPDIR" 2>/dev/null || true
+  rm -rf "$RAY_TMPDIR"  # this (head) node's, also when the job is being cancelled and no new step can start
 }
 
 ray_on_slurm_start() {
