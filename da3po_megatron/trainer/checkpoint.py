@@ -4,7 +4,8 @@ A checkpoint is written into a temporary directory (``.tmp-step_000020``), given
 its size and CRC-32) and a ``COMPLETE`` marker, renamed into place, and only then is ``latest`` updated
 (write-then-``os.replace``, atomic on POSIX). A run killed at any moment therefore leaves either the previous complete
 checkpoint as ``latest`` or the new one, never a half-written one, and a restart with the same command resumes from
-it. Old checkpoints are deleted only after a newer one is complete (the last ``trainer.keep_last`` are kept).
+it. Old checkpoints are deleted only after a newer one is complete (the last ``trainer.keep_last`` are kept), and never
+those named by ``protect()`` (the best checkpoint, :mod:`da3po_megatron.trainer.best`).
 
 Integrity: ``COMPLETE`` says the save finished, the manifest says what it wrote. Resume verifies the checkpoint it is
 about to load (sizes and checksums: it reads every file once); a damaged one -- a truncated shard, a file changed or
@@ -28,7 +29,7 @@ import os
 import shutil
 import sys
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +95,11 @@ def _is_disk_full(e: BaseException) -> bool:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep_last: int = 3) -> None:
+    def __init__(self, run_dir: str | Path, keep_last: int = 3,
+                 protect: Callable[[], Iterable[str]] = lambda: ()) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.protect = protect  # names of step directories that pruning keeps, besides the last keep_last
 
     def latest(self, verify: bool = True, log: Callable[[str], Any] = print) -> Path | None:
         """The newest intact checkpoint (None when there is none yet). The one ``latest`` points to is verified;
@@ -175,10 +178,15 @@ class CheckpointManager:
 
         return safe_load(path / "trainer_state.pt")
 
-    def _prune(self, keep: Path) -> None:
+    def prune(self) -> None:
+        """Delete complete checkpoints beyond the last ``keep_last`` (protected ones excepted) and stale temporaries."""
+        self._prune(keep=None)
+
+    def _prune(self, keep: Path | None) -> None:
+        protected = set(self.protect())
         steps = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE).exists())
         for old in steps[:-self.keep_last]:
-            if old != keep:
+            if old != keep and old.name not in protected:
                 shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-step_*"):
             shutil.rmtree(stale, ignore_errors=True)

@@ -15,6 +15,7 @@ are installed after ``ray.init``); the requeued job resumes from ``latest``.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -33,7 +34,9 @@ from da3po_megatron.data.templates import render_prompt
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.rollout.types import EngineConfig
 from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.best import BestCheckpoint, save_checkpoint
 from da3po_megatron.trainer.checkpoint import CheckpointManager
+from da3po_megatron.trainer.console import ray_init_kwargs
 from da3po_megatron.trainer.faults import fault_point, poisoned
 from da3po_megatron.trainer.metrics import MetricsLogger
 from da3po_megatron.trainer.signals import StopSignals
@@ -55,9 +58,9 @@ def init_ray(cfg: Config) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=str(tmp),
                  num_cpus=max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
-                 log_to_driver=os.environ.get("DA3PO_RAY_LOG_TO_DRIVER", "1") == "1")
+                 **ray_init_kwargs())
     else:
-        ray.init(address=cfg.ray.address, include_dashboard=False)
+        ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
 
 
 def engine_config(cfg: Config) -> EngineConfig:
@@ -96,32 +99,60 @@ def load_train_data(cfg: Config) -> PromptDataset:
 
     try:
         if d.format == "dapo":
-            parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row) for f in d.train_files]
+            parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row, dedup=d.dedup) for f in d.train_files]
         else:
             parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                  on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem)
+                                  on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem,
+                                  dedup=d.dedup)
                      for f in d.train_files]
     except BadRowError:
         raise
     except (ValueError, OSError) as e:  # an unreadable file (not parquet, not JSON, unsupported suffix)
         raise InputError(f"data.train_files: {e}") from None
     for f, part in zip(d.train_files, parts):
-        if part.stats.skipped:
-            print(f"data: {f}: skipped {part.stats.skipped} malformed rows (data.on_bad_row=skip)")
+        s = part.stats
+        print(f"data: {f}: {s.rows} rows, {s.kept} prompts"
+              + (f", {s.duplicates} repeated rows dropped (data.dedup)" if s.duplicates else "")
+              + (f", {s.skipped} malformed rows skipped (data.on_bad_row=skip)" if s.skipped else ""), flush=True)
     if len(parts) == 1:
         return parts[0]
     stats = ReadStats(path="+".join(d.train_files), rows=sum(p.stats.rows for p in parts),
-                      skipped=sum(p.stats.skipped for p in parts), duplicates=sum(p.stats.duplicates for p in parts))
+                      kept=sum(p.stats.kept for p in parts), skipped=sum(p.stats.skipped for p in parts),
+                      duplicates=sum(p.stats.duplicates for p in parts))
     return PromptDataset([ex for p in parts for ex in p], stats, name="+".join(p.name for p in parts))
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that need the model's config.json, before the run writes or starts anything: the parallel sizes divide
+    the model (heads, KV heads, MLP, layers), and the policy's estimated peak memory per rank fits the device
+    (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch`` in ``cfg``)."""
+    from da3po_megatron.megatron.memory import check_policy_memory
+    from da3po_megatron.megatron.model import check_parallel_sizes, load_hf_config
+
+    if not (Path(cfg.model.path) / "config.json").exists():
+        return  # reported with its fix by Run below
+    hf = load_hf_config(cfg.model.path)
+    p = cfg.parallel
+    try:
+        check_parallel_sizes(hf, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    except ValueError as e:
+        raise ValueError(f"parallel: {e} ({cfg.model.path}/config.json)") from None
+    cfg.actor.max_tokens_per_microbatch = check_policy_memory(cfg, hf, log=lambda m: print(m, flush=True))
 
 
 class Run:
     def __init__(self, cfg: Config) -> None:
+        from da3po_megatron.bridge.export import load_policy_hf
         from da3po_megatron.megatron.actor_group import PolicyGroup
         from da3po_megatron.rewards import RewardPool
         from da3po_megatron.rollout import RolloutClient
+        from da3po_megatron.trainer.inputs import check_prompts, load_tokenizer
 
         self.cfg = cfg
+        # first: bad inputs fail (InputError / BadRowError, exit 2) before anything is written or started
+        dataset = load_train_data(cfg)
+        self.tokenizer = load_tokenizer(cfg)  # the model directory's config.json and tokenizer
+        preflight(cfg)  # parallel sizes and memory
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
@@ -136,23 +167,26 @@ class Run:
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
-        from da3po_megatron.trainer.inputs import check_prompts, load_tokenizer
-
-        # first: bad inputs fail (InputError / BadRowError, exit 2) before anything heavy starts
-        self.tokenizer = load_tokenizer(cfg)
-        self.dataset = check_prompts(load_train_data(cfg), self.tokenizer, cfg)
+        self.dataset = check_prompts(dataset, self.tokenizer, cfg)
         self.data_skipped_rows = self.dataset.stats.skipped if self.dataset.stats is not None else 0
         self.prompts = self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
         self.rewards = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-        self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
-        latest = self.ckpt.latest() if cfg.trainer.resume else None  # verified (a damaged one: the previous) before
-        # any actor starts
+        if self.dataset.stats is not None:  # what the reader kept, dropped and skipped (docs/data_and_rewards.md)
+            (self.run_dir / "data_stats.json").write_text(json.dumps(self.dataset.stats.as_dict(), indent=1) + "\n")
+        t = cfg.trainer
+        self.ckpt = CheckpointManager(self.run_dir, t.keep_last)
+        self.best = BestCheckpoint(self.ckpt.root, t.keep_best_metric, t.keep_best_mode) if t.keep_best_metric else None
+        self.ckpt.protect = self.best.protected if self.best else self.ckpt.protect
+        latest = self.ckpt.latest() if t.resume else None  # verified (a damaged one: the previous) before any actor
 
         init_ray(cfg)
         self.stop.install()  # after ray.init, which replaces the SIGTERM handler with one that exits at once
         t0 = time.perf_counter()
         self.policy = PolicyGroup.from_config(cfg)
+        if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
+            print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
+                  flush=True)
         self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                          num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
@@ -363,19 +397,26 @@ class Run:
         self.step = step
         self.completed_state = self.trainer_state()
 
-    def save_checkpoint(self) -> Path | None:
-        """Checkpoint the last completed step (nothing to do when it is already saved)."""
+    def best_candidate(self, metrics: dict[str, Any]) -> float | None:
+        """The value of trainer.keep_best_metric when this step's evaluation beats the best so far (else None)."""
+        return self.best.candidate(self.step, metrics) if self.best else None
+
+    def save_checkpoint(self, best_value: float | None = None) -> Path | None:
+        """Checkpoint the last completed step (nothing to do when it is already saved); with ``best_value`` also
+        record it as the best checkpoint (trainer/best.py)."""
         step = int(self.completed_state["step"])
         if step == self.saved_step or step == 0:
             return None
         t0 = time.perf_counter()
+
         def save_policy(p: Path) -> None:
             self.policy.save(str(p))
             fault_point("checkpoint", step, self)
 
-        path = self.ckpt.save(step, save_policy, self.completed_state)
+        path = save_checkpoint(self.ckpt, self.best, step, save_policy, self.completed_state, best_value)
         self.saved_step = step
-        print(f"checkpoint step {step} -> {path} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        note = f"; best {self.best.metric} = {best_value:.4f}" if self.best and best_value is not None else ""
+        print(f"checkpoint step {step} -> {path} ({time.perf_counter() - t0:.1f} s){note}", flush=True)
         return path
 
     def _restore(self, path: Path) -> None:
