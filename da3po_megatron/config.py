@@ -29,7 +29,7 @@ from da3po_megatron.algorithms.registry import (
     preset_overrides,
     resolve_presets,
 )
-from da3po_megatron.config_io import ConfigError, build, parse_override, read_yaml
+from da3po_megatron.config_io import ConfigError, build, check_finite, nest, parse_override, read_yaml
 
 __all__ = ["Config", "ConfigError", "algorithm_config", "describe", "load_config", "resolve",
            "standalone_policy_config", "to_dict", "validate"]
@@ -291,6 +291,9 @@ class TrainerConfig:
                                     "trainer/best.py). '' = off.")
     keep_best_mode: Literal["max", "min"] = doc("max", "Whether a larger or a smaller keep_best_metric is better.")
     resume: bool = doc(True, "Resume from run_dir/checkpoints/latest when it exists.")
+    max_consecutive_skipped_updates: int = doc(
+        3, "Optimizer updates in a row that may be skipped for a non-finite loss or gradient (on any rank; "
+           "megatron/nonfinite.py) before the run stops with an error, ahead of the weight sync and any checkpoint.")
     tensorboard: bool = doc(True, "Write TensorBoard events to run_dir/tb (JSONL metrics are always written).")
     wandb_project: str = doc("", "Weights & Biases project ('' = off).")
     experiment_name: str = doc("", "Run name in logs ('' = basename of run_dir).")
@@ -340,6 +343,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = read_yaml(Path(path)) if path else {}
     for item in overrides or []:
         keys, value = parse_override(item)
+        try:  # a wrong key on the command line is reported as the command line's, not the YAML file's
+            build(Config, nest(keys, value))
+        except ConfigError as e:
+            if "unknown config key" in str(e) or "is not a section" in str(e) or "expected a mapping" in str(e):
+                raise ConfigError(f"command line override {item!r}: {e}") from None
         node = data
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -403,6 +411,7 @@ def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Range and consistency checks; each error names the field and its allowed range."""
+    check_finite(cfg)
     p = cfg.parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "data_parallel_size"):
@@ -455,7 +464,15 @@ def validate(cfg: Config) -> None:
     o = cfg.optim
     _check(o.lr > 0, "optim.lr", o.lr, "> 0")
     _check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"[0, optim.lr={o.lr}]")
+    _check(o.clip_grad >= 0, "optim.clip_grad", o.clip_grad, ">= 0 (0 = off)")
+    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, ">= 0")
+    _check(o.adam_eps > 0, "optim.adam_eps", o.adam_eps, "> 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        _check(0 <= getattr(o, name) < 1, f"optim.{name}", getattr(o, name), "[0, 1)")
     _check(o.lr_warmup_steps >= 0, "optim.lr_warmup_steps", o.lr_warmup_steps, ">= 0")
+    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "> 0")
+    _check(cfg.trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates",
+           cfg.trainer.max_consecutive_skipped_updates, ">= 1")
     dc = cfg.data
     _check(dc.train_batch_size >= 1, "data.train_batch_size", dc.train_batch_size, ">= 1")
     ac = cfg.actor

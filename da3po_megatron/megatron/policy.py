@@ -64,6 +64,7 @@ from da3po_megatron.megatron.model import (
     use_te,
     vocab_sizes,
 )
+from da3po_megatron.megatron.nonfinite import check_finite_weights, nonfinite_update
 from da3po_megatron.megatron.optimizer import build_ddp_optimizer
 from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_parallel, node_ip
 from da3po_megatron.megatron.schedule import ForwardSchedule
@@ -138,6 +139,9 @@ class PolicyWorker:
     ``PolicyWorker(cfg, ...)``."""
 
     def __init__(self, cfg: Config | None = None, **init_kwargs: Any) -> None:
+        from da3po_megatron.megatron.runtime import ignore_job_sigterm
+
+        ignore_job_sigterm()  # under Slurm: outlive the job-wide SIGTERM until the driver has checkpointed
         self.cfg: Config | None = None
         self.step = 0
         if cfg is not None:
@@ -279,7 +283,8 @@ class PolicyWorker:
         stats = torch.zeros(6, dtype=torch.float64, device=self.device)
         grad_norms: list[float] = []
         n_mb = 0
-        skipped = 0
+        skipped = trailing = 0
+        nonfinite = {"loss": 0, "grad": 0}
         for _ in range(b.ppo_epochs):
             for rows in minis:
                 shard = self.schedule.dp_shard(batch, rows)
@@ -296,11 +301,15 @@ class PolicyWorker:
                 out = self.schedule.run(mbs, loss, self.loss_backend, forward_only=False)
                 self.scheduler.step(1)
                 lr = float(self.optimizer.param_groups[0]["lr"])
-                ok, grad_norm, _ = self.optimizer.step()
-                skipped += 0 if ok else 1
-                grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+                bad = nonfinite_update([d["stats"][0] for d in out], self.model, self.device)  # all ranks agree
+                nonfinite.update({k: nonfinite[k] + 1 for k in bad})
+                ok, grad_norm, _ = self.optimizer.step() if not bad else (False, None, None)
+                if ok:
+                    check_finite_weights(self.model, f"{self.step + 1}.{len(grad_norms) + 1}", self.device)
+                skipped, trailing = skipped + (not ok), 0 if ok else trailing + 1
+                grad_norms += [float(grad_norm)] if ok and grad_norm is not None else []
                 n_mb += len(mbs)
-                if self.is_last_stage and self.tp_rank == 0:
+                if ok and self.is_last_stage and self.tp_rank == 0:
                     for d in out:
                         stats += d["stats"].double()
         elapsed = time.perf_counter() - t0
@@ -310,8 +319,8 @@ class PolicyWorker:
         self.step += 1
         total_tokens = sum(lengths) * b.ppo_epochs
         return {
-            "loss": stats[0].item() / updates,
-            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "loss": stats[0].item() / (updates - skipped) if updates > skipped else float("nan"),
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
             "lr": lr,
             "clipfrac_low": stats[1].item() / n_tok,
             "clipfrac_high": stats[2].item() / n_tok,
@@ -321,7 +330,10 @@ class PolicyWorker:
             "tokens_per_s": total_tokens / elapsed if elapsed > 0 else float("inf"),
             "num_microbatches": n_mb,
             "num_updates": updates,
-            "skipped_updates": skipped,
+            "skipped_updates": skipped,  # non-finite loss / grads (nonfinite.py) or Megatron's fp16 found_inf
+            "nonfinite_loss_updates": nonfinite["loss"],
+            "nonfinite_grad_updates": nonfinite["grad"],
+            "trailing_skipped_updates": trailing,
             "step": self.step,
             "time_s": elapsed,
         }

@@ -158,6 +158,9 @@ class VLLMEngine:
     """A ``vllm.LLM`` with the trainer's entry points. ``engine_index`` names it in errors and in NCCL rank offsets."""
 
     def __init__(self, config: EngineConfig, engine_index: int = 0):
+        from da3po_megatron.megatron.runtime import ignore_job_sigterm
+
+        ignore_job_sigterm()  # under Slurm: outlive the job-wide SIGTERM until the driver has checkpointed
         config.validate()
         self.config = config
         self.engine_index = engine_index
