@@ -108,6 +108,11 @@ class ActorConfig:
     use_rollout_logprobs: bool = doc(False, "Use the engines' sampled-token log-probs as pi_old instead of "
                                             "recomputing them with the policy (cheaper, carries engine mismatch).")
     entropy: bool = doc(True, "Compute the mean token entropy of the policy for logging.")
+    memory_check: Literal["refuse", "fit", "warn", "skip"] = doc(
+        "refuse", "Before starting, estimate the policy's peak memory per rank (megatron/memory.py) from the model "
+                  "shape, parallel layout, micro-batch token budget, layer spec, recomputation and loss backend, "
+                  "print it, and compare it with the device: 'refuse' stops with what to change, 'fit' lowers "
+                  "max_tokens_per_microbatch until it fits, 'warn' only prints, 'skip' skips it.")
 
 
 @dataclass

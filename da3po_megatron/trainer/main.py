@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     from da3po_megatron.data.datasets import BadRowError
+    from da3po_megatron.megatron.memory import MemoryBudgetError
+    from da3po_megatron.rewards import RewardPoolError
     from da3po_megatron.trainer.console import configure
-    from da3po_megatron.trainer.loop import train
+    from da3po_megatron.trainer.loop import DynamicSamplingError, train
 
     log_dir = configure(cfg.trainer.run_dir, verbose=args.verbose or os.environ.get("DA3PO_VERBOSE") == "1")
     print(f"logs: third-party output in {log_dir}/" + ("" if args.verbose else " (--verbose to see it here)"),
@@ -56,6 +58,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DynamicSamplingError as e:  # one line; the filter's counts of the failed step are in metrics.jsonl
+        print(f"dynamic sampling error: {e}", file=sys.stderr)
+        return 2
+    except RewardPoolError as e:
+        print(f"reward error: {e}", file=sys.stderr)
+        return 2
+    except MemoryBudgetError as e:  # before anything started; the message says what to change
+        print(f"memory error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        if not str(e).startswith("parallel: "):
+            raise
+        print(f"config error: {e}", file=sys.stderr)
         return 2
     print(f"done: step {run.step}; logs in {run.run_dir}/metrics.jsonl", flush=True)
     return 0

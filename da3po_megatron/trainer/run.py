@@ -112,13 +112,33 @@ def load_train_data(cfg: Config) -> PromptDataset:
     return PromptDataset([ex for p in parts for ex in p], stats, name="+".join(p.name for p in parts))
 
 
+def preflight(cfg: Config) -> None:
+    """Checks that need the model's config.json, before the run writes or starts anything: the parallel sizes divide
+    the model (heads, KV heads, MLP, layers), and the policy's estimated peak memory per rank fits the device
+    (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch`` in ``cfg``)."""
+    from da3po_megatron.megatron.memory import check_policy_memory
+    from da3po_megatron.megatron.model import check_parallel_sizes, load_hf_config
+
+    if not (Path(cfg.model.path) / "config.json").exists():
+        return  # reported with its fix by Run below
+    hf = load_hf_config(cfg.model.path)
+    p = cfg.parallel
+    try:
+        check_parallel_sizes(hf, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    except ValueError as e:
+        raise ValueError(f"parallel: {e} ({cfg.model.path}/config.json)") from None
+    cfg.actor.max_tokens_per_microbatch = check_policy_memory(cfg, hf, log=lambda m: print(m, flush=True))
+
+
 class Run:
     def __init__(self, cfg: Config) -> None:
+        from da3po_megatron.bridge.export import load_policy_hf
         from da3po_megatron.megatron.actor_group import PolicyGroup
         from da3po_megatron.rewards import RewardPool
         from da3po_megatron.rollout import RolloutClient
 
         self.cfg = cfg
+        preflight(cfg)  # parallel sizes and memory: fail before anything is written or started
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
@@ -158,6 +178,9 @@ class Run:
         init_ray(cfg)
         t0 = time.perf_counter()
         self.policy = PolicyGroup.from_config(cfg)
+        if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
+            print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
+                  flush=True)
         self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                          num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
