@@ -92,6 +92,7 @@ def train(cfg: Config) -> Run:
                 run.logger.log(step, {**run.buffer.stats(), "dynamic_sampling/failed": 1.0,
                                       **{f"time/{k}": v for k, v in timer.seconds.items()}})
                 raise
+            run.engines_idle()  # colocated CUDA: engines sleep while the policy trains (woken by the sync)
 
             # 2. Advantages: group z-scores (Eq. 3), then Direct Advantage Amplification (Eq. 14).
             daa = B.compute_advantages(groups, cfg.algorithm.advantage_eps, cfg.daa.enable, cfg.daa.lambda_,
