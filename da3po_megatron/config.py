@@ -118,14 +118,12 @@ class ActorConfig:
 @dataclass
 class RolloutConfig:
     n: int = doc(16, "G: responses sampled per prompt (paper: 16). Eq. 3 normalises within these groups.")
-    temperature: float = doc(1.0, "T: training rollouts sample from softmax(logits / T) (not stated in the paper; "
-                                  "1.0 as in DAPO/verl). The same T "
-                                  "divides the policy's logits before every log-softmax (pi_old, pi_theta of the "
-                                  "Eq. 5/11 ratio, the logged entropy), and the engines return log-probs after T "
-                                  "(vLLM processed_logprobs), so rollout and policy log-probs score one distribution.")
-    top_p: float = doc(1.0, "Nucleus sampling for training rollouts (not stated in the paper; 1.0 as in DAPO). "
-                            "Below 1 the engines' log-probs are "
-                            "renormalised over the nucleus while the policy's cover the whole vocabulary: the "
+    temperature: float = doc(1.0, "T: training rollouts sample from softmax(logits / T) (ours, as DAPO: the paper "
+                                  "states none). The same T divides the policy's logits before every log-softmax "
+                                  "(pi_old, pi_theta of the Eq. 5/11 ratio, the logged entropy), and the engines "
+                                  "return log-probs after T (vLLM processed_logprobs): one distribution.")
+    top_p: float = doc(1.0, "Nucleus sampling for training rollouts (ours, as DAPO). Below 1 the engines' log-probs "
+                            "are renormalised over the nucleus, the policy's cover the whole vocabulary: the "
                             "rollout/policy log-prob diff and TIS weights then carry that gap.")
     max_prompt_length: int = doc(2048, "Prompts longer than this many tokens are rejected (paper: 2K).")
     max_response_length: int = doc(4096, "L_max of Eq. 8: generation stops here (paper: 4K).")
@@ -286,9 +284,8 @@ class TrainerConfig:
     run_dir: str = doc("runs/da3po", "Where logs, checkpoints and plots go.")
     save_every: int = doc(20, "Checkpoint every N steps (0 = only at the end).")
     keep_last: int = doc(3, "Checkpoints kept (older ones deleted after a newer one is complete).")
-    keep_best_metric: str = doc("", "Also keep the best checkpoint by this eval metric key (e.g. eval/avg/avg@k), "
-                                    "never pruned, in checkpoints/best.json (paper: best of 200 steps; "
-                                    "trainer/best.py). '' = off.")
+    keep_best_metric: str = doc("", "Also keep the best checkpoint by this eval metric key (eval/avg/avg@k), never "
+                                    "pruned, in checkpoints/best.json (paper: best of 200 steps). '' = off.")
     keep_best_mode: Literal["max", "min"] = doc("max", "Whether a larger or a smaller keep_best_metric is better.")
     resume: bool = doc(True, "Resume from run_dir/checkpoints/latest when it exists.")
     max_consecutive_skipped_updates: int = doc(
@@ -496,8 +493,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
     best, ev = cfg.trainer.keep_best_metric, cfg.eval
     _check(not best or (best.startswith("eval/") and ev.every > 0 and bool(ev.benchmarks)), "trainer.keep_best_metric",
-           best, f"'' or an eval/... metric key with evaluations on (eval.every={ev.every}, eval.benchmarks="
-           f"{ev.benchmarks})")
+           best, f"'' or an eval/... key with evals on (eval.every={ev.every}, eval.benchmarks={ev.benchmarks})")
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory")
 
