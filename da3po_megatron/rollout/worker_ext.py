@@ -7,11 +7,22 @@ pickled callables are needed.
 One update is a session, the same one vLLM's own weight-transfer engines run (``vllm/distributed/weight_transfer``):
 
 1. :meth:`da3po_begin_weight_update` -- ``initialize_layerwise_reload``: each layer's kernel tensors are remembered
-   and its weight loaders wrapped, so a layer is (re)processed once all of its checkpoint tensors arrived;
+   and its weight loaders wrapped, so a layer is (re)processed once all of its checkpoint tensors arrived. Layers
+   that hold only non-persistent buffers (RoPE's ``cos_sin_cache``: derived from the config, never in a checkpoint)
+   expect nothing (see :func:`_expect_nothing_from_derived_layers`);
 2. :meth:`da3po_load_bucket` -- ``model.load_weights`` on the tensors of one bucket (any number of buckets; a layer
    whose tensors straddle two buckets waits for the second);
-3. :meth:`da3po_finish_weight_update` -- ``finalize_layerwise_reload`` + cache resets, and a check that every model
-   parameter was written.
+3. :meth:`da3po_finish_weight_update` -- ``finalize_layerwise_reload``, the tied layers refreshed
+   (:func:`refresh_tied_layers`), cache resets, and a check that every model parameter was written.
+
+Tied embeddings (Qwen3-0.6B/1.7B/4B, SmolLM2, Llama-3.2): vLLM's output head shares its ``weight`` Parameter with the
+input embedding and receives no tensor of its own (its loader skips ``lm_head.*``). The session writes the new
+embedding into that shared Parameter, but the head is a layer of its own: it gets no ``process_weights_after_loading``
+and keeps whatever that step derived from the OLD weight -- on CPU the prepacked GEMM weight behind
+``layer.cpu_linear`` -- so the engine samples from the new embedding with the old head. ``refresh_tied_layers`` re-runs
+the weight post-processing of every layer that shares a Parameter with a written one and received nothing itself (a
+no-op on CUDA's unquantized head, which reads ``layer.weight`` directly). The "every parameter written" check cannot see
+the head (``named_parameters`` lists a shared Parameter once), so the tests compare log-probs of tied models.
 
 This is what ``Worker.reload_weights(weights_iterator=...)`` does in one call; splitting it keeps the memory bound of a
 bucket while a layer's q/k/v or gate/up still land in one fused parameter correctly. Plain ``model.load_weights``
@@ -47,6 +58,50 @@ def _unpack(payload) -> dict:
     return out
 
 
+def _expect_nothing_from_derived_layers(model) -> int:
+    """Mark layers whose only tensors are non-persistent buffers as loading nothing; returns how many.
+
+    vLLM 0.32's layerwise reload counts every parameter AND buffer of a layer as loadable, so a ``RotaryEmbedding``
+    (one non-persistent ``cos_sin_cache`` buffer, computed from rope_theta / head_dim) waits for a tensor that no
+    checkpoint holds. At finalize vLLM puts the remembered cache back -- the values stay right -- but logs
+    "RotaryEmbedding: Failed to load weights" on every sync. With nothing expected (``load_numel_total = 0``) finalize
+    takes the same restore path without the warning. Parameters and persistent buffers (real checkpoint tensors,
+    e.g. a tied model's head) are untouched, so a layer that should have received weights still warns.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    n = 0
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.kernel_tensors is None or not info.can_load():
+            continue
+        params, buffers = info.kernel_tensors
+        if not params and buffers and set(buffers) <= info.kernel_non_persistent_buffers:
+            info.load_numel_total = 0
+            n += 1
+    return n
+
+
+def refresh_tied_layers(model, loaded: set[str]) -> list[str]:
+    """Re-run ``quant_method.process_weights_after_loading`` on layers that share a Parameter with another layer and
+    had none of their own names in ``loaded`` (the tied output head); returns the refreshed layers' names."""
+    owners: dict[int, list[tuple[str, str, object]]] = {}
+    for mname, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((mname, pname, module))
+    refreshed = []
+    for shared in owners.values():
+        if len(shared) < 2 or not any(f"{m}.{p}" in loaded for m, p, _ in shared):
+            continue
+        for mname, pname, module in shared:
+            method = getattr(module, "quant_method", None)
+            if f"{mname}.{pname}" in loaded or not hasattr(method, "process_weights_after_loading"):
+                continue
+            method.process_weights_after_loading(module)
+            refreshed.append(mname)
+    return refreshed
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
 
@@ -62,6 +117,7 @@ class WeightSyncExtension:
         model = self._da3po_model()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
+        _expect_nothing_from_derived_layers(model)
         self._da3po_session = {"loaded": set(), "bytes": 0, "t0": time.perf_counter()}
 
     def da3po_load_bucket(self, payload) -> dict:
@@ -100,6 +156,7 @@ class WeightSyncExtension:
         model = self._da3po_model()
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(model, self.vllm_config.model_config)
+            refreshed = refresh_tied_layers(model, session["loaded"])
         self._da3po_session = None
         runner = self.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
@@ -111,7 +168,8 @@ class WeightSyncExtension:
         if strict and missing:
             raise RuntimeError(f"weight update left {len(missing)} vLLM parameters unwritten (they keep their old "
                                f"values): {missing[:8]}{'...' if len(missing) > 8 else ''}")
-        return {"missing": missing, "bytes": session["bytes"], "seconds": time.perf_counter() - session["t0"]}
+        return {"missing": missing, "bytes": session["bytes"], "seconds": time.perf_counter() - session["t0"],
+                "refreshed_tied": refreshed}
 
     def da3po_abort_weight_update(self) -> None:
         """Drop an open session after a failed bucket (finalise so every layer gets its kernel tensors back)."""
@@ -129,4 +187,6 @@ class WeightSyncExtension:
         """Reload every weight from an HF checkpoint directory on disk (the slow baseline of the sync benchmark)."""
         t0 = time.perf_counter()
         self.reload_weights(weights_path=path, is_checkpoint_format=True)
+        model = self._da3po_model()  # vLLM's own reload leaves a tied head stale too (see the module docstring)
+        refresh_tied_layers(model, {name for name, _ in model.named_parameters()})
         return time.perf_counter() - t0

@@ -47,6 +47,7 @@ def fill_batch(run: Run, step: int, timer: PhaseTimer) -> tuple[list[B.Group], l
     cfg, buffer = run.cfg, run.buffer
     buffer.reset_stats()
     generated: list[B.Group] = []
+    t0 = time.perf_counter()
     for round_ in range(cfg.algorithm.max_generation_rounds):
         if buffer.is_full:
             break
@@ -58,6 +59,10 @@ def fill_batch(run: Run, step: int, timer: PhaseTimer) -> tuple[list[B.Group], l
         generated += groups
         p_hats = [g.p_hat if cfg.algorithm.filter_groups else 0.5 for g in groups]  # 0.5: kept by the filter
         run.totals["kept_groups"] += buffer.add(groups, p_hats)
+        if round_ or not buffer.is_full:  # a progress line whenever filling the batch takes more than one round
+            print(f"step {step} generation round {round_ + 1}/{cfg.algorithm.max_generation_rounds}: "
+                  f"{len(buffer)}/{cfg.data.train_batch_size} groups kept ({len(generated)} generated, "
+                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
     if not buffer.is_full:
         s = buffer.stats()
         raise DynamicSamplingError(
@@ -81,7 +86,12 @@ def train(cfg: Config) -> Run:
             t_step, timer = time.perf_counter(), PhaseTimer()
 
             # 1. Generation rounds + rewards + dynamic sampling (DAPO), until the batch is full.
-            groups, generated = fill_batch(run, step, timer)
+            try:
+                groups, generated = fill_batch(run, step, timer)
+            except DynamicSamplingError:  # keep what was measured: the filter's counts say why
+                run.logger.log(step, {**run.buffer.stats(), "dynamic_sampling/failed": 1.0,
+                                      **{f"time/{k}": v for k, v in timer.seconds.items()}})
+                raise
 
             # 2. Advantages: group z-scores (Eq. 3), then Direct Advantage Amplification (Eq. 14).
             daa = B.compute_advantages(groups, cfg.algorithm.advantage_eps, cfg.daa.enable, cfg.daa.lambda_,
@@ -109,8 +119,9 @@ def train(cfg: Config) -> Run:
                 with timer("eval"):
                     metrics.update(run.evaluate())
             run.logger.log(step, metrics)
-            if run.should_checkpoint(step) or run.preempted():
-                run.save_checkpoint()
+            best = run.best_candidate(metrics)  # trainer.keep_best_metric improved: keep this step's checkpoint
+            if run.should_checkpoint(step) or run.preempted() or best is not None:
+                run.save_checkpoint(best_value=best)
             if run.preempted():
                 print(f"preemption requested: checkpoint of step {step} saved; exiting for requeue", flush=True)
                 break
