@@ -1,0 +1,110 @@
+"""The run config's range and consistency checks (:func:`validate`), kept apart from the tree they check
+(:mod:`da3po_megatron.config`, which calls them from ``load_config``). Each error names the field and its allowed range.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from da3po_megatron.config_io import ConfigError, check_finite
+
+if TYPE_CHECKING:
+    from da3po_megatron.config import Config
+
+
+def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name} = {value!r} is out of range: allowed {allowed}")
+
+
+def validate(cfg: Config) -> None:
+    """Range and consistency checks; each error names the field and its allowed range."""
+    check_finite(cfg)
+    p = cfg.parallel
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "data_parallel_size"):
+        _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), ">= 1")
+    if p.context_parallel_size > 1:
+        raise ConfigError(f"parallel.context_parallel_size = {p.context_parallel_size}: context parallelism is not "
+                          "supported yet (sequences are not split across CP ranks, so pi_old would come out multiplied "
+                          "by the CP size); use parallel.context_parallel_size=1")
+    d = cfg.daa
+    _check(d.lambda_ > 0, "daa.lambda_", d.lambda_, "> 0 (1 = no amplification)")
+    _check(0 < d.tau < 1, "daa.tau", d.tau, "the open interval (0, 1)")
+    _check(0 < d.lambda_min <= d.lambda_max, "daa.lambda_min", d.lambda_min, f"(0, daa.lambda_max={d.lambda_max}]")
+    a = cfg.algorithm
+    unresolved = [n for n, v in (("algorithm.clip_ratio_low", a.clip_ratio_low),
+                                 ("algorithm.clip_ratio_high", a.clip_ratio_high),
+                                 ("algorithm.ratio_level", a.ratio_level), ("algorithm.loss_agg_mode", a.loss_agg_mode),
+                                 ("algorithm.filter_groups", a.filter_groups),
+                                 ("algorithm.overlong.enable", a.overlong.enable), ("daa.enable", d.enable))
+                  if v is None]
+    if unresolved:
+        raise ConfigError(f"{', '.join(unresolved)} unset: call config.resolve(cfg) before validate(cfg)")
+    _check(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low", a.clip_ratio_low, "[0, 1)")
+    _check(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", a.clip_ratio_high, ">= 0")
+    _check(a.max_generation_rounds >= 1, "algorithm.max_generation_rounds", a.max_generation_rounds, ">= 1")
+    _check(a.advantage_eps >= 0, "algorithm.advantage_eps", a.advantage_eps, ">= 0")
+    _check(a.tis_cap > 0, "algorithm.tis_cap", a.tis_cap, "> 0")
+    if a.rollout_correction == "tis" and cfg.actor.use_rollout_logprobs:
+        raise ConfigError("algorithm.rollout_correction='tis' with actor.use_rollout_logprobs=true: pi_old would BE "
+                          "pi_rollout, so every weight pi_old / pi_rollout is 1; recompute pi_old "
+                          "(actor.use_rollout_logprobs=false) or set algorithm.rollout_correction=none")
+    if a.rollout_correction == "tis" and a.ratio_level != "token":
+        raise ConfigError(f"algorithm.rollout_correction='tis' with algorithm.name={a.name!r}: its ratio is per "
+                          "sequence, and per-token TIS weights do not apply to it; use a token-ratio algorithm "
+                          "(grpo, dapo, da3po) or algorithm.rollout_correction=none")
+    r = cfg.rollout
+    _check(r.n >= 2, "rollout.n", r.n, ">= 2 (group advantages need at least two responses)")
+    _check(r.temperature > 0, "rollout.temperature", r.temperature, "> 0")
+    _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "(0, 1]")
+    _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, ">= 1")
+    _check(r.logprob_drift_factor >= 0, "rollout.logprob_drift_factor", r.logprob_drift_factor, ">= 0 (0 = off)")
+    _check(0 <= r.logprob_check_fraction <= 1, "rollout.logprob_check_fraction", r.logprob_check_fraction, "[0, 1]")
+    _check(r.weight_transfer in ("auto", "bytes", "collective", "ipc"), "rollout.weight_transfer", r.weight_transfer,
+           "auto, bytes, collective or ipc")
+    _check(r.weight_transfer != "ipc" or r.colocate, "rollout.weight_transfer", r.weight_transfer,
+           "'ipc' only with rollout.colocate=true (CUDA IPC shares one GPU's memory)")
+    _check(r.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, "> 0")
+    ov = a.overlong
+    _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,
+           f"[0, rollout.max_response_length={r.max_response_length})")
+    o = cfg.optim
+    _check(o.lr > 0, "optim.lr", o.lr, "> 0")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"[0, optim.lr={o.lr}]")
+    _check(o.clip_grad >= 0, "optim.clip_grad", o.clip_grad, ">= 0 (0 = off)")
+    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, ">= 0")
+    _check(o.adam_eps > 0, "optim.adam_eps", o.adam_eps, "> 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        _check(0 <= getattr(o, name) < 1, f"optim.{name}", getattr(o, name), "[0, 1)")
+    _check(o.lr_warmup_steps >= 0, "optim.lr_warmup_steps", o.lr_warmup_steps, ">= 0")
+    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "> 0")
+    _check(cfg.trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates",
+           cfg.trainer.max_consecutive_skipped_updates, ">= 1")
+    dc = cfg.data
+    _check(dc.train_batch_size >= 1, "data.train_batch_size", dc.train_batch_size, ">= 1")
+    ac = cfg.actor
+    _check(ac.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, ">= 1")
+    _check(dc.train_batch_size % ac.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size,
+           f"a divisor of data.train_batch_size={dc.train_batch_size}")
+    _check(ac.ppo_epochs >= 1, "actor.ppo_epochs", ac.ppo_epochs, ">= 1")
+    _check(ac.logprob_max_tokens_per_microbatch >= 0, "actor.logprob_max_tokens_per_microbatch",
+           ac.logprob_max_tokens_per_microbatch, ">= 0 (0 = 2 x actor.max_tokens_per_microbatch)")
+    _check(cfg.model.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
+           cfg.model.make_vocab_size_divisible_by, ">= 1")
+    _check(ac.max_tokens_per_microbatch >= r.max_prompt_length + r.max_response_length,
+           "actor.max_tokens_per_microbatch", ac.max_tokens_per_microbatch,
+           f">= rollout.max_prompt_length + rollout.max_response_length = {r.max_prompt_length + r.max_response_length}"
+           " (one whole sequence must fit)")
+    if dc.format != "synthetic" and not dc.train_files:
+        raise ConfigError(f"data.train_files is empty; give at least one file for data.format={dc.format!r}")
+    _check(cfg.trainer.total_steps >= 1, "trainer.total_steps", cfg.trainer.total_steps, ">= 1")
+    _check(o.lr_warmup_steps < cfg.optimizer_steps, "optim.lr_warmup_steps", o.lr_warmup_steps,
+           f"< the run's {cfg.optimizer_steps} optimizer steps (trainer.total_steps x mini-batches x ppo_epochs)")
+    _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
+    best, ev = cfg.trainer.keep_best_metric, cfg.eval
+    _check(not best or (best.startswith("eval/") and ev.every > 0 and bool(ev.benchmarks)), "trainer.keep_best_metric",
+           best, f"'' or an eval/... metric key with evaluations on (eval.every={ev.every}, eval.benchmarks="
+           f"{ev.benchmarks})")
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory")
