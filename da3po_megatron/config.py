@@ -29,7 +29,7 @@ from da3po_megatron.algorithms.registry import (
     preset_overrides,
     resolve_presets,
 )
-from da3po_megatron.config_io import ConfigError, build, parse_override, read_yaml
+from da3po_megatron.config_io import ConfigError, build, check_finite, nest, parse_override, read_yaml
 
 __all__ = ["Config", "ConfigError", "algorithm_config", "describe", "load_config", "resolve",
            "standalone_policy_config", "to_dict", "validate"]
@@ -118,14 +118,12 @@ class ActorConfig:
 @dataclass
 class RolloutConfig:
     n: int = doc(16, "G: responses sampled per prompt (paper: 16). Eq. 3 normalises within these groups.")
-    temperature: float = doc(1.0, "T: training rollouts sample from softmax(logits / T) (not stated in the paper; "
-                                  "1.0 as in DAPO/verl). The same T "
-                                  "divides the policy's logits before every log-softmax (pi_old, pi_theta of the "
-                                  "Eq. 5/11 ratio, the logged entropy), and the engines return log-probs after T "
-                                  "(vLLM processed_logprobs), so rollout and policy log-probs score one distribution.")
-    top_p: float = doc(1.0, "Nucleus sampling for training rollouts (not stated in the paper; 1.0 as in DAPO). "
-                            "Below 1 the engines' log-probs are "
-                            "renormalised over the nucleus while the policy's cover the whole vocabulary: the "
+    temperature: float = doc(1.0, "T: training rollouts sample from softmax(logits / T) (ours, as DAPO: the paper "
+                                  "states none). The same T divides the policy's logits before every log-softmax "
+                                  "(pi_old, pi_theta of the Eq. 5/11 ratio, the logged entropy), and the engines "
+                                  "return log-probs after T (vLLM processed_logprobs): one distribution.")
+    top_p: float = doc(1.0, "Nucleus sampling for training rollouts (ours, as DAPO). Below 1 the engines' log-probs "
+                            "are renormalised over the nucleus, the policy's cover the whole vocabulary: the "
                             "rollout/policy log-prob diff and TIS weights then carry that gap.")
     max_prompt_length: int = doc(2048, "Prompts longer than this many tokens are rejected (paper: 2K).")
     max_response_length: int = doc(4096, "L_max of Eq. 8: generation stops here (paper: 4K).")
@@ -136,6 +134,15 @@ class RolloutConfig:
     kv_cache_memory_bytes: int = doc(256 * 2**20, "CPU: KV-cache budget per engine in bytes (vLLM's default takes "
                                                   "0.9 x RAM).")
     weight_sync_bucket_mb: int = doc(512, "Weight sync streams HF-named tensors in buckets of at most this size.")
+    weight_transfer: Literal["auto", "bytes", "collective", "ipc"] = doc(
+        "auto", "How weights reach the engines after a step. 'bytes': buckets through Ray's object store (one pull "
+                "per engine). 'collective': a private gloo (CPU) / NCCL (CUDA) group from each PP stage's sender to "
+                "every engine worker, flat buckets broadcast (rollout/collective.py). 'ipc': CUDA IPC handles, "
+                "colocated on CUDA only. 'auto': 'collective' when engines and policy are on different nodes or "
+                "(CUDA, not colocated) different GPUs, 'ipc' colocated on CUDA, 'bytes' on one CPU node (measured "
+                "there: Ray's shared-memory object store is as fast as gloo over loopback; docs/rollout.md).")
+    weight_sync_timeout_s: float = doc(600.0, "Collective transport: group set-up and per-broadcast timeout; a sync "
+                                              "whose sender stops sending fails after at most this long.")
     logprob_check_fraction: float = doc(0.05, "With actor.use_rollout_logprobs: fraction of responses whose rollout "
                                               "log-probs are recomputed by the policy and compared (mean/max abs diff "
                                               "logged). Without it every response is compared (pi_old is recomputed "
@@ -277,11 +284,13 @@ class TrainerConfig:
     run_dir: str = doc("runs/da3po", "Where logs, checkpoints and plots go.")
     save_every: int = doc(20, "Checkpoint every N steps (0 = only at the end).")
     keep_last: int = doc(3, "Checkpoints kept (older ones deleted after a newer one is complete).")
-    keep_best_metric: str = doc("", "Also keep the best checkpoint by this eval metric key (e.g. eval/avg/avg@k), "
-                                    "never pruned, in checkpoints/best.json (paper: best of 200 steps; "
-                                    "trainer/best.py). '' = off.")
+    keep_best_metric: str = doc("", "Also keep the best checkpoint by this eval metric key (eval/avg/avg@k), never "
+                                    "pruned, in checkpoints/best.json (paper: best of 200 steps). '' = off.")
     keep_best_mode: Literal["max", "min"] = doc("max", "Whether a larger or a smaller keep_best_metric is better.")
     resume: bool = doc(True, "Resume from run_dir/checkpoints/latest when it exists.")
+    max_consecutive_skipped_updates: int = doc(
+        3, "Optimizer updates in a row that may be skipped for a non-finite loss or gradient (on any rank; "
+           "megatron/nonfinite.py) before the run stops with an error, ahead of the weight sync and any checkpoint.")
     tensorboard: bool = doc(True, "Write TensorBoard events to run_dir/tb (JSONL metrics are always written).")
     wandb_project: str = doc("", "Weights & Biases project ('' = off).")
     experiment_name: str = doc("", "Run name in logs ('' = basename of run_dir).")
@@ -331,6 +340,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = read_yaml(Path(path)) if path else {}
     for item in overrides or []:
         keys, value = parse_override(item)
+        try:  # a wrong key on the command line is reported as the command line's, not the YAML file's
+            build(Config, nest(keys, value))
+        except ConfigError as e:
+            if "unknown config key" in str(e) or "is not a section" in str(e) or "expected a mapping" in str(e):
+                raise ConfigError(f"command line override {item!r}: {e}") from None
         node = data
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -394,6 +408,7 @@ def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Range and consistency checks; each error names the field and its allowed range."""
+    check_finite(cfg)
     p = cfg.parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "data_parallel_size"):
@@ -435,13 +450,26 @@ def validate(cfg: Config) -> None:
     _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, ">= 1")
     _check(r.logprob_drift_factor >= 0, "rollout.logprob_drift_factor", r.logprob_drift_factor, ">= 0 (0 = off)")
     _check(0 <= r.logprob_check_fraction <= 1, "rollout.logprob_check_fraction", r.logprob_check_fraction, "[0, 1]")
+    _check(r.weight_transfer in ("auto", "bytes", "collective", "ipc"), "rollout.weight_transfer", r.weight_transfer,
+           "auto, bytes, collective or ipc")
+    _check(r.weight_transfer != "ipc" or r.colocate, "rollout.weight_transfer", r.weight_transfer,
+           "'ipc' only with rollout.colocate=true (CUDA IPC shares one GPU's memory)")
+    _check(r.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, "> 0")
     ov = a.overlong
     _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,
            f"[0, rollout.max_response_length={r.max_response_length})")
     o = cfg.optim
     _check(o.lr > 0, "optim.lr", o.lr, "> 0")
     _check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"[0, optim.lr={o.lr}]")
+    _check(o.clip_grad >= 0, "optim.clip_grad", o.clip_grad, ">= 0 (0 = off)")
+    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, ">= 0")
+    _check(o.adam_eps > 0, "optim.adam_eps", o.adam_eps, "> 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        _check(0 <= getattr(o, name) < 1, f"optim.{name}", getattr(o, name), "[0, 1)")
     _check(o.lr_warmup_steps >= 0, "optim.lr_warmup_steps", o.lr_warmup_steps, ">= 0")
+    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "> 0")
+    _check(cfg.trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates",
+           cfg.trainer.max_consecutive_skipped_updates, ">= 1")
     dc = cfg.data
     _check(dc.train_batch_size >= 1, "data.train_batch_size", dc.train_batch_size, ">= 1")
     ac = cfg.actor
@@ -465,8 +493,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
     best, ev = cfg.trainer.keep_best_metric, cfg.eval
     _check(not best or (best.startswith("eval/") and ev.every > 0 and bool(ev.benchmarks)), "trainer.keep_best_metric",
-           best, f"'' or an eval/... metric key with evaluations on (eval.every={ev.every}, eval.benchmarks="
-           f"{ev.benchmarks})")
+           best, f"'' or an eval/... key with evals on (eval.every={ev.every}, eval.benchmarks={ev.benchmarks})")
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -128,3 +129,22 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value
+
+
+def nest(keys: list[str], value: Any) -> dict[str, Any]:
+    """``["a", "b"], 1`` -> ``{"a": {"b": 1}}`` (one dotted override as a tree)."""
+    out: Any = value
+    for k in reversed(keys):
+        out = {k: out}
+    return out
+
+
+def check_finite(obj: Any, prefix: str = "") -> None:
+    """Every float field of a dataclass tree must be a finite number: ``nan`` passes every range check written as a
+    comparison the wrong way round, and YAML reads ``.inf`` / ``.nan`` as floats."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name} = {value!r} is not a finite number")

@@ -24,16 +24,18 @@
 ray_on_slurm_log() { echo "[ray_on_slurm $(date +%T)] $*"; }
 
 ray_on_slurm_stop() {
-  # Stop every `ray start --block` step: srun forwards SIGTERM to the step, `ray start --block` exits and its reaper
-  # kills the raylet/GCS/workers it started; Slurm escalates to SIGKILL after KillWait.
+  # Stop every `ray start --block` step: srun forwards SIGUSR2 to the step's processes (SIGTERM is blocked in them,
+  # see slurm/ray_node.sh), `ray start --block` exits and the raylet/GCS it started die with it (Ray's
+  # kill-on-parent-death), the workers follow their raylet; Slurm escalates to SIGKILL after KillWait.
   [[ -n ${RAY_ON_SLURM_PIDS:-} ]] || return 0
   ray_on_slurm_log "stopping Ray on ${RAY_NODES:-?}"
   # shellcheck disable=SC2086  # one pid per word
-  kill -TERM $RAY_ON_SLURM_PIDS 2>/dev/null || true
+  kill -USR2 $RAY_ON_SLURM_PIDS 2>/dev/null || true
   # shellcheck disable=SC2086
   wait $RAY_ON_SLURM_PIDS 2>/dev/null || true
   RAY_ON_SLURM_PIDS=""
   srun --overlap --nodes="$RAY_NUM_NODES" --ntasks-per-node=1 rm -rf "$RAY_TMPDIR" 2>/dev/null || true
+  rm -rf "$RAY_TMPDIR"  # this (head) node's, also when the job is being cancelled and no new step can start
 }
 
 ray_on_slurm_start() {
@@ -65,8 +67,13 @@ ray_on_slurm_start() {
   common+=" --num-cpus=$cpus --num-gpus=$gpus --disable-usage-stats --block ${RAY_START_ARGS:-}"
   local srun_args=(--overlap --nodes=1 --ntasks=1 --cpus-per-task="$cpus" --kill-on-bad-exit=0)
 
+  # ray_node.sh: SIGTERM blocked in Ray (a job-wide SIGTERM must not stop it before the driver's checkpoint); the
+  # head's wrapper relays SIGTERM to the pid in $RAY_TMPDIR/driver.pid (written by train.sbatch)
+  local node_sh
+  node_sh="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ray_node.sh"
+  mkdir -p "$RAY_TMPDIR"
   srun "${srun_args[@]}" -w "$head" bash -c \
-    "exec ray start --head --port=$port ${RAY_HEAD_ARGS:---include-dashboard=false} $common" &
+    "exec $node_sh $RAY_TMPDIR/driver.pid ray start --head --port=$port ${RAY_HEAD_ARGS:---include-dashboard=false} $common" &
   RAY_ON_SLURM_PIDS="$!"
   local t0=$SECONDS
   until (exec 3<>"/dev/tcp/${head_ip}/$port") 2>/dev/null; do  # the GCS port accepts connections
@@ -77,7 +84,7 @@ ray_on_slurm_start() {
     sleep 0.5
   done
   for n in "${nodes[@]:1}"; do
-    srun "${srun_args[@]}" -w "$n" bash -c "exec ray start --address=$RAY_ADDRESS $common" &
+    srun "${srun_args[@]}" -w "$n" bash -c "exec $node_sh - ray start --address=$RAY_ADDRESS $common" &
     RAY_ON_SLURM_PIDS+=" $!"
   done
 

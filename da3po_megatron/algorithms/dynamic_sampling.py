@@ -178,8 +178,8 @@ class DynamicSamplingBuffer:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed for an exact resume, including the carried groups (as python objects: save with pickle
-        or ``torch.save`` and load with ``weights_only=False``). The groups are deep-copied."""
+        """Everything needed for an exact resume, including the carried groups (as python objects, deep-copied; the
+        trainer turns them into plain dicts so its checkpoint loads with ``torch.load(weights_only=True)``)."""
         return {
             "target_groups": self.target_groups,
             "surplus": self.surplus,

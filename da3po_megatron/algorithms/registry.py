@@ -11,11 +11,11 @@ gspo        sequence     seq-mean-token-mean  3e-4 / 4e-4         off*       off
 da3po       token        token-mean (Eq. 9)   0.2 / 0.28          on         on        on (Eq. 14)
 ==========  ===========  ===================  =================  =========  ========  =====
 
-``*`` marks OUR choices for the baselines, not the papers': the GRPO paper (Shao et al. 2024) and the GSPO paper
-(Zheng et al. 2025) predate or do not use DAPO's dynamic sampling and overlong shaping, and the DA3PO paper does not
-say how it ran them; we run them without both so that each baseline is the published method alone. The clip ratios
-are the published defaults (GRPO/PPO 0.2 symmetric; DAPO's clip-higher 0.2 / 0.28, which DA3PO inherits; GSPO's
-3e-4 / 4e-4 for its length-normalised sequence ratio). DA3PO = DAPO + DAA (the paper's Algorithm 1).
+``*`` marks OUR choices for the baselines, not the papers': dynamic sampling and overlong shaping are DAPO's additions,
+not part of GRPO (Shao et al. 2024) or GSPO (Zheng et al. 2025) as published, and the DA3PO paper does not say how it
+configured its baselines; we run GRPO and GSPO without both so that each baseline is its own method alone. The clip
+ratios are the published defaults (GRPO/PPO 0.2 symmetric; DAPO's clip-higher 0.2 / 0.28, which DA3PO inherits;
+GSPO's 3e-4 / 4e-4 for its length-normalised sequence ratio). DA3PO = DAPO + DAA (the paper's Algorithm 1).
 
 The run config (``da3po_megatron.config``) leaves every field a preset decides unset (None) and fills it ONCE at
 load from :func:`get_algorithm`; an explicit value wins and is reported as an override (:func:`preset_overrides`).

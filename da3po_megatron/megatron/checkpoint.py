@@ -205,6 +205,28 @@ def _restore_adam_step(optimizer, state) -> None:
                 pstate["step"] = torch.tensor(step, dtype=pstate["step"].dtype, device=pstate["step"].device)
 
 
+ALLOW_PICKLE_ENV = "DA3PO_ALLOW_PICKLE_CHECKPOINTS"
+
+
+def safe_load(path: str | Path) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors and plain Python values only, so loading a checkpoint never
+    runs code from it. Files of older versions that pickled Python objects load only with the explicit opt-in
+    ``DA3PO_ALLOW_PICKLE_CHECKPOINTS=1`` (for checkpoints you trust)."""
+    import os
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        if os.environ.get(ALLOW_PICKLE_ENV) == "1":
+            log.warning("%s: loading pickled Python objects (%s=1)", path, ALLOW_PICKLE_ENV)
+            return torch.load(path, weights_only=False, map_location="cpu")
+        raise pickle.UnpicklingError(
+            f"{path} holds pickled Python objects (a checkpoint of an older version, or not ours), and loading them "
+            f"could run code from the file; if you trust it, set {ALLOW_PICKLE_ENV}=1 to load it once (the next "
+            f"checkpoint is written in the safe format). Detail: {str(e).splitlines()[0]}") from None
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
     p = Path(path) / "meta.json"
     if not p.exists():
@@ -258,6 +280,6 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     restored_rng = saved["world_size"] == now["world_size"] and saved == now and rng_file.exists()
     if restored_rng:
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(safe_load(rng_file))
     _barrier()
     return {**meta, "loaded_optimizer": bool(do_opt and optimizer is not None), "restored_rng": restored_rng}

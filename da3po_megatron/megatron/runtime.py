@@ -144,13 +144,41 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
+def ignore_job_sigterm() -> None:
+    """In a Ray actor started under ``slurm/ray_node.sh`` (``DA3PO_IGNORE_SIGTERM=1``): ignore SIGTERM.
+
+    Slurm ends a job by sending SIGTERM to every process of it, KillWait seconds before SIGKILL; the driver uses that
+    time to checkpoint, for which the policy ranks and engines must still be alive. Ray's worker installs a SIGTERM
+    handler that exits (and its process spawner unblocks the signal mask ray_node.sh set), so each actor sets the
+    disposition itself, in its constructor (the main thread: the actors run with ``max_concurrency=1``)."""
+    import signal
+
+    if os.environ.get("DA3PO_IGNORE_SIGTERM") == "1":
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass
+
+
+def numpy_rng_state() -> tuple:
+    """numpy's global RNG state with its key array as a tensor (loads with ``torch.load(weights_only=True)``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return name, torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
+def set_numpy_rng_state(state: tuple) -> None:
+    """Restore :func:`numpy_rng_state` (or ``np.random.get_state()``'s own tuple)."""
+    name, keys, *rest = state
+    np.random.set_state((name, np.asarray(keys.numpy() if torch.is_tensor(keys) else keys, dtype=np.uint32), *rest))
+
+
 def rng_state() -> dict:
     """All RNG states of this rank (python, numpy, torch, Megatron tracker) for exact resume."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = {
+    state = {  # tensors and plain values only: loads with torch.load(weights_only=True)
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": numpy_rng_state(),
         "torch": torch.get_rng_state(),
         "tracker": get_cuda_rng_tracker().get_states(),
     }
@@ -163,8 +191,8 @@ def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` returned."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate(tuple(state["python"]))
+    set_numpy_rng_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     get_cuda_rng_tracker().set_states(state["tracker"])
     if torch.cuda.is_available() and "cuda" in state:

@@ -7,7 +7,10 @@ enforces the limit at two levels so that one bad answer can never hang or crash 
 1. soft: the worker arms ``signal.setitimer(ITIMER_REAL, timeout_s)`` around each item; when it fires, the item is
    abandoned (the worker survives and takes the next item);
 2. hard: if a worker has not answered ``kill_grace_s`` after the soft limit (C code that never returns to the
-   interpreter), or it dies (segfault, OOM kill), the pool kills it and starts a replacement.
+   interpreter), or it dies (segfault, OOM kill), the pool kills it and starts a replacement. The item a dying
+   worker held is scored once more on the fresh worker (the death may not be the item's fault: a stray kill, the
+   OOM killer), so the step's rewards stay those of an undisturbed run; only an item that kills its worker twice
+   counts as an error.
 
 Either way the item scores ``failure_reward`` (-1, the DAPO convention for "not correct") and is counted in
 :attr:`RewardPool.stats` (``timeouts``, ``errors``, ``restarts``) -- never silently. A pool that is broken rather than
@@ -299,6 +302,7 @@ class RewardPool:
     ) -> list[tuple[float | None, dict[str, Any]]]:
         results: list[tuple[float | None, dict[str, Any]] | None] = [None] * len(responses)
         pending = deque(range(len(responses)))
+        deaths: dict[int, int] = {}  # item -> workers that died holding it
         hard_limit = self.timeout_s + self.kill_grace_s
         for idx, w in enumerate(self._workers):  # a worker may have died between calls
             if not w.proc.is_alive():
@@ -336,8 +340,13 @@ class RewardPool:
                 if w.proc.sentinel in ready or w.conn in ready:  # died (or spoke out of turn): replace
                     w.proc.join(timeout=1.0)  # the pipe closes a moment before the process can be reaped
                     code = w.proc.exitcode
-                    results[item] = (None, {"status": "error", "error": f"reward worker died (exit code {code})",
-                                            "seconds": now - w.started_at})
+                    deaths[item] = deaths.get(item, 0) + 1
+                    if deaths[item] < 2:  # once: maybe not the item's fault (OOM killer, a stray kill): re-score
+                        pending.appendleft(item)
+                    else:  # it killed a worker twice: an error
+                        results[item] = (None, {"status": "error", "seconds": now - w.started_at,
+                                                "error": f"reward worker died twice on this item (exit code {code})"})
+                    w.item = None
                     self._replace(idx)
                 elif now - w.started_at >= hard_limit:
                     results[item] = (None, {"status": "timeout", "seconds": now - w.started_at, "killed": True})

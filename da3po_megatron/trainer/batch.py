@@ -15,9 +15,10 @@ so that they are testable without Ray, vLLM or Megatron:
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -85,7 +86,36 @@ def make_groups(examples: Sequence[Example], completions: Sequence[Sequence[Any]
             finish_reasons=[c.finish_reason for c in comps], acc=g_acc, rewards=rewards))
     if i != len(acc):
         raise ValueError(f"make_groups: {len(acc)} rewards for {i} completions")
+    require_finite(groups, "rewards")
     return groups
+
+
+def _plain(value: Any) -> Any:
+    """Plain Python values (numpy scalars / arrays from data readers -> lists and numbers)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def group_to_dict(g: Group) -> dict[str, Any]:
+    """A group as plain data (what a checkpoint stores: loads with ``torch.load(weights_only=True)``)."""
+    return _plain(asdict(g))
+
+
+def group_from_dict(d: dict[str, Any]) -> Group:
+    return Group(**{**d, "example": Example(**d["example"])})
+
+
+def require_finite(groups: Sequence[Group], attr: str) -> None:
+    """A non-finite reward or advantage is an error naming the prompt (it would turn the loss into NaN)."""
+    for g in groups:
+        bad = [i for i, v in enumerate(getattr(g, attr)) if not math.isfinite(v)]
+        if bad:
+            raise FloatingPointError(
+                f"non-finite {attr} for prompt {g.example.uid!r} (source {g.example.source!r}), responses {bad}: "
+                f"{[getattr(g, attr)[i] for i in bad]}; rewards {g.rewards}; answer {g.example.answer!r}")
 
 
 def compute_advantages(groups: Sequence[Group], eps: float, daa: bool, lambda_: float, tau: float,
@@ -119,6 +149,7 @@ def compute_advantages(groups: Sequence[Group], eps: float, daa: bool, lambda_: 
             (1.0 if torch.is_tensor(lam) else float(lam))
     for gi, g in enumerate(groups):
         g.advantages = adv[gi * G:(gi + 1) * G].tolist()
+    require_finite(groups, "advantages")
     return stats
 
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from da3po_megatron.config import Config
 from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.faults import fault_point
 from da3po_megatron.trainer.run import Run
 
 
@@ -32,11 +33,15 @@ class DynamicSamplingError(RuntimeError):
 
 
 class PhaseTimer:
-    def __init__(self) -> None:
+    """Seconds per phase of one step (and the fault-injection points of the reliability tests, ``faults.py``)."""
+
+    def __init__(self, run: Run | None = None, step: int = 0) -> None:
         self.seconds: dict[str, float] = {}
+        self.run, self.step = run, step
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        fault_point(name, self.step, self.run)
         t0 = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
@@ -77,14 +82,34 @@ def fill_batch(run: Run, step: int, timer: PhaseTimer) -> tuple[list[B.Group], l
 
 
 def train(cfg: Config) -> Run:
-    """Run (or resume) training as configured; returns the finished :class:`Run` (closed)."""
+    """Run (or resume) training as configured; returns the finished :class:`Run` (closed).
+
+    A stop request (SIGTERM / SIGUSR1 / SIGINT / ``run_dir/PREEMPT``, see ``trainer/signals.py``) abandons the step
+    in progress while it is in phases 1-3 (a resumed run redoes it exactly), or lets it finish from phase 4 on; then
+    the last completed step is checkpointed and the run ends."""
     run = Run(cfg)
     try:
-        if run.step == 0 and run.should_evaluate(0):  # the starting policy, for before/after comparisons
-            run.logger.log(0, run.evaluate())
-        for step in range(run.step + 1, cfg.trainer.total_steps + 1):
-            t_step, timer = time.perf_counter(), PhaseTimer()
+        try:
+            run_steps(run)
+        except KeyboardInterrupt:  # StepAbandoned (ray.get re-raises it as a plain KeyboardInterrupt) or SIGINT x2
+            if run.stop.exit_now or not run.stop.abandoned:
+                raise
+        if run.preempted():
+            run.save_checkpoint()
+            print(f"stop requested ({run.stop.describe()}): step {run.step} checkpointed; exiting", flush=True)
+    finally:
+        run.close()
+    return run
 
+
+def run_steps(run: Run) -> None:
+    """Algorithm 1: the steps from ``run.step + 1`` to ``trainer.total_steps`` (or until a stop request)."""
+    cfg = run.cfg
+    if run.step == 0 and run.should_evaluate(0):  # the starting policy, for before/after comparisons
+        run.logger.log(0, run.evaluate())
+    for step in range(run.step + 1, cfg.trainer.total_steps + 1):
+        t_step, timer = time.perf_counter(), PhaseTimer(run, step)
+        with run.stop.abandonable():  # a stop request in phases 1-3 abandons the step (nothing of it is kept)
             # 1. Generation rounds + rewards + dynamic sampling (DAPO), until the batch is full.
             try:
                 groups, generated = fill_batch(run, step, timer)
@@ -92,6 +117,7 @@ def train(cfg: Config) -> Run:
                 run.logger.log(step, {**run.buffer.stats(), "dynamic_sampling/failed": 1.0,
                                       **{f"time/{k}": v for k, v in timer.seconds.items()}})
                 raise
+            run.engines_idle()  # colocated CUDA: engines sleep while the policy trains (woken by the sync)
 
             # 2. Advantages: group z-scores (Eq. 3), then Direct Advantage Amplification (Eq. 14).
             daa = B.compute_advantages(groups, cfg.algorithm.advantage_eps, cfg.daa.enable, cfg.daa.lambda_,
@@ -103,28 +129,25 @@ def train(cfg: Config) -> Run:
             with timer("old_logprobs"):
                 batch, mismatch = run.old_logprobs(batch)
 
-            # 4. Mini-batch updates with the clipped surrogate on the Megatron policy.
-            with timer("train"):
-                train_metrics = run.policy.train_step(batch)
+        # 4. Mini-batch updates with the clipped surrogate on the Megatron policy.
+        with timer("train"):
+            train_metrics = run.policy.train_step(batch)
+        run.check_update(step, train_metrics)  # non-finite loss / gradients: updates skipped; too many in a row: stop
 
-            # 5. New weights into the engines (bucketed stream; prefix cache reset).
-            with timer("weight_sync"):
-                sync = run.sync_weights()
+        # 5. New weights into the engines (bucketed stream; prefix cache reset).
+        with timer("weight_sync"):
+            sync = run.sync_weights()
 
-            # 6. Metrics, checkpoint, periodic evaluation.
-            run.step = step
-            metrics = run.step_metrics(groups, generated, daa, mismatch, train_metrics, sync, timer.seconds,
-                                       time.perf_counter() - t_step)
-            if run.should_evaluate(step):
-                with timer("eval"):
-                    metrics.update(run.evaluate())
-            run.logger.log(step, metrics)
-            best = run.best_candidate(metrics)  # trainer.keep_best_metric improved: keep this step's checkpoint
-            if run.should_checkpoint(step) or run.preempted() or best is not None:
-                run.save_checkpoint(best_value=best)
-            if run.preempted():
-                print(f"preemption requested: checkpoint of step {step} saved; exiting for requeue", flush=True)
-                break
-    finally:
-        run.close()
-    return run
+        # 6. Metrics, checkpoint, periodic evaluation.
+        run.step_completed(step)
+        metrics = run.step_metrics(groups, generated, daa, mismatch, train_metrics, sync, timer.seconds,
+                                   time.perf_counter() - t_step)
+        if run.should_evaluate(step):
+            with timer("eval"):
+                metrics.update(run.evaluate())
+        run.logger.log(step, metrics)
+        best = run.best_candidate(metrics)  # trainer.keep_best_metric improved: keep this step's checkpoint
+        if run.should_checkpoint(step) or run.preempted() or best is not None:
+            run.save_checkpoint(best_value=best)
+        if run.preempted():
+            break

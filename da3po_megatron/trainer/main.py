@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     from da3po_megatron.data.datasets import BadRowError
     from da3po_megatron.megatron.memory import MemoryBudgetError
     from da3po_megatron.rewards import RewardPoolError
+    from da3po_megatron.trainer.checkpoint import CheckpointWriteError, NoIntactCheckpointError
     from da3po_megatron.trainer.console import configure
+    from da3po_megatron.trainer.inputs import InputError
     from da3po_megatron.trainer.loop import DynamicSamplingError, train
 
     log_dir = configure(cfg.trainer.run_dir, verbose=args.verbose or os.environ.get("DA3PO_VERBOSE") == "1")
@@ -56,9 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     except BadRowError as e:  # names file, row and field; data.on_bad_row=skip skips and counts instead
         print(f"data error: {e}\n(set data.on_bad_row=skip to skip and count malformed rows)", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, NoIntactCheckpointError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # non-finite updates / rewards / weights: stopped before a sync or save
+        print(f"non-finite error: {e}", file=sys.stderr)
+        return 1
+    except CheckpointWriteError as e:  # e.g. disk full: the previous checkpoint and `latest` are intact
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: exit now (actors and reward workers were shut down)
+        print("interrupted: exited without a checkpoint", file=sys.stderr)
+        return 130
     except DynamicSamplingError as e:  # one line; the filter's counts of the failed step are in metrics.jsonl
         print(f"dynamic sampling error: {e}", file=sys.stderr)
         return 2

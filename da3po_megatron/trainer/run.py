@@ -8,8 +8,9 @@ dynamic-sampling buffer, driver RNG, cumulative counters, the policy's checkpoin
   num_gpus_per_policy_rank`` / ``num_gpus_per_engine`` decide whether they share GPUs (``rollout.colocate``);
 - the reward pool: processes of the driver.
 
-Preemption: SIGUSR1 / SIGTERM, or a file ``run_dir/PREEMPT`` (what ``slurm/train.sbatch`` creates before the job is
-killed), makes the loop checkpoint after the current step and exit; the requeued job resumes from ``latest``.
+Stop requests: SIGTERM / SIGUSR1 / SIGINT, or a file ``run_dir/PREEMPT`` (what ``slurm/train.sbatch`` creates before
+the job is killed), make the loop checkpoint the last completed step and exit 0 (``trainer/signals.py``: the handlers
+are installed after ``ray.init``); the requeued job resumes from ``latest``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import math
 import os
 import random
-import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +37,9 @@ from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.best import BestCheckpoint, save_checkpoint
 from da3po_megatron.trainer.checkpoint import CheckpointManager
 from da3po_megatron.trainer.console import ray_init_kwargs
+from da3po_megatron.trainer.faults import fault_point, poisoned
 from da3po_megatron.trainer.metrics import MetricsLogger
+from da3po_megatron.trainer.signals import StopSignals
 
 
 def _hostname(_worker: Any = None) -> str:
@@ -92,13 +94,21 @@ def load_train_data(cfg: Config) -> PromptDataset:
                     "`huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k --local-dir .` "
                     "(writes data/dapo-math-17k.parquet), or set data.train_files")
         raise FileNotFoundError(f"data.train_files: not found: {', '.join(missing)}{hint}")
-    if d.format == "dapo":
-        parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row, dedup=d.dedup) for f in d.train_files]
-    else:
-        parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
-                              on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem,
-                              dedup=d.dedup)
-                 for f in d.train_files]
+    from da3po_megatron.data.datasets import BadRowError
+    from da3po_megatron.trainer.inputs import InputError
+
+    try:
+        if d.format == "dapo":
+            parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row, dedup=d.dedup) for f in d.train_files]
+        else:
+            parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                  on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem,
+                                  dedup=d.dedup)
+                     for f in d.train_files]
+    except BadRowError:
+        raise
+    except (ValueError, OSError) as e:  # an unreadable file (not parquet, not JSON, unsupported suffix)
+        raise InputError(f"data.train_files: {e}") from None
     for f, part in zip(d.train_files, parts):
         s = part.stats
         print(f"data: {f}: {s.rows} rows, {s.kept} prompts"
@@ -136,34 +146,28 @@ class Run:
         from da3po_megatron.megatron.actor_group import PolicyGroup
         from da3po_megatron.rewards import RewardPool
         from da3po_megatron.rollout import RolloutClient
+        from da3po_megatron.trainer.inputs import check_prompts, load_tokenizer
 
         self.cfg = cfg
-        preflight(cfg)  # parallel sizes and memory: fail before anything is written or started
+        # first: bad inputs fail (InputError / BadRowError, exit 2) before anything is written or started
+        dataset = load_train_data(cfg)
+        self.tokenizer = load_tokenizer(cfg)  # the model directory's config.json and tokenizer
+        preflight(cfg)  # parallel sizes and memory
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
         self.totals = {"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
-                       "reward_errors": 0}
-        self._preempt = False
+                       "reward_errors": 0, "skipped_updates": 0, "consecutive_skipped_updates": 0}
         from da3po_megatron.rollout.consistency import DRIFT_FLOOR, DriftMonitor
 
         self.drift = DriftMonitor(cfg.rollout.logprob_drift_factor, DRIFT_FLOOR.get(cfg.model.params_dtype, 1e-2))
         (self.run_dir / "PREEMPT").unlink(missing_ok=True)  # a request of the previous (requeued) job
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        self.stop = StopSignals(self.run_dir / "PREEMPT")
 
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
-        from transformers import AutoTokenizer
-
-        self.dataset = load_train_data(cfg)  # first: bad data fails before anything heavy starts
-        if not (Path(cfg.model.path) / "config.json").exists():
-            raise FileNotFoundError(
-                f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory (no config.json); no "
-                "downloads happen at run time: fetch it first, e.g. `huggingface-cli download Qwen/Qwen3-4B-Base "
-                "--local-dir checkpoints/Qwen3-4B-Base`, and point model.path there")
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.dataset = check_prompts(dataset, self.tokenizer, cfg)
         self.data_skipped_rows = self.dataset.stats.skipped if self.dataset.stats is not None else 0
         self.prompts = self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
@@ -174,8 +178,10 @@ class Run:
         self.ckpt = CheckpointManager(self.run_dir, t.keep_last)
         self.best = BestCheckpoint(self.ckpt.root, t.keep_best_metric, t.keep_best_mode) if t.keep_best_metric else None
         self.ckpt.protect = self.best.protected if self.best else self.ckpt.protect
+        latest = self.ckpt.latest() if t.resume else None  # verified (a damaged one: the previous) before any actor
 
         init_ray(cfg)
+        self.stop.install()  # after ray.init, which replaces the SIGTERM handler with one that exits at once
         t0 = time.perf_counter()
         self.policy = PolicyGroup.from_config(cfg)
         if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
@@ -193,10 +199,21 @@ class Run:
               + ", ".join(f"engine {i} on {h}" for i, h in enumerate(engine_hosts)), flush=True)
         print(f"policy loss: {self.policy.info()[0]['loss_backend']} (actor.loss_backend={cfg.actor.loss_backend})",
               flush=True)
+        from da3po_megatron.rollout.weight_sync import choose_transport
 
-        latest = self.ckpt.latest() if cfg.trainer.resume else None
+        self.weight_transfer = choose_transport(cfg.rollout.weight_transfer, has_cuda=torch.cuda.is_available(),
+                                                colocate=cfg.rollout.colocate, policy_hosts=policy_hosts,
+                                                engine_hosts=engine_hosts)
+        self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
+        self._transport: Any = None
+        self.rollout.resync = self.sync_weights  # an engine restarted after a sync gets the weights again
+        print(f"weight transfer: {self.weight_transfer} (rollout.weight_transfer={cfg.rollout.weight_transfer})",
+              flush=True)
+
         if latest is not None:
             self._restore(latest)
+        self.saved_step = self.step if latest is not None else -1
+        self.completed_state = self.trainer_state()  # what a checkpoint of the last completed step holds
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.total_steps, start_step=self.step,
                                     tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
                                     run_name=cfg.trainer.experiment_name, config=to_dict(cfg))
@@ -220,12 +237,21 @@ class Run:
 
     def generate(self, examples: list[Example], seed: int) -> list[list[Any]]:
         from da3po_megatron.rollout import SamplingConfig
+        from da3po_megatron.rollout.types import EngineDeadError
 
         r = self.cfg.rollout
         sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length,
                                   seed=seed, apply_chat_template=False)
         prompts = [render_prompt(self.tokenizer, ex.prompt, self.cfg.data.apply_chat_template) for ex in examples]
-        out = self.rollout.generate(prompts, sampling)
+        try:
+            out = self.rollout.generate(prompts, sampling)
+        except EngineDeadError as e:  # the client restarted the engine but cannot replay weights the policy pushed
+            if not self.cfg.rollout.restart_on_failure:
+                raise
+            print(f"warning: {e}; syncing the policy's weights into the restarted engine and generating again",
+                  flush=True)
+            self.sync_weights()
+            out = self.rollout.generate(prompts, sampling)
         for ex, comps in zip(examples, out, strict=True):
             if len(comps[0].prompt_token_ids) > r.max_prompt_length:
                 raise ValueError(f"prompt {ex.uid} has {len(comps[0].prompt_token_ids)} tokens, more than "
@@ -268,7 +294,7 @@ class Run:
             sub = PolicyBatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx])
             mismatch = logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
             return batch, {**mismatch, **self.drift.update(self.step + 1, mismatch)}
-        policy_lp = self.policy.compute_logprobs(batch)
+        policy_lp = poisoned(self.policy.compute_logprobs(batch), self.step + 1)  # (a no-op outside fault tests)
         mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
         mismatch.update(self.drift.update(self.step + 1, mismatch))
         weights = None
@@ -281,10 +307,54 @@ class Run:
             mismatch.update(stats)
         return replace(batch, old_logprobs=[list(x) for x in policy_lp], token_weights=weights), mismatch
 
+    def check_update(self, step: int, train_metrics: dict[str, Any]) -> None:
+        """Skipped optimizer updates (non-finite loss / gradient on some rank, see ``megatron/nonfinite.py``): warn
+        with the step and what was non-finite, count them, and stop -- before the weight sync and any checkpoint --
+        once ``trainer.max_consecutive_skipped_updates`` updates in a row were skipped (counted at step ends)."""
+        skipped, n = int(train_metrics.get("skipped_updates", 0)), int(train_metrics.get("num_updates", 0))
+        t = self.totals
+        t["skipped_updates"] += skipped
+        t["consecutive_skipped_updates"] = t["consecutive_skipped_updates"] + n if skipped == n else \
+            int(train_metrics.get("trailing_skipped_updates", 0))
+        if not skipped:
+            return
+        what = ", ".join(f"{k} in {int(train_metrics.get(f'nonfinite_{k}_updates', 0))}" for k in ("loss", "grad")
+                         if train_metrics.get(f"nonfinite_{k}_updates"))
+        print(f"warning: step {step}: skipped {skipped} of {n} optimizer updates: non-finite {what or 'loss scale'} "
+              f"(weights unchanged by them; {t['consecutive_skipped_updates']} in a row, limit "
+              f"trainer.max_consecutive_skipped_updates={self.cfg.trainer.max_consecutive_skipped_updates})",
+              flush=True)
+        if t["consecutive_skipped_updates"] >= self.cfg.trainer.max_consecutive_skipped_updates:
+            raise FloatingPointError(
+                f"step {step}: {t['consecutive_skipped_updates']} optimizer updates in a row skipped for a non-finite "
+                f"{what or 'loss scale'} (trainer.max_consecutive_skipped_updates="
+                f"{self.cfg.trainer.max_consecutive_skipped_updates}); stopping before the weights are synced or "
+                "saved. Lower optim.lr, check the data and rewards, or resume from the last checkpoint.")
+
     def sync_weights(self) -> dict[str, float]:
+        """Policy -> every engine through the transport chosen at start-up (``rollout.weight_transfer``)."""
         from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
 
-        return sync_policy_group_to_engines(self.policy, self.rollout, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+        r = self.cfg.rollout
+        if self.weight_transfer == "collective":
+            from da3po_megatron.rollout.collective_transport import CollectiveTransport
+
+            if self._transport is None:
+                self._transport = CollectiveTransport(self.policy.run_on_all,
+                                                      self.cfg.parallel.pipeline_model_parallel_size,
+                                                      timeout_s=r.weight_sync_timeout_s)
+            return self._transport.sync(self.rollout, bucket_mb=r.weight_sync_bucket_mb)
+        if self.weight_transfer == "ipc":
+            from da3po_megatron.rollout.ipc import ipc_sync
+
+            return ipc_sync(self.policy, self.rollout, bucket_mb=r.weight_sync_bucket_mb)
+        return sync_policy_group_to_engines(self.policy, self.rollout, bucket_mb=r.weight_sync_bucket_mb)
+
+    def engines_idle(self) -> None:
+        """The step's generation is over. Colocated on CUDA ("ipc"), the engines sleep (level 2: KV cache and weights
+        freed; the next sync rewrites every weight) so the policy has the GPU memory; ``ipc_sync`` wakes them."""
+        if self.weight_transfer == "ipc":
+            self.rollout.sleep(level=2)
 
     # ------------------------------------------------------------------------------------------------ metrics
     def step_metrics(self, groups, generated, daa, mismatch, train_metrics, sync, phase_seconds, step_seconds
@@ -308,6 +378,7 @@ class Run:
         m["gen/cumulative_groups"] = float(self.totals["groups"])
         m["reward/timeouts_total"] = float(self.totals["reward_timeouts"])
         m["reward/errors_total"] = float(self.totals["reward_errors"])
+        m["train/skipped_updates_total"] = float(self.totals["skipped_updates"])
         m["data/skipped_rows"] = float(self.data_skipped_rows)
         m.update(daa)
         m.update(B.theory_stats(generated, groups, cfg.algorithm.advantage_eps))
@@ -336,51 +407,78 @@ class Run:
         return step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0)
 
     def trainer_state(self) -> dict[str, Any]:
+        """The driver's part of a checkpoint: plain values and tensors only (``torch.load(weights_only=True)``)."""
+        from da3po_megatron.megatron.runtime import numpy_rng_state
+
+        buffer = self.buffer.state_dict()
         return {
             "step": self.step,
             "prompts": self.prompts.state_dict(),
-            "buffer": self.buffer.state_dict(),
+            "buffer": {**buffer, "groups": [B.group_to_dict(g) for g in buffer["groups"]]},
             "totals": dict(self.totals),
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "drift_baseline": self.drift.baseline,  # the fresh-sync mismatch level, so a resumed run compares alike
+            "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()},
             "config": to_dict(self.cfg),
         }
+
+    def step_completed(self, step: int) -> None:
+        """Step ``step`` is done (policy updated, engines synced): remember the trainer state a checkpoint of it holds
+        (a stop request during the next step saves this, not the half-done step's state)."""
+        self.step = step
+        self.completed_state = self.trainer_state()
 
     def best_candidate(self, metrics: dict[str, Any]) -> float | None:
         """The value of trainer.keep_best_metric when this step's evaluation beats the best so far (else None)."""
         return self.best.candidate(self.step, metrics) if self.best else None
 
-    def save_checkpoint(self, best_value: float | None = None) -> Path:
-        """Checkpoint this step; with ``best_value`` also record it as the best checkpoint (trainer/best.py)."""
+    def save_checkpoint(self, best_value: float | None = None) -> Path | None:
+        """Checkpoint the last completed step (nothing to do when it is already saved); with ``best_value`` also
+        record it as the best checkpoint (trainer/best.py)."""
+        step = int(self.completed_state["step"])
+        if step == self.saved_step or step == 0:
+            return None
         t0 = time.perf_counter()
-        path = save_checkpoint(self.ckpt, self.best, self.step, lambda p: self.policy.save(str(p)),
-                               self.trainer_state(), best_value)
+
+        def save_policy(p: Path) -> None:
+            self.policy.save(str(p))
+            fault_point("checkpoint", step, self)
+
+        path = save_checkpoint(self.ckpt, self.best, step, save_policy, self.completed_state, best_value)
+        self.saved_step = step
         note = f"; best {self.best.metric} = {best_value:.4f}" if self.best and best_value is not None else ""
-        print(f"checkpoint step {self.step} -> {path} ({time.perf_counter() - t0:.1f} s){note}", flush=True)
+        print(f"checkpoint step {step} -> {path} ({time.perf_counter() - t0:.1f} s){note}", flush=True)
         return path
 
     def _restore(self, path: Path) -> None:
+        from da3po_megatron.megatron.runtime import set_numpy_rng_state
+
         t0 = time.perf_counter()
         state = self.ckpt.load_trainer_state(path)
         self.policy.load(str(path / "policy"))
         self.step = int(state["step"])
         self.prompts.load_state_dict(state["prompts"])
-        self.buffer.load_state_dict(state["buffer"])
-        self.totals = dict(state["totals"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        groups = state["buffer"]["groups"]
+        self.buffer.load_state_dict({**state["buffer"], "groups": [  # dicts; Group objects in old (pickled) states
+            B.group_from_dict(g) if isinstance(g, dict) else g for g in groups]})
+        self.totals = {**self.totals, **state["totals"]}
+        self.drift.baseline = state.get("drift_baseline", self.drift.baseline)
+        random.setstate(tuple(state["rng"]["python"]))
+        set_numpy_rng_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         self.sync_weights()  # the engines start from the HF weights; give them the checkpoint's
         print(f"resumed from {path} at step {self.step} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     # ------------------------------------------------------------------------------------------------ preemption
-    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
-        print(f"received signal {signum}: will checkpoint after this step and exit", flush=True)
-        self._preempt = True
-
     def preempted(self) -> bool:
-        return self._preempt or (self.run_dir / "PREEMPT").exists()
+        return self.stop.requested
 
     def close(self) -> None:
+        if getattr(self, "_transport", None) is not None:
+            try:
+                self._transport.teardown(self.rollout)
+            except Exception as e:  # noqa: BLE001 - closing must not hide the real error
+                print(f"warning: closing the weight-transfer group failed: {e}", flush=True)
+            self._transport = None
         for part in ("rollout", "policy", "rewards"):
             obj = getattr(self, part, None)
             if obj is not None:
