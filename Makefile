@@ -1,7 +1,7 @@
 # Two commands for a newcomer:  `make demo`  and  `make test`.  Everything else is optional.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: install demo test lint theory clean
 

@@ -122,7 +122,12 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     ckpts = run_dir / "checkpoints"
     table = []
     # SIGKILL at each phase of step 2 (step 1 is checkpointed by the first launch); each restart redoes step 2
-    for phase in ("generate", "reward", "old_logprobs", "train", "weight_sync", "checkpoint"):
+    # CI kills at four phases; reward and old log-probs sit in the same "abandon the step" window as generation
+    # (nothing persistent has changed yet) and run with DA3PO_FAULT_SUITE_FULL=1 (docs/reliability.md: all six measured)
+    full = os.environ.get("DA3PO_FAULT_SUITE_FULL") == "1"
+    phases = ("generate", "reward", "old_logprobs", "train", "weight_sync", "checkpoint") if full else \
+        ("generate", "train", "weight_sync", "checkpoint")
+    for phase in phases:
         p, seconds = launch(model, run_dir, f"kill@{phase}@2")
         assert p.returncode == -9, tail(p)
         assert f"fault injection: kill@{phase}@2" in p.stdout
