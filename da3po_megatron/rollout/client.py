@@ -292,6 +292,31 @@ class RolloutClient:
                         "generate (after restart)")[0])
         return assemble(results, len(prompts), sampling.n, owner)
 
+    # ------------------------------------------------------------------ streaming
+    def stream_start(self, index: int, submit: list[tuple[str, Any, int, int | None]], sampling: SamplingConfig,
+                     abort: list[str] | None = None, max_steps: int = 16) -> Any:
+        """Start one :meth:`VLLMEngine.stream` call on engine ``index`` (add / abort groups, run a few engine steps):
+        a Ray ref in ray mode, the result itself in local mode. Collect it with :meth:`stream_wait`."""
+        return self._call(index, "stream", submit, sampling, abort, max_steps)
+
+    def stream_wait(self, pending: list[tuple[int, Any]]) -> tuple[int, dict[str, Any]]:
+        """The first call of ``pending`` (engine index, ref) to finish: ``(its position in pending, its result)``.
+        Ray mode waits for whichever engine answers first; local mode takes them in order."""
+        if not pending:
+            raise ValueError("stream_wait: nothing pending")
+        if self.mode != "ray":
+            return 0, pending[0][1]
+        import ray
+
+        ready, _ = ray.wait([ref for _, ref in pending], num_returns=1)
+        pos = next(i for i, (_, ref) in enumerate(pending) if ref == ready[0])
+        return pos, self._gather([pending[pos]], "stream")[0]
+
+    def stream_abort_all(self) -> list[dict[str, Any]]:
+        """Abort every streamed group on every engine (none is left running); each engine's ``{"aborted": {key:
+        decoded tokens}, "running": 0}``."""
+        return self._gather([(i, self._call(i, "stream_abort_all")) for i in range(self.num_engines)], "stream abort")
+
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self) -> None:
         """Open a weight-update session on every engine (layerwise reload). Generation must wait until finish."""
