@@ -114,6 +114,14 @@ class RolloutConfig:
     colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate.")
     num_cpus_per_engine: float = doc(1, "Ray resources per engine actor.")
     restart_on_failure: bool = doc(False, "Restart an engine that died (else the step fails with a clear error).")
+    mode: Literal["rounds", "streaming"] = doc("rounds", "Dynamic sampling: 'rounds' (the paper's; whole rounds until "
+        "the batch is full) or 'streaming' (groups scored as they finish, the rest aborted; docs/rollout.md).")
+    stream_order: Literal["submission", "completion"] = doc("submission", "Streaming batch = the first kept groups in "
+        "prompt order (unbiased, reproducible) or in finishing order (biased to short responses).")
+    max_inflight_prompts: int = doc(0, "Streaming: prompts in flight across all engines (0 = data.train_batch_size).")
+    stream_steps_per_call: int = doc(8, "Streaming: engine steps per driver round trip (bounds how long aborts wait).")
+    staleness: int = doc(0, "0: the paper's synchronous loop; 1: step t+1 generated while t trains (docs/rollout.md).")
+    ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")
 
 
 @dataclass
@@ -190,7 +198,8 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    kind: Literal["math", "synthetic"] = doc("math", "Verifier: math-verify (boxed / 'Answer:') or the synthetic task.")
+    kind: Literal["math", "synthetic", "coin"] = doc("math", "Verifier: math-verify (boxed / 'Answer:'), the synthetic "
+                                                             "task, or 'coin' (the benchmark's keep-rate task).")
     num_workers: int = doc(4, "Reward processes (math-verify needs its own main thread per process).")
     timeout_s: float = doc(10.0, "Per-item time limit; a timed-out answer scores -1 and is counted.")
 
@@ -217,7 +226,8 @@ class RayConfig:
     num_gpus_per_engine: float = doc(0, "Ray GPUs per vLLM engine (= rollout.tensor_parallel_size on GPU).")
     spread_policy_nodes: bool = doc(False, "Spread policy ranks over nodes (STRICT_SPREAD) -- for the local "
                                            "multi-node tests.")
-
+    engine_cpus: str = doc("", "Cores the engine actors are pinned to, e.g. '0' or '0-3' ('' = no pinning).")
+    policy_cpus: str = doc("", "Cores the policy actors are pinned to; disjoint from engine_cpus for real overlap.")
 
 @dataclass
 class TrainerConfig:
@@ -444,6 +454,10 @@ def validate(cfg: Config) -> None:
     _check(r.temperature > 0, "rollout.temperature", r.temperature, "> 0")
     _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "(0, 1]")
     _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, ">= 1")
+    _check(r.staleness in (0, 1), "rollout.staleness", r.staleness, "0 or 1")
+    _check(r.stream_steps_per_call >= 1, "rollout.stream_steps_per_call", r.stream_steps_per_call, ">= 1")
+    _check(r.mode == "rounds" or a.surplus == "drop", "algorithm.surplus", a.surplus, "'drop' with rollout.mode="
+           "streaming (it aborts the surplus instead of generating it)")
     _check(0 <= r.logprob_check_fraction <= 1, "rollout.logprob_check_fraction", r.logprob_check_fraction, "[0, 1]")
     ov = a.overlong
     _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,

@@ -262,22 +262,24 @@ class RolloutClient:
             self._gather([(index, handle.finish_bucket_update.remote())], "restart: weight replay")
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[str] | list[list[int]] | list[Any], sampling: SamplingConfig
-                 ) -> list[list[Completion]]:
-        """n completions per prompt, in prompt order; prompts are spread over the engines in contiguous shards."""
+    def generate(self, prompts: list[str] | list[list[int]] | list[Any], sampling: SamplingConfig,
+                 max_tokens: list[int | None] | None = None) -> list[list[Completion]]:
+        """n completions per prompt, in prompt order; prompts are spread over the engines in contiguous shards.
+        ``max_tokens``: a per-prompt cap replacing ``sampling.max_tokens`` where not None (benchmarks)."""
         sampling.validate()
         prompts = list(prompts)
         if not prompts:
             return []
         shards = [s for s in _split(len(prompts), self.num_engines)]
         owner = {i: e for e, s in enumerate(shards) for i in s}
+        extra = (lambda s: (None if max_tokens is None else [max_tokens[i] for i in s],))
         results: list[Completion] = []
         if self.mode == "local":
             for e, s in enumerate(shards):
                 if len(s):
-                    results.extend(self._call(e, "generate", [prompts[i] for i in s], list(s), sampling))
+                    results.extend(self._call(e, "generate", [prompts[i] for i in s], list(s), sampling, *extra(s)))
         else:
-            pending = [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling))
+            pending = [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling, *extra(s)))
                        for e, s in enumerate(shards) if len(s)]
             for e, ref in pending:
                 try:
@@ -288,9 +290,13 @@ class RolloutClient:
                     self._restart(e, err)
                     s = shards[e]
                     results.extend(self._gather(
-                        [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling))],
+                        [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling, *extra(s)))],
                         "generate (after restart)")[0])
         return assemble(results, len(prompts), sampling.n, owner)
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every engine; the results in engine order."""
+        return self._gather([(i, self._call(i, method, *args)) for i in range(self.num_engines)], method)
 
     # ------------------------------------------------------------------ streaming
     def stream_start(self, index: int, submit: list[tuple[str, Any, int, int | None]], sampling: SamplingConfig,

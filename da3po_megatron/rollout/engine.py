@@ -228,8 +228,10 @@ class VLLMEngine:
             ignore_eos=sampling.ignore_eos,
         )
 
-    def generate(self, prompts: list[Any], prompt_indices: list[int], sampling: SamplingConfig) -> list[Completion]:
-        """Sample ``sampling.n`` responses for each prompt; ``prompt_indices`` are the prompts' global indices."""
+    def generate(self, prompts: list[Any], prompt_indices: list[int], sampling: SamplingConfig,
+                 max_tokens: list[int | None] | None = None) -> list[Completion]:
+        """Sample ``sampling.n`` responses for each prompt; ``prompt_indices`` are the prompts' global indices;
+        ``max_tokens``: per-prompt caps replacing ``sampling.max_tokens`` where not None."""
         sampling.validate()
         if len(prompts) != len(prompt_indices):
             raise ValueError(f"{len(prompts)} prompts but {len(prompt_indices)} prompt indices")
@@ -237,6 +239,9 @@ class VLLMEngine:
             return []
         ids = [self.prompt_token_ids(p, sampling.apply_chat_template) for p in prompts]
         params = [self.sampling_params(sampling, i) for i in prompt_indices]
+        for p, cap in zip(params, max_tokens or []):
+            if cap is not None:
+                p.max_tokens = int(cap)
         outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
         completions: list[Completion] = []
         for gi, pid, out in zip(prompt_indices, ids, outputs):
@@ -426,6 +431,12 @@ class VLLMEngine:
                 "weights_version": self.weights_version, "generated_tokens": self.generated_tokens,
                 "startup_seconds": self.startup_seconds, "transfer_backend": self.transfer_backend,
                 "stream_running": len(self._streams)}
+
+    def pin_cpus(self, spec: str) -> list[int]:
+        """Pin this engine's process (every thread; in-process engine core included) to the cores of ``spec``."""
+        from da3po_megatron.affinity import pin_process
+
+        return pin_process(spec)
 
     def pid(self) -> int:
         return os.getpid()

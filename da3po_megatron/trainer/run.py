@@ -37,6 +37,12 @@ from da3po_megatron.trainer.checkpoint import CheckpointManager
 from da3po_megatron.trainer.metrics import MetricsLogger
 
 
+def _pin(_worker: Any, spec: str) -> list[int]:
+    from da3po_megatron.affinity import pin_process
+
+    return pin_process(spec)
+
+
 def _hostname(_worker: Any = None) -> str:
     import socket
 
@@ -115,6 +121,8 @@ class Run:
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
+        self.engine_weight_step = 0  # the policy step whose weights the engines hold (tags every generated group)
+        self.pending: list[Any] = []  # staleness 1: the next step's batch, generated during this step (checkpointed)
         self.totals = {"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
                        "reward_errors": 0}
         self._preempt = False
@@ -149,6 +157,7 @@ class Run:
                                          restart_on_failure=cfg.rollout.restart_on_failure)
         print(f"policy ({cfg.policy_world_size} ranks) and {cfg.rollout.num_engines} engine(s) ready in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
+        self.pin_cpus()
         policy_hosts = self.policy.run_on_all(_hostname)
         engine_hosts = [h.get("host", "?") for h in self.rollout.health()]
         print("placement: " + ", ".join(f"policy rank {i} on {h}" for i, h in enumerate(policy_hosts)) + "; "
@@ -180,21 +189,29 @@ class Run:
         exactly what an uninterrupted one would."""
         return (self.cfg.trainer.seed * 1_000_003 + step * 1_009 + round_) % (2**31 - 1)
 
-    def generate(self, examples: list[Example], seed: int) -> list[list[Any]]:
+    def sampling_config(self, seed: int) -> Any:
         from da3po_megatron.rollout import SamplingConfig
 
         r = self.cfg.rollout
-        sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length,
-                                  seed=seed, apply_chat_template=False)
-        prompts = [render_prompt(self.tokenizer, ex.prompt, self.cfg.data.apply_chat_template) for ex in examples]
-        out = self.rollout.generate(prompts, sampling)
-        for ex, comps in zip(examples, out, strict=True):
-            if len(comps[0].prompt_token_ids) > r.max_prompt_length:
-                raise ValueError(f"prompt {ex.uid} has {len(comps[0].prompt_token_ids)} tokens, more than "
-                                 f"rollout.max_prompt_length={r.max_prompt_length}")
+        return SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length,
+                              seed=seed, apply_chat_template=False, ignore_eos=r.ignore_eos)
+
+    def render_prompts(self, examples: list[Example]) -> list[Any]:
+        return [render_prompt(self.tokenizer, ex.prompt, self.cfg.data.apply_chat_template) for ex in examples]
+
+    def generate(self, examples: list[Example], seed: int) -> list[list[Any]]:
+        """G responses per prompt in one round (an example's ``meta["max_tokens"]`` caps its own responses)."""
+        lengths = [ex.meta.get("max_tokens") for ex in examples]
+        out = self.rollout.generate(self.render_prompts(examples), self.sampling_config(seed),
+                                    max_tokens=lengths if any(x is not None for x in lengths) else None)
         return out
 
     def score(self, examples: list[Example], completions: list[list[Any]]) -> list[B.Group]:
+        r = self.cfg.rollout
+        for ex, comps in zip(examples, completions, strict=True):
+            if len(comps[0].prompt_token_ids) > r.max_prompt_length:
+                raise ValueError(f"prompt {ex.uid} has {len(comps[0].prompt_token_ids)} tokens, more than "
+                                 f"rollout.max_prompt_length={r.max_prompt_length}")
         texts = [c.text for cs in completions for c in cs]
         answers = [ex.answer for ex, cs in zip(examples, completions) for _ in cs]
         scored = self.rewards.score_batch(texts, answers, kind=self.cfg.reward.kind)
@@ -246,17 +263,36 @@ class Run:
 
         return sync_policy_group_to_engines(self.policy, self.rollout, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
 
+    def pin_cpus(self) -> None:
+        """Placement for overlap: engines on ``ray.engine_cpus``, policy ranks on ``ray.policy_cpus`` (disjoint cores:
+        generation and training never compete for one). Prints the resulting affinity."""
+        r = self.cfg.ray
+        for name, spec in (("policy_cpus", r.policy_cpus), ("engine_cpus", r.engine_cpus)):
+            try:
+                if name == "policy_cpus":
+                    cores = self.policy.run_on_all(_pin, spec) if spec else []
+                else:
+                    cores = self.rollout.call_all("pin_cpus", spec) if spec else []
+            except Exception as e:  # noqa: BLE001 - name the field
+                raise ValueError(f"ray.{name}={spec!r}: {e}") from e
+            if spec:
+                print(f"placement: {name.split('_')[0]} processes pinned to cores {cores}", flush=True)
+
     # ------------------------------------------------------------------------------------------------ metrics
-    def step_metrics(self, groups, generated, daa, mismatch, train_metrics, sync, phase_seconds, step_seconds
+    def step_metrics(self, rollout, daa, mismatch, train_metrics, sync, phase_seconds, step_seconds
                      ) -> dict[str, float]:
         cfg = self.cfg
+        groups, generated = rollout.groups, rollout.generated
         m: dict[str, float] = {}
         m.update(B.group_stats(generated, cfg.rollout.max_response_length, "gen"))
         m.update(B.group_stats(groups, cfg.rollout.max_response_length, "batch"))
         m["acc/mean"] = m.get("gen/acc", 0.0)
         m["reward/mean"] = m.get("gen/reward", 0.0)
-        s = self.buffer.stats()
+        s = rollout.stats
         m.update(s)
+        versions = [g.weight_step for g in groups]
+        m["rollout/weight_step_min"], m["rollout/weight_step_max"] = float(min(versions)), float(max(versions))
+        m["rollout/staleness"] = float(self.step - 1 - min(versions))  # policy step trained from - generating step
         m["gen/rounds"] = s["dynamic_sampling/rounds"]
         m["gen/groups"] = s["dynamic_sampling/generated_groups"]
         m["filter/kept_groups"] = s["dynamic_sampling/kept_groups"]
@@ -301,6 +337,8 @@ class Run:
             "prompts": self.prompts.state_dict(),
             "buffer": self.buffer.state_dict(),
             "totals": dict(self.totals),
+            "engine_weight_step": self.engine_weight_step,
+            "pending": list(self.pending),
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
             "config": to_dict(self.cfg),
         }
@@ -319,10 +357,14 @@ class Run:
         self.prompts.load_state_dict(state["prompts"])
         self.buffer.load_state_dict(state["buffer"])
         self.totals = dict(state["totals"])
+        # staleness 1: the next step's batch was complete when this checkpoint was written (the loop joins the
+        # prefetch before the weight sync and the checkpoint); it is saved and trained on as is after a resume
+        self.pending = list(state.get("pending", []))
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         self.sync_weights()  # the engines start from the HF weights; give them the checkpoint's
+        self.engine_weight_step = self.step
         print(f"resumed from {path} at step {self.step} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     # ------------------------------------------------------------------------------------------------ preemption
