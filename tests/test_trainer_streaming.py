@@ -31,6 +31,7 @@ class ScriptedEngineClientMock:
     def stream_start(self, e, submit, sampling, abort=None, max_steps=8):
         self.calls += 1
         run = self.running[e]
+        aborted = {key: run.pop(key)[2] * G for key in abort or [] if key in run}
         for key, prompt, index, _cap in submit:
             run[key] = [index, int(prompt.split(":")[0][1:]), 0, prompt]
         finished, decoded, steps = [], 0, 0
@@ -43,7 +44,7 @@ class ScriptedEngineClientMock:
                     index, length, _, prompt = run.pop(key)
                     finished.append((key, [Completion(index, j, [1], [9] * length, f"{prompt}#{j}", [-1.0] * length,
                                                       "length", length) for j in range(G)]))
-        return {"finished": finished, "aborted": {}, "running": len(run), "decoded": decoded}
+        return {"finished": finished, "aborted": aborted, "running": len(run), "decoded": decoded}
 
     def stream_wait(self, pending):
         return 0, pending[0][1]
@@ -93,6 +94,18 @@ def test_submission_order_batch_is_the_first_kept_prompts_and_the_stream_resumes
     assert s["rollout/decoded_tokens"] == s["rollout/kept_tokens"] + s["rollout/wasted_tokens"]
     assert {g.example.uid for g in out.generated} >= {"u0", "u1", "u2", "u3"}
     assert all(run.rollout.running[e] == {} for e in range(run.rollout.num_engines))  # nothing left running
+
+
+def test_submission_order_stops_and_aborts_prompts_that_can_no_longer_enter_the_batch_mock():
+    """Once the need-th kept group (in prompt order) is known, later prompts are not submitted and running ones are
+    aborted at once, not generated to the end."""
+    task = [(3, "mix"), (1, "mix"), (1, "mix"), (1, "mix"), (9, "mix"), (9, "mix")] + [(1, "mix")] * 20
+    run = fake_run(task, "submission", need=3, inflight=6)
+    out = stream_batch(run, 1)
+    assert [g.example.uid for g in out.groups] == ["u0", "u1", "u2"]
+    # u1..u3 finish at step 1 -> kept indices 1,2,3 = need: u4, u5 (index >= 4) are aborted before u0 finishes
+    assert out.stats["rollout/aborted_groups"] == 2 and out.stats["rollout/aborted_tokens"] <= 2 * 2 * G
+    assert run.rollout.calls <= 6
 
 
 def test_completion_order_batch_prefers_short_responses_mock():

@@ -27,6 +27,7 @@ every group records ``weight_step``, the policy step whose weights generated it.
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import time
@@ -77,11 +78,17 @@ def stream_batch(run: Run, step: int) -> StepRollout:
     sampling = run.sampling_config(run.sampling_seed(step, 0))
     weight_step, start = run.engine_weight_step, run.prompts.state_dict()
     examples: list = []  # global prompt index j -> Example (drawn from the stream on demand)
-    next_j, running = list(range(n_eng)), [0] * n_eng
+    next_j, running = list(range(n_eng)), [set() for _ in range(n_eng)]  # next index / indices running per engine
+    kept_idx: list[int] = []  # submission order: indices of the kept groups scored so far, sorted
+
+    def limit() -> int:
+        """Prompts at or beyond this index cannot enter the batch any more (submission order: the need-th kept
+        group is known), so they are not submitted and, when running, aborted."""
+        return kept_idx[need - 1] + 1 if in_order and len(kept_idx) >= need else budget
 
     def refill(e: int) -> list[tuple[str, object, int, int | None]]:
         out = []
-        while running[e] + len(out) < per_engine and next_j[e] < budget:
+        while len(running[e]) + len(out) < per_engine and next_j[e] < limit():
             j, next_j[e] = next_j[e], next_j[e] + n_eng
             while len(examples) <= j:
                 examples.extend(run.next_prompts(1) or [None])
@@ -89,33 +96,45 @@ def stream_batch(run: Run, step: int) -> StepRollout:
                 break
             ex = examples[j]
             out.append((f"s{step}p{j}", run.render_prompts([ex])[0], j, ex.meta.get("max_tokens")))
-        running[e] += len(out)
+        running[e].update(j for _, _, j, _ in out)
         return out
+
+    def useless(e: int) -> list[str]:
+        drop = sorted(j for j in running[e] if j >= limit())
+        running[e].difference_update(drop)
+        return [f"s{step}p{j}" for j in drop]
 
     t0, reward_s, steps = time.perf_counter(), 0.0, cfg.rollout.stream_steps_per_call
     pending = [(e, client.stream_start(e, refill(e), sampling, None, steps)) for e in range(n_eng)]
     scored: dict[int, B.Group] = {}
     batch: list[B.Group] = []
     admitted = 0  # submission order: prompts 0..admitted-1 are decided (kept into the batch or filtered)
-    informative = 0
+    informative = unscored_tokens = 0
+    aborted: dict[str, int] = {}
     while pending and len(batch) < need:
         pos, res = client.stream_wait(pending)
         e, _ = pending.pop(pos)
-        running[e] = res["running"]
-        new = refill(e)  # hand the engine its next prompts before scoring, so it never waits for the driver
-        if running[e]:
-            pending.append((e, client.stream_start(e, new, sampling, None, steps)))
-        if not res["finished"]:
+        aborted.update(res["aborted"])
+        done = [(int(key.rpartition("p")[2]), comps) for key, comps in res["finished"]]
+        running[e].difference_update(j for j, _ in done)
+        # hand the engine its next prompts (and drop what can no longer count) before scoring: it never waits
+        drop, new = useless(e), refill(e)
+        if running[e] or drop:
+            pending.append((e, client.stream_start(e, new, sampling, drop, steps)))
+        unscored_tokens += sum(c.num_tokens for j, comps in done if j >= limit() for c in comps)
+        done = [(j, comps) for j, comps in done if j < limit()]
+        if not done:
             continue
         t_r = time.perf_counter()
-        js = [int(key.rpartition("p")[2]) for key, _ in res["finished"]]
-        groups = run.score([examples[j] for j in js], [comps for _, comps in res["finished"]])
+        groups = run.score([examples[j] for j, _ in done], [comps for _, comps in done])
         reward_s += time.perf_counter() - t_r
-        for j, g in zip(js, groups):
+        for (j, _), g in zip(done, groups):
             g.weight_step = weight_step
             keep = not cfg.filter_groups or 0.0 < g.p_hat < 1.0
             informative += keep
             scored[j] = g
+            if keep:
+                bisect.insort(kept_idx, j)
             if not in_order and keep and len(batch) < need:
                 batch.append(g)
         while in_order and admitted in scored and len(batch) < need:
@@ -124,15 +143,15 @@ def stream_batch(run: Run, step: int) -> StepRollout:
                 batch.append(g)
             admitted += 1
     # End of the step: let the calls in flight return, then abort everything still running on every engine.
-    late_tokens = 0
     while pending:
         _, res = client.stream_wait(pending[:1])
         pending.pop(0)
-        late_tokens += sum(c.num_tokens for _, comps in res["finished"] for c in comps)
+        aborted.update(res["aborted"])
+        unscored_tokens += sum(c.num_tokens for _, comps in res["finished"] for c in comps)
     ends = client.stream_abort_all()
     if any(end["running"] for end in ends):
         raise RuntimeError(f"streaming: requests still running after the abort: {ends}")
-    aborted = {k: v for end in ends for k, v in end["aborted"].items()}
+    aborted.update({k: v for end in ends for k, v in end["aborted"].items()})
     if len(batch) < need:
         run.prompts.load_state_dict(start)
         run.prompts.take(len([x for x in examples if x is not None]))
@@ -156,7 +175,7 @@ def stream_batch(run: Run, step: int) -> StepRollout:
              "dynamic_sampling/rounds": 1.0, "dynamic_sampling/kept_frac": len(batch) / max(len(generated), 1),
              "dynamic_sampling/aborted_groups": float(len(aborted)),
              "rollout/consumed_prompts": float(consumed)}
-    stats.update(token_stats(batch, generated, len(aborted), sum(aborted.values()), late_tokens))
+    stats.update(token_stats(batch, generated, len(aborted), sum(aborted.values()), unscored_tokens))
     total = time.perf_counter() - t0
     return StepRollout(batch, generated, stats, weight_step, {"generate": total - reward_s, "reward": reward_s})
 
