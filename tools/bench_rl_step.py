@@ -50,6 +50,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--response-len", type=int, default=64)
     ap.add_argument("--lengths", choices=["fixed", "sampled"], default="sampled")
     ap.add_argument("--keep-rate", type=float, default=0.5, help="target fraction of groups dynamic sampling keeps")
+    ap.add_argument("--ppo-epochs", type=int, default=1, help="actor.ppo_epochs (lengthens the train phase)")
     ap.add_argument("--inflight", type=int, default=0, help="rollout.max_inflight_prompts (0 = prompts / 2)")
     ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--engine-cpus", default="", help="ray.engine_cpus, e.g. 0")
@@ -92,7 +93,7 @@ def overrides(args: argparse.Namespace, data: Path, model: Path, mode: str, stal
     return [f"model.path={model}", "model.params_dtype=float32", "data.format=generic", f"data.train_files=[{data}]",
             "data.template=none", "data.apply_chat_template=false", "data.shuffle=false", "reward.kind=coin",
             "reward.num_workers=1", f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}",
-            f"actor.ppo_mini_batch_size={args.prompts}", f"rollout.max_response_length={args.response_len}",
+            f"actor.ppo_mini_batch_size={args.prompts}", f"actor.ppo_epochs={args.ppo_epochs}", f"rollout.max_response_length={args.response_len}",
             "rollout.max_prompt_length=32", "rollout.ignore_eos=true", "rollout.dtype=float32",
             f"rollout.num_engines={args.engines}", f"rollout.mode={stream_mode}", f"rollout.stream_order={order}",
             f"rollout.max_inflight_prompts={args.inflight or max(1, args.prompts // 2)}",
