@@ -266,4 +266,4 @@ def test_streaming_without_filtering_trains_on_the_round_based_batch(warm_model,
             if k.startswith(("batch/", "rollout/kept_tokens", "train/response_tokens")):
                 assert b[k] == v, (a["step"], k)
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
-        assert b["rollout/aborted_groups"] == 0 and b["dynamic_sampling/kept_groups"] == 4
+        assert b["dynamic_sampling/kept_groups"] == 4 and b["dynamic_sampling/discarded_all_correct_groups"] == 0

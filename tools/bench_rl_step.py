@@ -102,7 +102,7 @@ def overrides(args: argparse.Namespace, data: Path, model: Path, mode: str, stal
             "algorithm.overlong.enable=false", "algorithm.overlong.buffer_length=0",
             "algorithm.max_generation_rounds=16",
             f"actor.max_tokens_per_microbatch={max(4096, 32 + args.response_len)}",
-            f"ray.engine_cpus={args.engine_cpus}", f"ray.policy_cpus={args.policy_cpus}",
+            f"ray.engine_cpus='{args.engine_cpus}'", f"ray.policy_cpus='{args.policy_cpus}'",
             f"trainer.total_steps={args.warmup + args.steps}", "trainer.save_every=0", "eval.every=0",
             "trainer.tensorboard=false", f"trainer.seed={args.seed}", f"trainer.run_dir={run_dir}",
             "trainer.resume=false"]
