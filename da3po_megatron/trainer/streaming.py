@@ -28,6 +28,7 @@ every group records ``weight_step``, the policy step whose weights generated it.
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import threading
 import time
@@ -105,22 +106,27 @@ def stream_batch(run: Run, step: int) -> StepRollout:
         return [f"s{step}p{j}" for j in drop]
 
     t0, reward_s, steps = time.perf_counter(), 0.0, cfg.rollout.stream_steps_per_call
-    pending = [(e, client.stream_start(e, refill(e), sampling, None, steps)) for e in range(n_eng)]
+    # Two calls queued per engine: while the driver handles one call's result, the engine already runs the next,
+    # so it never idles on a round trip; the driver's answer to call k (new prompts, aborts) goes into call k + 2.
+    queued: list[collections.deque] = [collections.deque() for _ in range(n_eng)]
+    for e in range(n_eng):
+        queued[e].append(client.stream_start(e, refill(e), sampling, None, steps))
+        queued[e].append(client.stream_start(e, [], sampling, None, steps))
     scored: dict[int, B.Group] = {}
     batch: list[B.Group] = []
     admitted = 0  # submission order: prompts 0..admitted-1 are decided (kept into the batch or filtered)
     informative = unscored_tokens = 0
     aborted: dict[str, int] = {}
-    while pending and len(batch) < need:
-        pos, res = client.stream_wait(pending)
-        e, _ = pending.pop(pos)
+    while any(queued) and len(batch) < need:
+        pos, res = client.stream_wait(heads := [(e, q[0]) for e, q in enumerate(queued) if q])
+        e = heads[pos][0]
+        queued[e].popleft()
         aborted.update(res["aborted"])
         done = [(int(key.rpartition("p")[2]), comps) for key, comps in res["finished"]]
         running[e].difference_update(j for j, _ in done)
-        # hand the engine its next prompts (and drop what can no longer count) before scoring: it never waits
         drop, new = useless(e), refill(e)
         if running[e] or drop:
-            pending.append((e, client.stream_start(e, new, sampling, drop, steps)))
+            queued[e].append(client.stream_start(e, new, sampling, drop, steps))
         unscored_tokens += sum(c.num_tokens for j, comps in done if j >= limit() for c in comps)
         done = [(j, comps) for j, comps in done if j < limit()]
         if not done:
@@ -143,11 +149,11 @@ def stream_batch(run: Run, step: int) -> StepRollout:
                 batch.append(g)
             admitted += 1
     # End of the step: let the calls in flight return, then abort everything still running on every engine.
-    while pending:
-        _, res = client.stream_wait(pending[:1])
-        pending.pop(0)
-        aborted.update(res["aborted"])
-        unscored_tokens += sum(c.num_tokens for _, comps in res["finished"] for c in comps)
+    for e, q in enumerate(queued):
+        while q:
+            _, res = client.stream_wait([(e, q.popleft())])
+            aborted.update(res["aborted"])
+            unscored_tokens += sum(c.num_tokens for _, comps in res["finished"] for c in comps)
     ends = client.stream_abort_all()
     if any(end["running"] for end in ends):
         raise RuntimeError(f"streaming: requests still running after the abort: {ends}")
