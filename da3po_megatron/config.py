@@ -7,24 +7,34 @@ Names follow Megatron for parallelism/model fields and verl/DAPO for RL fields; 
 
 A YAML file may start with ``defaults: [other.yaml, ...]`` (paths relative to the file): those are loaded first and
 this file's keys override theirs, so the paper's recipes share one base. Unknown keys are errors naming the key and
-the closest valid one; values are type-checked; ranges are checked in :func:`validate` with the allowed range named.
+the closest valid one; values are type-checked (the generic machinery: :mod:`da3po_megatron.config_io`); ranges are
+checked in :func:`validate` with the allowed range named. Fields an algorithm's preset decides are resolved once, in
+:func:`resolve` (from ``algorithms/registry.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
+import logging
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+from da3po_megatron.algorithms.registry import (
+    ADVANTAGE_FN_ARGS,
+    ALGORITHMS,
+    POLICY_LOSS_FN_ARGS,
+    load_function,
+    preset_overrides,
+    resolve_presets,
+)
+from da3po_megatron.config_io import ConfigError, build, parse_override, read_yaml
 
+__all__ = ["Config", "ConfigError", "algorithm_config", "describe", "load_config", "resolve",
+           "standalone_policy_config", "to_dict", "validate"]
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the field (and the file when known)."""
+log = logging.getLogger(__name__)
 
 
 def doc(default: Any, help_: str, **kw: Any) -> Any:
@@ -45,13 +55,16 @@ class ModelConfig:
     recompute_granularity: Literal["full", "selective"] | None = doc(None, "Activation recomputation (Megatron).")
     recompute_method: Literal["uniform", "block"] | None = doc(None, "With 'full' recomputation (Megatron).")
     recompute_num_layers: int | None = doc(None, "Layers per recomputation chunk with 'full' (Megatron).")
+    make_vocab_size_divisible_by: int = doc(1, "Pad the vocabulary to a multiple of this x TP (Megatron's option; 1 = "
+                                               "only what TP needs, so the real models' vocabularies stay unpadded).")
 
 
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = doc(1, "TP: heads / MLP columns / vocabulary split over this many ranks.")
     pipeline_model_parallel_size: int = doc(1, "PP: layers split into this many stages (1F1B schedule).")
-    context_parallel_size: int = doc(1, "CP: sequence split for long contexts (CUDA only).")
+    context_parallel_size: int = doc(1, "CP: sequence split for long contexts. Only 1 is supported: sequences are not "
+                                        "split across CP ranks yet (validation refuses > 1).")
     data_parallel_size: int = doc(1, "DP: model replicas. Policy world size = TP x PP x CP x DP ranks (one Ray actor "
                                      "each).")
 
@@ -59,24 +72,33 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     lr: float = doc(1e-6, "Adam learning rate (paper: 1e-6).")
-    weight_decay: float = doc(0.1, "Decoupled weight decay (AdamW).")
+    weight_decay: float = doc(0.1, "Decoupled weight decay (AdamW; DAPO's recipe: 0.1); not applied to biases and "
+                                   "norms.")
     adam_beta1: float = doc(0.9, "Adam beta1.")
     adam_beta2: float = doc(0.999, "Adam beta2.")
     adam_eps: float = doc(1e-8, "Adam epsilon.")
     clip_grad: float = doc(1.0, "Global gradient-norm clip (0 = off).")
-    lr_warmup_steps: int = doc(0, "Linear warm-up, in optimizer steps.")
-    lr_schedule: Literal["constant", "cosine"] = doc("constant", "LR schedule after warm-up (paper: constant).")
+    lr_warmup_steps: int = doc(0, "Linear warm-up, in optimizer steps (optimizer step k uses lr * k / warmup).")
+    lr_schedule: Literal["constant", "cosine"] = doc(
+        "constant", "LR schedule after warm-up (paper: constant); cosine decays to min_lr at the run's last optimizer "
+                    "step (Config.optimizer_steps = trainer.total_steps x mini-batches per step x actor.ppo_epochs).")
     min_lr: float = doc(0.0, "Final LR of the cosine schedule.")
     use_distributed_optimizer: bool = doc(True, "Megatron distributed optimizer (optimizer state sharded over DP).")
 
 
 @dataclass
 class ActorConfig:
-    ppo_mini_batch_size: int = doc(32, "Prompts per optimizer step (each with its n responses); the step's batch of "
-                                       "data.train_batch_size prompts gives train_batch_size / this updates per pass.")
+    ppo_mini_batch_size: int = doc(32, "PROMPTS per optimizer step, each with its rollout.n responses (verl's "
+                                       "meaning): the policy updates on this x rollout.n responses at a time, so the "
+                                       "step's data.train_batch_size prompts give train_batch_size / this updates per "
+                                       "pass.")
     ppo_epochs: int = doc(1, "Passes over the step's batch.")
     max_tokens_per_microbatch: int = doc(16384, "Dynamic micro-batching: responses are packed up to this many "
                                                 "tokens (prompt + response) per micro-batch, per rank.")
+    logprob_max_tokens_per_microbatch: int = doc(0, "Token budget of a micro-batch when computing pi_old (forward "
+                                                    "only, so it may be larger); 0 = 2 x max_tokens_per_microbatch.")
+    packing: bool = doc(True, "Pack several sequences per micro-batch row (block-diagonal attention, THD with "
+                              "Transformer-Engine); false = one padded row per sequence (same values, slower).")
     loss_backend: Literal["auto", "torch", "chunked", "triton", "reference", "fused_linear"] = doc(
         "auto", "Policy-loss implementation: 'torch' = algorithms/losses.py on Megatron's vocab-parallel "
                 "cross-entropy; kernel backends from kernels/ ('auto' = Triton where it compiles, else chunked); "
@@ -111,6 +133,10 @@ class RolloutConfig:
                                               "log-probs are recomputed by the policy and compared (mean/max abs diff "
                                               "logged). Without it every response is compared (pi_old is recomputed "
                                               "anyway).")
+    logprob_drift_factor: float = doc(10.0, "Alert (a warning and rollout/logprob_drift_alert=1) when a step's mean "
+                                            "rollout/policy log-prob mismatch exceeds this multiple of the fresh-sync "
+                                            "level (the first step's, floored by dtype: rollout/consistency.py "
+                                            "DriftMonitor). 0 = no alert; the ratio is logged either way.")
     colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate.")
     num_cpus_per_engine: float = doc(1, "Ray resources per engine actor.")
     restart_on_failure: bool = doc(False, "Restart an engine that died (else the step fails with a clear error).")
@@ -126,22 +152,37 @@ class RolloutConfig:
 
 @dataclass
 class OverlongConfig:
-    enable: bool = doc(True, "DAPO overlong reward shaping (Eq. 8).")
+    enable: bool | None = doc(None, "DAPO overlong reward shaping (Eq. 8). None = the algorithm's preset (on for dapo/"
+                                    "da3po; off for grpo/gspo, our choice).")
     buffer_length: int = doc(512, "L_cache of Eq. 8 (tokens): penalty ramps linearly over the last L_cache tokens "
                                   "before L_max = rollout.max_response_length.")
 
 
 @dataclass
 class AlgorithmConfig:
-    name: Literal["grpo", "dapo", "gspo", "da3po"] = doc(
-        "da3po", "Preset: grpo = symmetric clip, per-sample mean (Eq. 4); dapo = clip-higher + token-level loss "
-                 "(Eq. 9) + dynamic sampling; gspo = sequence-level ratio; da3po = dapo + DAA (Eq. 14).")
-    clip_ratio_low: float = doc(0.2, "eps_low of Eq. 5/11: ratio clipped below at 1 - eps_low.")
-    clip_ratio_high: float = doc(0.28, "eps_high of Eq. 11 (clip-higher; = eps_low for GRPO).")
-    loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-mean"] = doc(
-        "auto", "'auto' = the preset's: token-mean (Eq. 9) for dapo/da3po, seq-mean-token-mean (Eq. 4) for grpo/gspo.")
+    name: Literal[ALGORITHMS] = doc(  # type: ignore[valid-type]
+        "da3po", "The algorithm (algorithms/registry.py): grpo = symmetric clip, per-sample mean (Eq. 4); dapo = "
+                 "clip-higher + token-level loss (Eq. 9) + dynamic sampling + overlong shaping (Eq. 8); gspo = "
+                 "sequence-level ratio; da3po = dapo + DAA (Eq. 14). It decides every field below documented as "
+                 "'None = the preset's'; an explicit value overrides the preset (reported at load).")
+    clip_ratio_low: float | None = doc(None, "eps_low of Eq. 5/11: ratio clipped below at 1 - eps_low. None = the "
+                                             "preset's (0.2; gspo 3e-4).")
+    clip_ratio_high: float | None = doc(None, "eps_high of Eq. 11 (clip-higher). None = the preset's (grpo 0.2, "
+                                              "dapo/da3po 0.28, gspo 4e-4).")
+    ratio_level: Literal["token", "sequence"] | None = doc(
+        None, "Importance ratio per token (Eq. 5/11) or per sequence (GSPO). None = the preset's.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] | None = doc(
+        None, "Loss aggregation: token-mean (Eq. 9) or seq-mean-token-mean (Eq. 4). None = the preset's (token-mean "
+              "for dapo/da3po, seq-mean-token-mean for grpo/gspo).")
     filter_groups: bool | None = doc(None, "Dynamic sampling: keep only groups with 0 < p_hat < 1 and over-sample "
-                                           "until the batch is full. None = the preset's (on for dapo/da3po).")
+                                           "until the batch is full. None = the preset's (on for dapo/da3po; off for "
+                                           "grpo/gspo, our choice).")
+    policy_loss_fn: str = doc("", "Custom policy loss by import path, 'package.module:function' or "
+                                  "'path/to/file.py:function' ('' = algorithms/losses.py policy_loss). Called like "
+                                  "policy_loss (algorithms/registry.py POLICY_LOSS_FN_ARGS, docs/algorithms.md); the "
+                                  "fused kernel is then not used for the loss.")
+    advantage_fn: str = doc("", "Custom advantage estimator replacing Eq. 3, by import path: fn(rewards, group_size, "
+                                "*, eps) -> advantages ('' = group z-scores, Eq. 3). DAA is applied to its output.")
     max_generation_rounds: int = doc(8, "Dynamic sampling gives up after this many generation rounds per step "
                                         "(clear error with the observed keep rate).")
     surplus: Literal["drop", "carry"] = doc("drop", "Kept groups beyond the batch: dropped (verl) or carried to the "
@@ -158,8 +199,8 @@ class AlgorithmConfig:
 
 @dataclass
 class DAAConfig:
-    enable: bool | None = doc(None, "Direct Advantage Amplification (Eq. 14). None = the preset's (on for da3po); "
-                                    "may be turned on for grpo/gspo too.")
+    enable: bool | None = doc(None, "Direct Advantage Amplification (Eq. 14). None = the preset's (on for da3po only); "
+                                    "may be turned on for grpo/gspo/dapo too.")
     lambda_: float = doc(2.0, "lambda of Eq. 14: correct responses of hard prompts (p_hat < tau) get lambda x A "
                               "(paper: 2; ablation 1, 1.5, 2, 2.5).")
     tau: float = doc(0.5, "tau of Eq. 14: difficulty threshold on p_hat, strict (paper: 0.5).")
@@ -257,26 +298,18 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
-    # ---- derived values (one place for the preset logic) ----
+    # ---- derived values
     @property
-    def daa_enabled(self) -> bool:
-        return self.algorithm.name == "da3po" if self.daa.enable is None else self.daa.enable
+    def ppo_mini_batch_responses(self) -> int:
+        """Responses per optimizer step: actor.ppo_mini_batch_size prompts x rollout.n."""
+        return self.actor.ppo_mini_batch_size * self.rollout.n
 
     @property
-    def filter_groups(self) -> bool:
-        f = self.algorithm.filter_groups
-        return self.algorithm.name in ("dapo", "da3po") if f is None else f
-
-    @property
-    def loss_agg_mode(self) -> str:
-        m = self.algorithm.loss_agg_mode
-        if m != "auto":
-            return m
-        return "token-mean" if self.algorithm.name in ("dapo", "da3po") else "seq-mean-token-mean"
-
-    @property
-    def ratio_level(self) -> str:
-        return "sequence" if self.algorithm.name == "gspo" else "token"
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run, the LR schedule's horizon: trainer.total_steps x (data.train_batch_size
+        / actor.ppo_mini_batch_size) x actor.ppo_epochs."""
+        per_step = max(1, self.data.train_batch_size // max(1, self.actor.ppo_mini_batch_size))
+        return self.trainer.total_steps * per_step * self.actor.ppo_epochs
 
     @property
     def policy_world_size(self) -> int:
@@ -289,121 +322,9 @@ class Config:
 # Loading
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check/convert a YAML value to the annotated type; ConfigError naming ``where`` otherwise."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
-    if origin is Literal:
-        if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}{hint}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            if isinstance(value, str):  # "a,b" on the command line
-                value = [v for v in value.split(",") if v]
-            else:
-                raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            if isinstance(value, str):  # yaml reads 1e-6 as a string
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return _build(tp, value, where)
-    return value
-
-
-def _build(cls: type, data: dict[str, Any], where: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else key
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{(where + '.') if where else ''}{close[0]}'?" if close else \
-                f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown config key '{path}'{hint}")
-        kwargs[key] = _coerce(value, hints[key], path)
-    return cls(**kwargs)
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"{path}: circular 'defaults'")
-    if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    merged: dict[str, Any] = {}
-    defaults = data.pop("defaults", [])
-    for d in [defaults] if isinstance(defaults, str) else defaults:
-        merged = _deep_merge(merged, _read_yaml(path.parent / d, (*seen, path)))
-    return _deep_merge(merged, data)
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """'a.b.c=value' -> (['a', 'b', 'c'], yaml-parsed value)."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like section.key=value")
-    key, raw = item.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """YAML file (with ``defaults``) + dotted overrides -> validated :class:`Config`."""
-    data: dict[str, Any] = _read_yaml(Path(path)) if path else {}
+    data: dict[str, Any] = read_yaml(Path(path)) if path else {}
     for item in overrides or []:
         keys, value = parse_override(item)
         node = data
@@ -413,11 +334,53 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raise ConfigError(f"override {item!r}: '{k}' is not a section")
         node[keys[-1]] = value
     try:
-        cfg = _build(Config, data)
+        cfg = build(Config, data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+    resolve(cfg)
     validate(cfg)
+    for line in preset_overrides(cfg):
+        log.info("%s", line)
     return cfg
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill, in place, every field the algorithm's preset decides and that is unset (None) -- the ONE place presets
+    reach the config (``algorithms/registry.py``) -- and check custom functions given by import path (imported and
+    signature-checked; a relative ``file.py`` path is made absolute so that workers with another working directory
+    find it). Called by :func:`load_config`; call it on a :class:`Config` built in code. Returns ``cfg``."""
+    resolve_presets(cfg)
+    a = cfg.algorithm
+    for name, args in (("policy_loss_fn", POLICY_LOSS_FN_ARGS), ("advantage_fn", ADVANTAGE_FN_ARGS)):
+        spec = getattr(a, name)
+        if not spec:
+            continue
+        try:
+            load_function(spec, args, where=f"algorithm.{name}")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        module, _, fn = spec.partition(":")
+        if module.endswith(".py"):
+            setattr(a, name, f"{Path(module).resolve()}:{fn}")
+    return cfg
+
+
+def algorithm_config(name: str, **explicit: Any) -> AlgorithmConfig:
+    """A resolved ``algorithm`` section for ``name``, explicit fields winning over the preset: for code that switches
+    a live policy between algorithms (ablations, tests) without loading a whole run config."""
+    cfg = Config(algorithm=AlgorithmConfig(name=name, **explicit))
+    resolve(cfg)
+    return cfg.algorithm
+
+
+def standalone_policy_config(model_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A resolved, validated run config for a policy used without the RL loop (torchrun jobs, tests, benchmarks,
+    self-checks): the synthetic data format (no files) and rollout lengths of a few tokens so that any micro-batch
+    budget validates, then ``overrides`` as on the command line (e.g. ``parallel.tensor_model_parallel_size=2``,
+    ``actor.loss_backend=torch``). Every other value is the run config's own default."""
+    base = [f"model.path={model_path}", "data.format=synthetic", "rollout.max_prompt_length=1",
+            "rollout.max_response_length=2", "algorithm.overlong.buffer_length=1"]
+    return load_config(None, [*base, *overrides])
 
 
 def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
@@ -431,11 +394,23 @@ def validate(cfg: Config) -> None:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "data_parallel_size"):
         _check(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), ">= 1")
+    if p.context_parallel_size > 1:
+        raise ConfigError(f"parallel.context_parallel_size = {p.context_parallel_size}: context parallelism is not "
+                          "supported yet (sequences are not split across CP ranks, so pi_old would come out multiplied "
+                          "by the CP size); use parallel.context_parallel_size=1")
     d = cfg.daa
     _check(d.lambda_ > 0, "daa.lambda_", d.lambda_, "> 0 (1 = no amplification)")
     _check(0 < d.tau < 1, "daa.tau", d.tau, "the open interval (0, 1)")
     _check(0 < d.lambda_min <= d.lambda_max, "daa.lambda_min", d.lambda_min, f"(0, daa.lambda_max={d.lambda_max}]")
     a = cfg.algorithm
+    unresolved = [n for n, v in (("algorithm.clip_ratio_low", a.clip_ratio_low),
+                                 ("algorithm.clip_ratio_high", a.clip_ratio_high),
+                                 ("algorithm.ratio_level", a.ratio_level), ("algorithm.loss_agg_mode", a.loss_agg_mode),
+                                 ("algorithm.filter_groups", a.filter_groups),
+                                 ("algorithm.overlong.enable", a.overlong.enable), ("daa.enable", d.enable))
+                  if v is None]
+    if unresolved:
+        raise ConfigError(f"{', '.join(unresolved)} unset: call config.resolve(cfg) before validate(cfg)")
     _check(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low", a.clip_ratio_low, "[0, 1)")
     _check(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", a.clip_ratio_high, ">= 0")
     _check(a.max_generation_rounds >= 1, "algorithm.max_generation_rounds", a.max_generation_rounds, ">= 1")
@@ -445,7 +420,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("algorithm.rollout_correction='tis' with actor.use_rollout_logprobs=true: pi_old would BE "
                           "pi_rollout, so every weight pi_old / pi_rollout is 1; recompute pi_old "
                           "(actor.use_rollout_logprobs=false) or set algorithm.rollout_correction=none")
-    if a.rollout_correction == "tis" and cfg.ratio_level != "token":
+    if a.rollout_correction == "tis" and a.ratio_level != "token":
         raise ConfigError(f"algorithm.rollout_correction='tis' with algorithm.name={a.name!r}: its ratio is per "
                           "sequence, and per-token TIS weights do not apply to it; use a token-ratio algorithm "
                           "(grpo, dapo, da3po) or algorithm.rollout_correction=none")
@@ -458,17 +433,26 @@ def validate(cfg: Config) -> None:
     _check(r.stream_steps_per_call >= 1, "rollout.stream_steps_per_call", r.stream_steps_per_call, ">= 1")
     _check(r.mode == "rounds" or a.surplus == "drop", "algorithm.surplus", a.surplus, "'drop' with rollout.mode="
            "streaming (it aborts the surplus instead of generating it)")
+    _check(r.logprob_drift_factor >= 0, "rollout.logprob_drift_factor", r.logprob_drift_factor, ">= 0 (0 = off)")
     _check(0 <= r.logprob_check_fraction <= 1, "rollout.logprob_check_fraction", r.logprob_check_fraction, "[0, 1]")
     ov = a.overlong
     _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,
            f"[0, rollout.max_response_length={r.max_response_length})")
-    _check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "> 0")
+    o = cfg.optim
+    _check(o.lr > 0, "optim.lr", o.lr, "> 0")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"[0, optim.lr={o.lr}]")
+    _check(o.lr_warmup_steps >= 0, "optim.lr_warmup_steps", o.lr_warmup_steps, ">= 0")
     dc = cfg.data
     _check(dc.train_batch_size >= 1, "data.train_batch_size", dc.train_batch_size, ">= 1")
     ac = cfg.actor
     _check(ac.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, ">= 1")
     _check(dc.train_batch_size % ac.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size,
            f"a divisor of data.train_batch_size={dc.train_batch_size}")
+    _check(ac.ppo_epochs >= 1, "actor.ppo_epochs", ac.ppo_epochs, ">= 1")
+    _check(ac.logprob_max_tokens_per_microbatch >= 0, "actor.logprob_max_tokens_per_microbatch",
+           ac.logprob_max_tokens_per_microbatch, ">= 0 (0 = 2 x actor.max_tokens_per_microbatch)")
+    _check(cfg.model.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
+           cfg.model.make_vocab_size_divisible_by, ">= 1")
     _check(ac.max_tokens_per_microbatch >= r.max_prompt_length + r.max_response_length,
            "actor.max_tokens_per_microbatch", ac.max_tokens_per_microbatch,
            f">= rollout.max_prompt_length + rollout.max_response_length = {r.max_prompt_length + r.max_response_length}"
@@ -476,6 +460,8 @@ def validate(cfg: Config) -> None:
     if dc.format != "synthetic" and not dc.train_files:
         raise ConfigError(f"data.train_files is empty; give at least one file for data.format={dc.format!r}")
     _check(cfg.trainer.total_steps >= 1, "trainer.total_steps", cfg.trainer.total_steps, ">= 1")
+    _check(o.lr_warmup_steps < cfg.optimizer_steps, "optim.lr_warmup_steps", o.lr_warmup_steps,
+           f"< the run's {cfg.optimizer_steps} optimizer steps (trainer.total_steps x mini-batches x ppo_epochs)")
     _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory")

@@ -134,10 +134,11 @@ def implementation_checks(aot: bool = False) -> list[Check]:
     out: list[Check] = []
     cuda = torch.cuda.is_available()
     if _import("megatron.core") is None:
-        from da3po_megatron.megatron.model import ModelOptions, use_te
+        from da3po_megatron.config import ModelConfig
+        from da3po_megatron.megatron.model import use_te
 
         try:
-            te = use_te(ModelOptions())
+            te = use_te(ModelConfig())
             out.append(Check("layer spec", OK if te or not cuda else WARN,
                              "Transformer-Engine spec" if te else
                              "Megatron local spec" + (" (install transformer-engine for the fused GPU layers)"

@@ -19,10 +19,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from _policy_job import ADVANTAGES, finish, small_policy
+from _policy_job import ADVANTAGES, finish, loss_backend, small_policy
 
+from da3po_megatron.config import algorithm_config
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.policy import LossOptions
 from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
 
 TEMPERATURES = (1.0, 0.7)
@@ -58,15 +58,14 @@ def main() -> int:
         run = res["runs"][str(t)] = {"logprobs": {}, "entropy": {}, "steps": {}}
         w.load(args.ckpt)
         for backend in BACKENDS:
-            w.set_loss_options(LossOptions(backend=backend, kernel_backend="chunked", temperature=t))
+            w.set_loss(algorithm_config("da3po"), loss_backend(backend), temperature=t)
             res["backend_names"][backend] = w.loss_backend_name()
             run["logprobs"][backend], run["entropy"][backend] = counted(backend, w.compute_logprobs, batch,
                                                                         return_entropy=True)
         old = perturbed(run["logprobs"]["kernel"])
         for algorithm in ALGORITHMS:
             for backend in BACKENDS:
-                w.set_loss_options(LossOptions(algorithm=algorithm, backend=backend, kernel_backend="chunked",
-                                               temperature=t))
+                w.set_loss(algorithm_config(algorithm), loss_backend(backend), temperature=t)
                 w.load(args.ckpt)
                 metrics = counted(backend, w.train_step, PolicyBatch(prompts, responses, old, ADVANTAGES))
                 run["steps"][f"{algorithm}/{backend}"] = {"metrics": metrics,

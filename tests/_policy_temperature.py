@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from _policy_job import ADVANTAGES, finish, small_policy
+from _policy_job import ADVANTAGES, finish, loss_backend, small_policy
 
+from da3po_megatron.config import algorithm_config
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.policy import LossOptions
 from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
 
 TEMPERATURES = (0.7, 1.0)
@@ -37,12 +37,11 @@ def main() -> int:
         run = res["runs"][str(t)] = {"logprobs": {}, "entropy": {}, "steps": {}}
         w.load_hf(args.hf)  # the HF weights again (the previous temperature's steps moved them)
         for backend in ("torch", "kernel"):
-            w.set_loss_options(LossOptions(backend=backend, kernel_backend="chunked", temperature=t))
+            w.set_loss(algorithm_config("da3po"), loss_backend(backend), temperature=t)
             run["logprobs"][backend], run["entropy"][backend] = w.compute_logprobs(batch, return_entropy=True)
         old = run["old_logprobs"] = perturbed(run["logprobs"]["torch"])
         for algorithm, backend in LOSS_PATHS:
-            w.set_loss_options(LossOptions(algorithm=algorithm, backend=backend, kernel_backend="chunked",
-                                           temperature=t))
+            w.set_loss(algorithm_config(algorithm), loss_backend(backend), temperature=t)
             w.load_hf(args.hf)  # every step from the same weights (loss and grad norm do not depend on Adam's state)
             run["steps"][f"{algorithm}/{backend}"] = w.train_step(PolicyBatch(prompts, responses, old, ADVANTAGES))
     return finish(w, res, args.out)

@@ -16,13 +16,14 @@ import os
 import random
 
 import torch.distributed as dist
-from _policy_job import ADVANTAGES, finish, small_policy
+from _policy_job import ADVANTAGES, finish, loss_backend, small_policy
 
+from da3po_megatron.config import algorithm_config
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.policy import LossOptions
 from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
 
 LOSS_PATHS = (("da3po", "torch"), ("da3po", "kernel"), ("grpo", "torch"))
+CUSTOM_LOSS = f"{os.path.join(os.path.dirname(os.path.abspath(__file__)), '_custom_loss.py')}:half_policy_loss"
 
 
 def main() -> int:
@@ -32,7 +33,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     # world of WORLD_SIZE ranks at TP = PP = 1: data parallel
-    w = small_policy(args.hf, padded_vocab=False, loss=LossOptions(algorithm="da3po", backend="torch"))
+    w = small_policy(args.hf, padded_vocab=False)  # da3po, torch loss
     prompts, responses = fixed_batch()
     w.train_step(PolicyBatch(prompts, responses, perturbed(w.compute_logprobs(PolicyBatch(prompts, responses))),
                              ADVANTAGES))  # one step first, so that the checkpoint holds Adam moments
@@ -54,13 +55,20 @@ def main() -> int:
     res: dict = {"world_size": dist.get_world_size(), "logprobs": lp, "old_logprobs": old, "advantages": ADVANTAGES,
                  "per_token_weights": per_token, "paths": {}}
     for algorithm, backend in LOSS_PATHS:
-        w.set_loss_options(LossOptions(algorithm=algorithm, backend=backend, kernel_backend="chunked"))
+        w.set_loss(algorithm_config(algorithm), loss_backend(backend))
         out = res["paths"][f"{algorithm}/{backend}"] = {}
         for name, batch in cases.items():
             w.load(args.ckpt)
             out[name] = {"metrics": w.train_step(batch),
                          "logprobs_after": w.compute_logprobs(PolicyBatch(prompts, responses))}
-    w.set_loss_options(LossOptions(algorithm="gspo", backend="torch"))
+    # a custom loss by import path (algorithm.policy_loss_fn) on the real policy: half the built-in loss, also
+    # with a kernel backend (which must then compute log-probs only and call the custom function)
+    res["custom_loss"] = {}
+    for backend in ("torch", "kernel"):
+        w.set_loss(algorithm_config("da3po", policy_loss_fn=CUSTOM_LOSS), loss_backend(backend))
+        w.load(args.ckpt)
+        res["custom_loss"][backend] = {"metrics": w.train_step(cases["plain"]), "name": w.loss_backend_name()}
+    w.set_loss(algorithm_config("gspo"), "torch")
     try:
         w.train_step(cases["per_token"])
         res["gspo_error"] = None

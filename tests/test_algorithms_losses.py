@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from da3po_megatron.algorithms import POLICY_LOSS_PRESETS, policy_loss
+from da3po_megatron.algorithms import ALGORITHM_REGISTRY, policy_loss
 
 LENGTHS = [5, 1, 7, 3, 7, 4]
 T = 8
@@ -53,10 +53,10 @@ def _reference(lp, old, adv, mask, eps_low, eps_high, ratio_level, agg):
     return sum(sum(ts) / len(ts) for ts in per_seq_terms) / len(per_seq_terms)
 
 
-@pytest.mark.parametrize("preset", sorted(POLICY_LOSS_PRESETS))
+@pytest.mark.parametrize("preset", sorted(ALGORITHM_REGISTRY))
 @pytest.mark.parametrize("per_token_adv", [False, True])
 def test_preset_loss_and_gradient_match_loop_reference(preset, per_token_adv):
-    cfg = POLICY_LOSS_PRESETS[preset]
+    cfg = vars(ALGORITHM_REGISTRY[preset])
     lo, hi = cfg["clip_ratio_low"], cfg["clip_ratio_high"]
     noise = 2.0 * hi if cfg["ratio_level"] == "sequence" else 0.3  # so that some ratios clip on each side
     lp, old, adv, mask = _batch(seed=1, noise=noise, per_token_adv=per_token_adv)
@@ -164,8 +164,11 @@ def test_policy_loss_rejects_mismatched_shapes_and_modes():
 
 
 def test_presets_encode_the_four_algorithms():
-    assert POLICY_LOSS_PRESETS["grpo"]["clip_ratio_low"] == POLICY_LOSS_PRESETS["grpo"]["clip_ratio_high"]
-    assert POLICY_LOSS_PRESETS["dapo"]["clip_ratio_high"] > POLICY_LOSS_PRESETS["dapo"]["clip_ratio_low"]
-    assert POLICY_LOSS_PRESETS["gspo"]["ratio_level"] == "sequence"
-    da3po, dapo = dict(POLICY_LOSS_PRESETS["da3po"]), dict(POLICY_LOSS_PRESETS["dapo"])
+    reg = {k: vars(v) for k, v in ALGORITHM_REGISTRY.items()}
+    assert reg["grpo"]["clip_ratio_low"] == reg["grpo"]["clip_ratio_high"]
+    assert reg["dapo"]["clip_ratio_high"] > reg["dapo"]["clip_ratio_low"]
+    assert reg["gspo"]["ratio_level"] == "sequence"
+    da3po, dapo = dict(reg["da3po"]), dict(reg["dapo"])
+    for d in (da3po, dapo):
+        d.pop("name"), d.pop("note")
     assert da3po.pop("daa") and not dapo.pop("daa") and da3po == dapo  # DA3PO = DAPO + DAA

@@ -196,12 +196,13 @@ def test_megatron_logits_equal_transformers_logits_and_export_reproduces_hf(mode
     from transformers import AutoModelForCausalLM
 
     from da3po_megatron.bridge.megatron_io import export_state_dict, load_hf_weights
-    from da3po_megatron.megatron.model import ModelOptions, build_gpt_model
+    from da3po_megatron.config import ModelConfig
+    from da3po_megatron.megatron.model import build_gpt_model
 
     d = models[(family, tied)]
     hf = load_hf_config(d)
     # make_vocab_size_divisible_by=3 pads 128 -> 129 rows: padding must not change the real logits
-    model = build_gpt_model(d, ModelOptions(make_vocab_size_divisible_by=3)).eval()
+    model = build_gpt_model(d, ModelConfig(params_dtype="float32", make_vocab_size_divisible_by=3)).eval()
     assert load_hf_weights(model, d) == sum(1 for _ in model.parameters())
     assert model.vocab_size == 129 and not model.embedding.word_embeddings.weight[128:].any()
     ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -222,9 +223,11 @@ def test_megatron_logits_equal_transformers_logits_and_export_reproduces_hf(mode
 
 def test_loading_into_a_model_of_another_config_names_the_tensor(models, megatron_world):
     from da3po_megatron.bridge.megatron_io import load_hf_weights
+    from da3po_megatron.config import ModelConfig
     from da3po_megatron.megatron.model import build_gpt_model
 
     hf = load_hf_config(models[("qwen3", False)])
-    model = build_gpt_model({**hf, "intermediate_size": 96})  # the HF files hold intermediate_size 128
+    # the HF files hold intermediate_size 128
+    model = build_gpt_model({**hf, "intermediate_size": 96}, ModelConfig(params_dtype="float32"))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight.*\(128, 64\).*\(96, 64\)"):
         load_hf_weights(model, models[("qwen3", False)], {**hf, "intermediate_size": 96})

@@ -57,15 +57,21 @@ def write_run(run_dir: Path, steps: int, samples_per_step: float, eval_acc, trai
 
 
 def test_method_specs_map_to_the_config_overrides_of_each_preset():
+    from da3po_megatron.algorithms.registry import preset_override_args
+
     m = C.parse_method("da3po:1.5")
-    assert m.overrides == ("algorithm.name=da3po", "daa.mode=constant", "daa.lambda_=1.5") and m.daa
+    whole = tuple(preset_override_args("da3po"))
+    assert whole[0] == "algorithm.name=da3po" and "algorithm.clip_ratio_high=0.28" in whole
+    assert m.overrides == (*whole, "daa.mode=constant", "daa.lambda_=1.5") and m.daa
     assert m.baseline == "dapo" and m.filters and m.slug == "da3po_1.5"
-    assert C.parse_method("da3po:adaptive").overrides == ("algorithm.name=da3po", "daa.mode=adaptive")
-    assert C.parse_method("da3po").overrides == ("algorithm.name=da3po",)
+    assert C.parse_method("da3po:adaptive").overrides == (*whole, "daa.mode=adaptive")
+    assert C.parse_method("da3po").overrides == whole
     g = C.parse_method("grpo")
-    assert g.overrides == ("algorithm.name=grpo", "daa.enable=false") and not g.daa and not g.filters
+    assert "algorithm.clip_ratio_high=0.2" in g.overrides and "algorithm.overlong.enable=false" in g.overrides
+    assert "daa.enable=false" in g.overrides and not g.daa and not g.filters
     g2 = C.parse_method("grpo:2")
-    assert "daa.enable=true" in g2.overrides and g2.daa and g2.baseline == "grpo"
+    assert "daa.enable=true" in g2.overrides and "daa.enable=false" not in g2.overrides
+    assert g2.daa and g2.baseline == "grpo"
 
 
 def test_method_spec_errors_name_the_spec():
@@ -78,12 +84,14 @@ def test_method_spec_errors_name_the_spec():
 
 
 def test_method_overrides_are_valid_config_for_the_real_loader():
+    from da3po_megatron.algorithms.registry import preset_overrides
     from da3po_megatron.config import load_config
 
     for spec in ("grpo", "dapo", "gspo", "da3po:2.5", "da3po:adaptive", "gspo:2"):
         m = C.parse_method(spec)
         cfg = load_config(REPO / "examples/compare_cpu.yaml", ["model.path=x", *m.overrides])
-        assert cfg.daa_enabled == m.daa and cfg.filter_groups == m.filters
+        assert cfg.daa.enable == m.daa and cfg.algorithm.filter_groups == m.filters
+        assert not [x for x in preset_overrides(cfg) if not x.startswith("daa.enable")]  # the whole preset, no leak
         if spec == "da3po:2.5":
             assert cfg.daa.lambda_ == 2.5 and cfg.daa.mode == "constant"
         if spec == "da3po:adaptive":

@@ -29,9 +29,11 @@ def test_paper_recipes_carry_paper_hyperparameters():
     r = cfg.rollout
     assert (r.max_prompt_length, r.max_response_length, cfg.trainer.total_steps) == (2048, 4096, 200)
     assert (cfg.algorithm.clip_ratio_low, cfg.algorithm.clip_ratio_high) == (0.2, 0.28)
-    assert (cfg.daa.lambda_, cfg.daa.tau, cfg.daa_enabled, cfg.filter_groups) == (2.0, 0.5, True, True)
+    assert (cfg.daa.lambda_, cfg.daa.tau, cfg.daa.enable, cfg.algorithm.filter_groups) == (2.0, 0.5, True, True)
+    assert cfg.algorithm.overlong.buffer_length == 1024
     grpo = load_config(ROOT / "examples/qwen3_4b_grpo.yaml")
-    assert not grpo.daa_enabled and not grpo.filter_groups and grpo.loss_agg_mode == "seq-mean-token-mean"
+    assert not grpo.daa.enable and not grpo.algorithm.filter_groups
+    assert grpo.algorithm.loss_agg_mode == "seq-mean-token-mean"
     lambdas = sorted(load_config(p).daa.lambda_ for p in (ROOT / "examples/ablation").glob("*.yaml"))
     assert lambdas == [1.0, 1.5, 2.0, 2.5]
 
@@ -120,3 +122,28 @@ def test_tis_is_off_by_default_and_its_cap_is_validated():
 def test_tis_with_a_combination_it_cannot_correct_is_a_config_error(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["model.path=/m", "data.format=synthetic", "algorithm.rollout_correction=tis", override])
+
+
+def test_policy_settings_are_run_config_fields_or_derived_from_them():
+    """One config tree: what the policy needs is a documented field (packing, log-prob budget, vocabulary padding) or
+    derived in one place (responses per optimizer step, the schedule's horizon)."""
+    cfg = load_config(ROOT / "examples/qwen3_4b_da3po.yaml")
+    assert cfg.ppo_mini_batch_responses == 32 * 16  # actor.ppo_mini_batch_size counts prompts, x rollout.n
+    assert cfg.optimizer_steps == 200 * (512 // 32) * 1  # total steps x mini-batches per step x ppo_epochs
+    assert (cfg.actor.packing, cfg.actor.logprob_max_tokens_per_microbatch, cfg.model.make_vocab_size_divisible_by) \
+        == (True, 0, 1)
+    assert cfg.optim.weight_decay == 0.1 and cfg.optim.lr_schedule == "constant"
+    with pytest.raises(ConfigError, match=r"optim.lr_warmup_steps = 5 is out of range: allowed < the run's 4 "):
+        load_config(None, ["model.path=/m", "data.format=synthetic", "trainer.total_steps=2", "data.train_batch_size=8",
+                           "actor.ppo_mini_batch_size=4", "optim.lr_warmup_steps=5"])
+
+
+def test_the_megatron_package_has_no_option_classes_of_its_own():
+    import da3po_megatron.megatron.actor_group as actor_group
+    import da3po_megatron.megatron.model as model
+    import da3po_megatron.megatron.policy as policy
+
+    for name in ("PolicyConfig", "OptimizerOptions", "LossOptions", "BatchingOptions"):
+        assert not hasattr(policy, name), name
+    assert not hasattr(model, "ModelOptions")
+    assert not hasattr(actor_group, "policy_config_from_run_config")

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _policy_job import ADVANTAGES
+from _policy_job import ADVANTAGES, small_policy_config
 from _ray import local_ray
 
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.model import ModelOptions
-from da3po_megatron.megatron.policy import PolicyConfig, PolicyWorker, validate_config
-from da3po_megatron.megatron.runtime import ParallelLayout, free_port
+from da3po_megatron.megatron.policy import PolicyWorker, validate_config
+from da3po_megatron.megatron.runtime import free_port
 from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
 
 
@@ -181,12 +180,11 @@ def test_a_few_train_steps_on_a_fixed_batch_decrease_the_loss(runs):
 
 
 def test_ray_policy_group_dp2_matches_single_rank_and_loads_other_layouts(runs, tmp_path):
+    from da3po_megatron.config import algorithm_config
     from da3po_megatron.megatron.actor_group import PolicyGroup, PolicyGroupError
-    from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions
 
     with local_ray(num_cpus=2):
-        cfg = PolicyConfig(hf_dir=str(runs["hf"]), optimizer=OptimizerOptions(lr=1e-4, adam_eps=1e-4),
-                           batching=BatchingOptions(max_tokens_per_microbatch=24), load_hf_weights=False)
+        cfg = small_policy_config(str(runs["hf"]), world_size=2, padded_vocab=False)
         group = PolicyGroup(cfg, 2, num_cpus_per_rank=1, placement="pack")
         assert [i["dp_rank"] for i in group.info()] == [0, 1]
         group.load_model(str(runs["base"]))
@@ -199,7 +197,7 @@ def test_ray_policy_group_dp2_matches_single_rank_and_loads_other_layouts(runs, 
         assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
         # GRPO's per-response normaliser counted over both DP ranks (global_num_seqs)
-        group.call_all("set_loss_options", LossOptions(algorithm="grpo"))
+        group.call_all("set_loss", algorithm_config("grpo"))
         group.load_model(str(runs["base"]))
         grpo_dp2 = group.train_step(PolicyBatch(prompts, responses, perturbed(lp), ADVANTAGES))
         assert grpo_dp2["loss"] == pytest.approx(runs["tp1"]["algorithms"]["grpo"]["loss"], rel=1e-5)
@@ -230,8 +228,12 @@ def test_ray_policy_group_dp2_matches_single_rank_and_loads_other_layouts(runs, 
 
 
 # ---------------------------------------------------------------------------------------------- start-up errors
-def _cfg(hf: Path, tp: int = 1, pp: int = 1) -> PolicyConfig:
-    return PolicyConfig(hf_dir=str(hf), layout=ParallelLayout(tp, pp), model=ModelOptions())
+def _cfg(hf: Path, tp: int = 1, pp: int = 1, dp: int = 1, overrides: tuple[str, ...] = ()):
+    from da3po_megatron.config import standalone_policy_config
+
+    return standalone_policy_config(hf, [f"parallel.tensor_model_parallel_size={tp}",
+                                         f"parallel.pipeline_model_parallel_size={pp}",
+                                         f"parallel.data_parallel_size={dp}", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -299,11 +301,11 @@ def test_token_weights_equal_advantages_scaled_by_the_same_factors(token_weight_
 def test_per_token_weights_give_the_loss_of_per_token_scaled_advantages(token_weight_runs, path):
     """Weights that differ within a response must reach exactly their own token, over DP ranks and micro-batches: the
     step's loss equals ``policy_loss`` on the whole batch with advantages A_i * w_t."""
-    from da3po_megatron.algorithms import POLICY_LOSS_PRESETS, policy_loss
+    from da3po_megatron.algorithms import ALGORITHM_REGISTRY, policy_loss
 
     r = token_weight_runs
     algorithm = path.split("/")[0]
-    p = POLICY_LOSS_PRESETS[algorithm]
+    p = vars(ALGORITHM_REGISTRY[algorithm])
     assert r["world_size"] == 2
 
     def pad(rows: list[list[float]]) -> torch.Tensor:
@@ -324,6 +326,19 @@ def test_per_token_weights_give_the_loss_of_per_token_scaled_advantages(token_we
 
 def test_token_weights_with_a_sequence_level_ratio_are_refused(token_weight_runs):
     assert "the gspo loss has one ratio per sequence" in token_weight_runs["gspo_error"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernel"])
+def test_a_custom_policy_loss_by_import_path_trains_the_real_policy(token_weight_runs, backend):
+    """algorithm.policy_loss_fn (tests/_custom_loss.py: half the built-in loss) is what the policy's train step calls,
+    with the torch backend and with a kernel backend (log-probs from the kernel, the loss from the custom function):
+    the step's loss and gradient norm are half those of the built-in da3po loss at DP=2."""
+    got = token_weight_runs["custom_loss"][backend]
+    plain = token_weight_runs["paths"]["da3po/torch"]["plain"]["metrics"]
+    assert got["name"] == ("torch" if backend == "torch" else "kernel:chunked")
+    assert got["metrics"]["loss"] == pytest.approx(0.5 * plain["loss"], rel=1e-5)
+    assert got["metrics"]["grad_norm"] == pytest.approx(0.5 * plain["grad_norm"], rel=1e-5)
+    assert got["metrics"]["clipfrac_high"] == pytest.approx(plain["clipfrac_high"], rel=1e-6, abs=1e-9)
 
 
 # ---------------------------------------------------------------------------------------------- sampling temperature
@@ -375,11 +390,11 @@ def test_train_step_at_temperature_has_the_loss_and_gradient_of_tempered_logits(
                                                                                temperature, path):
     """The loss and global gradient norm of one step equal those of ``policy_loss`` on transformers' logits / T with
     autograd: the in-place division of the policy's logits back-propagates exactly, on every loss path."""
-    from da3po_megatron.algorithms import POLICY_LOSS_PRESETS, policy_loss
+    from da3po_megatron.algorithms import ALGORITHM_REGISTRY, policy_loss
 
     run = temperature_runs["runs"][str(temperature)]
     got = run["steps"][path]
-    p = POLICY_LOSS_PRESETS[path.split("/")[0]]
+    p = vars(ALGORITHM_REGISTRY[path.split("/")[0]])
     model, logits = _transformers_at(tiny_hf, temperature)
     lps = _token_logprobs(logits)
     width = max(len(x) for x in lps)
@@ -439,7 +454,6 @@ def test_fused_linear_train_step_equals_the_kernel_backend(fused_linear_run, alg
 
 def test_fused_linear_with_sequence_parallel_is_refused_at_validation(tiny_hf, monkeypatch):
     from da3po_megatron.megatron import policy
-    from da3po_megatron.megatron.policy import LossOptions
 
     real = policy.transformer_config
 
@@ -449,18 +463,25 @@ def test_fused_linear_with_sequence_parallel_is_refused_at_validation(tiny_hf, m
         return tc
 
     monkeypatch.setattr(policy, "transformer_config", sequence_parallel)
-    cfg = PolicyConfig(hf_dir=str(tiny_hf), loss=LossOptions(backend="fused_linear"))
     with pytest.raises(ValueError, match="fused_linear.*sequence_parallel"):
-        validate_config(cfg, 1)
-    validate_config(PolicyConfig(hf_dir=str(tiny_hf), loss=LossOptions(backend="kernel")), 1)
+        validate_config(_cfg(tiny_hf, overrides=("actor.loss_backend=fused_linear",)), 1)
+    validate_config(_cfg(tiny_hf, overrides=("actor.loss_backend=chunked",)), 1)
 
 
 def test_actor_loss_backend_fused_linear_reaches_the_policy():
     from da3po_megatron.config import load_config
-    from da3po_megatron.megatron.actor_group import policy_config_from_run_config
+    from da3po_megatron.megatron.policy import loss_setup
 
     example = Path(__file__).resolve().parents[1] / "examples/tiny_cpu_da3po.yaml"
-    loss = policy_config_from_run_config(load_config(example, ["actor.loss_backend=fused_linear"])).loss
-    assert (loss.backend, loss.kernel_backend) == ("fused_linear", "auto")
-    loss = policy_config_from_run_config(load_config(example, ["actor.loss_backend=chunked"])).loss
-    assert (loss.backend, loss.kernel_backend) == ("kernel", "chunked")
+    loss = loss_setup(load_config(example, ["actor.loss_backend=fused_linear"]))
+    assert (loss["backend"], loss["kernel_backend"]) == ("fused_linear", "auto")
+    loss = loss_setup(load_config(example, ["actor.loss_backend=chunked"]))
+    assert (loss["backend"], loss["kernel_backend"]) == ("kernel", "chunked")
+    gspo = loss_setup(load_config(example, ["algorithm.name=gspo"]))  # the preset reaches the policy's loss
+    assert (gspo["clip_ratio_low"], gspo["clip_ratio_high"], gspo["ratio_level"]) == (3e-4, 4e-4, "sequence")
+
+
+def test_the_policy_world_must_be_the_configured_one(tiny_hf):
+    with pytest.raises(ValueError, match=r"world size 2 != .*data_parallel_size \(1\) = 1"):
+        validate_config(_cfg(tiny_hf), 2)
+    validate_config(_cfg(tiny_hf, dp=2), 2)

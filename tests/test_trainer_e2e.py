@@ -53,6 +53,7 @@ def test_algorithm_trains_end_to_end(warm_model, tmp_path, algo):
                             "trainer.save_every=0"))
     assert p.returncode == 0
     assert "policy loss: kernel:chunked (actor.loss_backend=auto)" in p.stdout  # CPU: auto -> the chunked kernel
+    assert "overrides the" not in p.stderr  # the recipe leaves clips, filtering, overlong shaping to the preset
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -102,11 +103,11 @@ def test_rollout_temperature_is_applied_by_the_policy_too(warm_model, tmp_path):
 
 def test_rollout_temperature_reaches_the_policy_and_the_engines_return_what_they_sample():
     from da3po_megatron.config import load_config
-    from da3po_megatron.megatron.actor_group import policy_config_from_run_config
+    from da3po_megatron.megatron.policy import loss_setup
     from da3po_megatron.trainer.run import engine_config
 
     cfg = load_config(ROOT / "examples/tiny_cpu_da3po.yaml", ["rollout.temperature=0.7"])
-    assert policy_config_from_run_config(cfg).loss.temperature == 0.7
+    assert loss_setup(cfg)["temperature"] == 0.7
     assert engine_config(cfg).logprobs_mode == "processed_logprobs"
 
 

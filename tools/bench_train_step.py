@@ -46,7 +46,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--response-len", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=1024, help="max_tokens_per_microbatch")
-    ap.add_argument("--mini-batch", type=int, default=0, help="ppo_mini_batch_size in responses (0 = whole batch)")
+    ap.add_argument("--mini-batch", type=int, default=0, help="responses per optimizer step, even (0 = whole batch)")
     ap.add_argument("--algorithm", default="da3po")
     ap.add_argument("--loss-backend", default="torch", choices=["torch", "kernel", "fused_linear"],
                     help="policy loss path: Megatron cross-entropy + torch loss, the fused kernel on logits, or the "
@@ -75,27 +75,26 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
+    from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.batching import PolicyBatch
-    from da3po_megatron.megatron.model import ModelOptions, load_hf_config
-    from da3po_megatron.megatron.policy import (
-        BatchingOptions,
-        LossOptions,
-        OptimizerOptions,
-        PolicyConfig,
-        PolicyWorker,
-    )
-    from da3po_megatron.megatron.runtime import ParallelLayout
+    from da3po_megatron.megatron.model import load_hf_config
+    from da3po_megatron.megatron.policy import PolicyWorker
 
-    cfg = PolicyConfig(
-        hf_dir=args.hf,
-        layout=ParallelLayout(args.tp, args.pp),
-        model=ModelOptions(params_dtype=args.dtype, recompute_granularity=args.recompute,
-                           recompute_method="uniform" if args.recompute == "full" else None,
-                           recompute_num_layers=1 if args.recompute == "full" else None),
-        optimizer=OptimizerOptions(lr=1e-6),
-        loss=LossOptions(algorithm=args.algorithm, backend=args.loss_backend),
-        batching=BatchingOptions(max_tokens_per_microbatch=args.max_tokens, ppo_mini_batch_size=args.mini_batch),
-    )
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    # the run config counts mini-batches in prompts x rollout.n responses: n = 2 here, so --mini-batch (responses)
+    # becomes mini-batch / 2 prompts
+    prompts_per_update = max(1, (args.mini_batch or args.batch) // 2)
+    recompute = [f"model.recompute_granularity={args.recompute}"] if args.recompute else []
+    if args.recompute == "full":
+        recompute += ["model.recompute_method=uniform", "model.recompute_num_layers=1"]
+    cfg = standalone_policy_config(args.hf, [
+        f"model.params_dtype={args.dtype}", *recompute, f"parallel.tensor_model_parallel_size={args.tp}",
+        f"parallel.pipeline_model_parallel_size={args.pp}",
+        f"parallel.data_parallel_size={world // (args.tp * args.pp)}",
+        "optim.lr=1e-6", f"algorithm.name={args.algorithm}",
+        f"actor.loss_backend={'auto' if args.loss_backend == 'kernel' else args.loss_backend}",
+        f"actor.max_tokens_per_microbatch={args.max_tokens}", "rollout.n=2",
+        f"actor.ppo_mini_batch_size={prompts_per_update}", f"data.train_batch_size={prompts_per_update}"])
     t0 = time.perf_counter()
     w = PolicyWorker(cfg)
     start_s = time.perf_counter() - t0

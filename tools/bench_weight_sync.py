@@ -102,12 +102,12 @@ def main(argv=None) -> dict:
                 shutil.rmtree(disk_dir, ignore_errors=True)
                 rows["disk"].append(save_and_reload(hf_state_tensors(hf), disk_dir, client, model)["seconds"])
         else:
+            from da3po_megatron.config import standalone_policy_config
             from da3po_megatron.megatron.actor_group import PolicyGroup
             from da3po_megatron.megatron.model import load_hf_config
-            from da3po_megatron.megatron.policy import PolicyConfig
-            from da3po_megatron.megatron.runtime import ParallelLayout
 
-            pcfg = PolicyConfig(hf_dir=model, layout=ParallelLayout(tensor_model_parallel_size=args.policy_tp))
+            pcfg = standalone_policy_config(model, ["model.params_dtype=float32",
+                                                    f"parallel.tensor_model_parallel_size={args.policy_tp}"])
             group = PolicyGroup(pcfg, world_size=args.policy_tp, num_cpus_per_rank=1)
             hf_config = load_hf_config(model)
             for _ in range(args.repeats):

@@ -2,8 +2,10 @@
 
 Paper equations: Eq. 3 (group advantages), Eq. 4/5/9/11 (clipped surrogate and its aggregations), Eq. 8 (overlong
 shaping), Eq. 14 (DAA), Thm 3.1 / Cor 3.2 (alpha+, alpha-, gamma); not from the paper: truncated importance sampling
-for the rollout / training mismatch (``rollout_correction.py``, off by default). This package imports nothing of the
-project (only torch and the standard library), so every function is unit-testable against its formula.
+for the rollout / training mismatch (``rollout_correction.py``, off by default).
+``registry.py`` defines each algorithm (grpo, dapo, gspo, da3po) once: the one place that says what distinguishes
+them. This package imports nothing of the project (only torch and the standard library), so every function is
+unit-testable against its formula.
 """
 
 from .advantages import (
@@ -25,7 +27,20 @@ from .dynamic_sampling import (
     GroupFilter,
     filter_groups,
 )
-from .losses import ALGORITHMS, LOSS_AGG_MODES, POLICY_LOSS_PRESETS, RATIO_LEVELS, policy_loss
+from .losses import LOSS_AGG_MODES, RATIO_LEVELS, policy_loss
+from .registry import (
+    ADVANTAGE_FN_ARGS,
+    ALGORITHM_REGISTRY,
+    ALGORITHMS,
+    POLICY_LOSS_FN_ARGS,
+    Algorithm,
+    get_algorithm,
+    load_function,
+    preset_override_args,
+    preset_overrides,
+    preset_values,
+    resolve_presets,
+)
 from .reward_shaping import accuracy_reward, overlong_penalty, shaped_reward
 from .rollout_correction import tis_weights
 from .theory import (
@@ -38,15 +53,18 @@ from .theory import (
 )
 
 __all__ = [
+    "ADVANTAGE_FN_ARGS",
     "ALGORITHMS",
+    "ALGORITHM_REGISTRY",
     "ALL_CORRECT",
     "ALL_WRONG",
     "KEEP",
     "LOSS_AGG_MODES",
-    "POLICY_LOSS_PRESETS",
+    "POLICY_LOSS_FN_ARGS",
     "RATIO_LEVELS",
     "REASON_NAMES",
     "STD_MODES",
+    "Algorithm",
     "DynamicSamplingBuffer",
     "GroupFilter",
     "MonteCarloResult",
@@ -61,11 +79,17 @@ __all__ = [
     "exact_conditional_advantages",
     "filter_groups",
     "gamma",
+    "get_algorithm",
     "group_advantages",
     "group_p_hat",
+    "load_function",
     "monte_carlo_conditional_advantages",
     "overlong_penalty",
     "policy_loss",
+    "preset_override_args",
+    "preset_overrides",
+    "preset_values",
+    "resolve_presets",
     "shaped_reward",
     "tis_weights",
 ]

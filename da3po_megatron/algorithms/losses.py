@@ -29,13 +29,15 @@ when combining micro-batches): ``clipfrac_low`` (A < 0 and r < 1 - eps_low: the 
 (A > 0 and r > 1 + eps_high), ``clipfrac`` (their sum), ``approx_kl`` (Schulman's k3, (r - 1) - log r, an estimate
 of KL(pi_old || pi_theta)), ``ratio_mean`` / ``ratio_min`` / ``ratio_max`` (1.0 when there is no valid token).
 
+Which algorithm uses which ratio level, aggregation and clips is decided in one place, ``registry.py``.
+
 Left out: dual-clip PPO (c > 1 lower bound for A < 0), KL-to-reference and entropy terms (DAPO / DA3PO use neither).
 The log-ratio is clamped to [-20, 20] before exp (as verl does) so that a padded or diverged token cannot overflow.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -45,44 +47,6 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean"]
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean")
 LOG_RATIO_CLAMP = 20.0
-
-# algorithm name -> loss settings and switches. clip ratios are the published defaults: GRPO / PPO 0.2 symmetric;
-# DAPO clip-higher 0.2 / 0.28 (DA3PO inherits it); GSPO 3e-4 / 4e-4 (its ratio is per sequence, hence far smaller).
-POLICY_LOSS_PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": {
-        "ratio_level": "token",
-        "loss_agg_mode": "seq-mean-token-mean",
-        "clip_ratio_low": 0.2,
-        "clip_ratio_high": 0.2,
-        "daa": False,
-        "dynamic_sampling": False,
-    },
-    "dapo": {
-        "ratio_level": "token",
-        "loss_agg_mode": "token-mean",
-        "clip_ratio_low": 0.2,
-        "clip_ratio_high": 0.28,
-        "daa": False,
-        "dynamic_sampling": True,
-    },
-    "gspo": {
-        "ratio_level": "sequence",
-        "loss_agg_mode": "seq-mean-token-mean",
-        "clip_ratio_low": 3e-4,
-        "clip_ratio_high": 4e-4,
-        "daa": False,
-        "dynamic_sampling": False,
-    },
-    "da3po": {
-        "ratio_level": "token",
-        "loss_agg_mode": "token-mean",
-        "clip_ratio_low": 0.2,
-        "clip_ratio_high": 0.28,
-        "daa": True,
-        "dynamic_sampling": True,
-    },
-}
-ALGORITHMS: tuple[str, ...] = tuple(POLICY_LOSS_PRESETS)  # the names `algorithm.name` accepts
 
 
 def _per_token_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:

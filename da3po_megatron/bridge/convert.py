@@ -196,8 +196,9 @@ def _verify_export(model, task: dict[str, Any], rank: int) -> None:
 
 def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
     from da3po_megatron.bridge.megatron_io import load_hf_weights
+    from da3po_megatron.config import ModelConfig
     from da3po_megatron.megatron.checkpoint import load_model, save_model
-    from da3po_megatron.megatron.model import ModelOptions, build_gpt_model
+    from da3po_megatron.megatron.model import build_gpt_model
     from da3po_megatron.megatron.runtime import ParallelLayout, destroy_parallel, init_parallel
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -205,8 +206,8 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
     init_parallel(ParallelLayout(tp, pp), rank=rank, world_size=world, master_port=port)
     try:
         # Verification always computes in float32 (see below); only the conversion builds in the saved dtype.
-        options = ModelOptions(params_dtype=task["params_dtype"] if task["mode"] == "hf-to-megatron" else "float32",
-                               make_vocab_size_divisible_by=task["make_vocab_size_divisible_by"])
+        options = ModelConfig(params_dtype=task["params_dtype"] if task["mode"] == "hf-to-megatron" else "float32",
+                              make_vocab_size_divisible_by=task["make_vocab_size_divisible_by"])
         model = build_gpt_model(task["config_dir"], options)
         model.eval()
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from da3po_megatron.algorithms import ALGORITHMS
+from da3po_megatron.algorithms.registry import ALGORITHMS, get_algorithm, preset_override_args
 from da3po_megatron.eval.curves import read_metrics
 
 DONE_MARKER = "DONE"
@@ -47,8 +47,8 @@ class Method:
 
     @property
     def filters(self) -> bool:
-        """Dynamic sampling on (the preset's default)."""
-        return self.algorithm in ("dapo", "da3po")
+        """Dynamic sampling on (the algorithm's preset, applied whole by :func:`parse_method`)."""
+        return get_algorithm(self.algorithm).filter_groups
 
     @property
     def baseline(self) -> str:
@@ -59,16 +59,19 @@ class Method:
 def parse_method(spec: str) -> Method:
     """``grpo`` | ``dapo`` | ``gspo`` | ``da3po`` (paper lambda) | ``da3po:<lambda>`` | ``da3po:adaptive``;
     ``grpo:<lambda>`` / ``gspo:<lambda>`` / ``dapo:<lambda>`` turn DAA on for that algorithm (the paper: DAA "only
-    modifies Dynamic Sampling", it applies to GRPO/GSPO too)."""
+    modifies Dynamic Sampling", it applies to GRPO/GSPO too).
+
+    The overrides carry the algorithm's WHOLE preset (every field ``algorithms/registry.py`` decides: clips, ratio
+    level, aggregation, filtering, overlong shaping, DAA), so no value of the base recipe leaks into a baseline."""
     name, _, param = spec.strip().partition(":")
     if name not in ALGORITHMS:
         raise ValueError(f"method {spec!r}: algorithm must be one of {list(ALGORITHMS)}, e.g. 'da3po:2' or 'grpo'")
-    ov = [f"algorithm.name={name}"]
-    daa = name == "da3po"
+    ov = preset_override_args(name)
+    daa = get_algorithm(name).daa
     if param:
+        if not daa:
+            ov[ov.index("daa.enable=false")] = "daa.enable=true"
         daa = True
-        if name != "da3po":
-            ov.append("daa.enable=true")
         if param == "adaptive":
             ov.append("daa.mode=adaptive")
         else:
@@ -80,8 +83,6 @@ def parse_method(spec: str) -> Method:
             if lam <= 0:
                 raise ValueError(f"method {spec!r}: lambda must be > 0, got {lam}")
             ov += ["daa.mode=constant", f"daa.lambda_={lam:g}"]
-    elif name != "da3po":
-        ov.append("daa.enable=false")
     return Method(label=spec.strip(), algorithm=name, overrides=tuple(ov), daa=daa)
 
 

@@ -18,8 +18,9 @@ import os
 import time
 from typing import Any
 
+from da3po_megatron.config import Config
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.policy import PolicyConfig, PolicyWorker
+from da3po_megatron.megatron.policy import PolicyWorker
 
 PLACEMENTS = (None, "pack", "spread", "strict_pack", "strict_spread")
 
@@ -32,8 +33,8 @@ class PolicyGroup:
     """``world_size`` Ray actors, one per rank, forming one Megatron world.
 
     Args:
-        cfg: the policy configuration (layout, model, optimizer, loss, batching).
-        world_size: number of ranks (TP x PP x CP x DP).
+        cfg: the run config (:class:`da3po_megatron.config.Config`, resolved); every rank gets it whole.
+        world_size: number of ranks (TP x PP x CP x DP); must equal ``cfg.policy_world_size``.
         num_cpus_per_rank / num_gpus_per_rank: Ray resources per actor (GPU default: 1 when the Ray cluster has at
             least ``world_size`` GPUs, else 0).
         placement: None (Ray's default scheduling) or a placement-group strategy: "pack", "spread", "strict_pack",
@@ -43,7 +44,7 @@ class PolicyGroup:
         start_timeout_s: how long to wait for resources / the placement group.
     """
 
-    def __init__(self, cfg: PolicyConfig, world_size: int, *, num_cpus_per_rank: float = 1,
+    def __init__(self, cfg: Config, world_size: int, *, num_cpus_per_rank: float = 1,
                  num_gpus_per_rank: float | None = None, placement: str | None = None,
                  env: dict[str, str] | None = None, name_prefix: str | None = None,
                  start_timeout_s: float = 600.0) -> None:
@@ -97,8 +98,8 @@ class PolicyGroup:
     # ------------------------------------------------------------------ construction from the run config
     @classmethod
     def from_config(cls, cfg: Any) -> PolicyGroup:
-        """Build from the project's run :class:`da3po_megatron.config.Config`."""
-        return cls(policy_config_from_run_config(cfg), cfg.policy_world_size,
+        """Build from the run config, with its ``ray`` section's resources and placement."""
+        return cls(cfg, cfg.policy_world_size,
                    num_cpus_per_rank=cfg.ray.num_cpus_per_policy_rank,
                    num_gpus_per_rank=cfg.ray.num_gpus_per_policy_rank,
                    placement="strict_spread" if cfg.ray.spread_policy_nodes else None,
@@ -203,43 +204,3 @@ class PolicyGroup:
                 self.shutdown()
             except Exception:  # noqa: BLE001
                 pass
-
-
-def policy_config_from_run_config(cfg: Any) -> PolicyConfig:
-    """Map the run config (``da3po_megatron.config.Config``) to a :class:`PolicyConfig`.
-
-    ``actor.ppo_mini_batch_size`` counts prompts there (each with ``rollout.n`` responses); here responses.
-    ``optim.lr_warmup_steps`` are optimizer steps; the schedule's horizon is ``trainer.total_steps`` x mini-batches
-    per step x ``actor.ppo_epochs``. ``actor.loss_backend``: "torch" -> torch; "fused_linear" -> fused_linear (from
-    the hidden states); any other kernel backend -> the kernel.
-    ``rollout.temperature`` becomes the loss temperature: the policy scores softmax(logits / T), what the engines
-    sampled from.
-    """
-    from da3po_megatron.megatron.model import ModelOptions
-    from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions
-    from da3po_megatron.megatron.runtime import ParallelLayout
-
-    p, o, a = cfg.parallel, cfg.optim, cfg.actor
-    updates_per_step = max(1, cfg.data.train_batch_size // max(1, a.ppo_mini_batch_size)) * a.ppo_epochs
-    total = max(cfg.trainer.total_steps * updates_per_step, o.lr_warmup_steps + 1)
-    backend = a.loss_backend if a.loss_backend in ("torch", "fused_linear") else "kernel"
-    return PolicyConfig(
-        hf_dir=cfg.model.path,
-        layout=ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size),
-        model=ModelOptions(params_dtype=cfg.model.params_dtype,
-                           use_transformer_engine=cfg.model.use_transformer_engine,
-                           recompute_granularity=cfg.model.recompute_granularity,
-                           recompute_method=cfg.model.recompute_method,
-                           recompute_num_layers=cfg.model.recompute_num_layers),
-        optimizer=OptimizerOptions(lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                                   adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-                                   lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_schedule,
-                                   total_steps=total, use_distributed_optimizer=o.use_distributed_optimizer),
-        loss=LossOptions(algorithm=cfg.algorithm.name, clip_ratio_low=cfg.algorithm.clip_ratio_low,
-                         clip_ratio_high=cfg.algorithm.clip_ratio_high, loss_agg_mode=cfg.loss_agg_mode,
-                         backend=backend, kernel_backend=a.loss_backend if backend == "kernel" else "auto",
-                         compute_entropy=a.entropy, temperature=cfg.rollout.temperature),
-        batching=BatchingOptions(max_tokens_per_microbatch=a.max_tokens_per_microbatch,
-                                 ppo_mini_batch_size=a.ppo_mini_batch_size * cfg.rollout.n, ppo_epochs=a.ppo_epochs),
-        seed=cfg.trainer.seed,
-    )

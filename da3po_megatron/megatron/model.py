@@ -23,13 +23,13 @@ and their logits must be ignored: :func:`vocab_sizes` returns both sizes.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from da3po_megatron.config import ModelConfig
 from da3po_megatron.megatron import cpu_compat
 
 SUPPORTED_ARCHITECTURES = {
@@ -39,27 +39,9 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-@dataclass(frozen=True)
-class ModelOptions:
-    """How to build the model (beyond what the HF config fixes). Megatron names.
-
-    Attributes:
-        params_dtype: "float32" or "bfloat16" (bf16 trains with fp32 master weights in the distributed optimizer).
-        use_transformer_engine: None = automatic (CUDA and TE importable), True = require TE, False = local spec.
-        recompute_granularity: None, "full" or "selective" activation recomputation (Megatron's option).
-        recompute_method / recompute_num_layers: for "full" recomputation ("uniform"/"block", layers per chunk).
-        make_vocab_size_divisible_by: pad the vocabulary to a multiple of this times TP (1 = only what TP needs).
-        attention_dropout / hidden_dropout: 0 for RL (log-probs must be deterministic between passes).
-    """
-
-    params_dtype: str = "float32"
-    use_transformer_engine: bool | None = None
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    make_vocab_size_divisible_by: int = 1
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
+# Dropout is off for RL: log-probs must be deterministic between the pi_old and the pi_theta pass.
+ATTENTION_DROPOUT = 0.0
+HIDDEN_DROPOUT = 0.0
 
 
 def load_hf_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +96,7 @@ def vocab_sizes(hf: dict[str, Any], tp: int, divisible_by: int = 1) -> tuple[int
     return v, ((v + m - 1) // m) * m
 
 
-def use_te(options: ModelOptions) -> bool:
+def use_te(options: ModelConfig) -> bool:
     """Whether to build with the Transformer-Engine layer spec."""
     if options.use_transformer_engine is False or not torch.cuda.is_available():
         if options.use_transformer_engine:
@@ -129,7 +111,7 @@ def use_te(options: ModelOptions) -> bool:
     return True
 
 
-def transformer_config(hf: dict[str, Any], options: ModelOptions, tp: int = 1, pp: int = 1, cp: int = 1):
+def transformer_config(hf: dict[str, Any], options: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1):
     """A megatron ``TransformerConfig`` equivalent to the HF config, with parallel sizes and checks."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -165,8 +147,8 @@ def transformer_config(hf: dict[str, Any], options: ModelOptions, tp: int = 1, p
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        attention_dropout=options.attention_dropout,
-        hidden_dropout=options.hidden_dropout,
+        attention_dropout=ATTENTION_DROPOUT,
+        hidden_dropout=HIDDEN_DROPOUT,
         variable_seq_lengths=True,  # micro-batches differ in length (dynamic batching); PP exchanges shapes
         moe_token_dispatcher_type="alltoall",  # 0.16.1 rejects variable_seq_lengths with the default, even dense
         recompute_granularity=options.recompute_granularity,
@@ -193,15 +175,15 @@ def layer_spec(config, te: bool):
 
 def build_gpt_model(
     hf_config: str | Path | dict[str, Any],
-    options: ModelOptions | None = None,
+    options: ModelConfig,
     pre_process: bool | None = None,
     post_process: bool | None = None,
 ):
-    """The GPTModel stage of this rank (parallel state must be initialised: see ``runtime.init_parallel``)."""
+    """The GPTModel stage of this rank (parallel state must be initialised: see ``runtime.init_parallel``), built as
+    the run config's ``model`` section says (dtype, layer spec, recomputation, vocabulary padding)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    options = options or ModelOptions()
     hf = load_hf_config(hf_config)
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()

@@ -10,7 +10,7 @@ What it implements (paper equations as in DESIGN.md):
 - ``compute_logprobs``: log pi(o_t | q, o_<t) of every response token, forward-only through Megatron's pipeline
   schedule, vocab-parallel (logits stay split over TP ranks: Megatron's ``vocab_parallel_cross_entropy`` or the
   project's fused kernel); responses are sharded over DP ranks and the results gathered back in batch order.
-- Sampling temperature (``LossOptions.temperature`` = ``rollout.temperature``): pi is softmax(z / T), the
+- Sampling temperature (``rollout.temperature``): pi is softmax(z / T), the
   distribution the engines sample from, in log-probs, entropy and loss alike (as verl and slime do); otherwise the
   ratio pi_theta / pi_old and the rollout-vs-policy comparison would score a distribution nobody sampled from.
 - ``train_step``: one RL update, the clipped surrogate of Eq. 5/11 with the algorithm's aggregation (GRPO Eq. 4,
@@ -30,14 +30,14 @@ What it implements (paper equations as in DESIGN.md):
   ``min_lr`` at ``total_steps``. Weight decay is constant (Megatron's ``wd_mult`` keeps it off biases and norms).
 - ``save`` / ``load``: :mod:`.checkpoint` (model resharding-safe across TP/PP; optimizer at the same TP x PP).
 - ``state_dict_for_export``: full tensors with global Megatron names for the bridge / vLLM weight sync.
-- Fused linear loss (``LossOptions.backend = "fused_linear"``): the last stage runs GPTModel with its output layer
+- Fused linear loss (``actor.loss_backend = "fused_linear"``): the last stage runs GPTModel with its output layer
   swapped for a pass-through, so the forward returns the final hidden states (after the final norm) instead of
   logits, and log-probs, entropy and loss come from :mod:`da3po_megatron.kernels.fused_linear` with this rank's
   output-weight shard: no ``[tokens x vocab]`` logits tensor exists at all, at the price of one more matmul per
   chunk in backward. Not with sequence parallelism (the hidden states are sequence-sharded there).
 
-Left out: context parallelism (CUDA only, not wired), virtual pipeline stages, KL-to-reference and entropy bonus
-terms (DAPO / DA3PO use neither), dual-clip PPO.
+Left out: context parallelism (refused by config validation: sequences are not split across CP ranks), virtual
+pipeline stages, KL-to-reference and entropy bonus terms (DAPO / DA3PO use neither), dual-clip PPO.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,11 +56,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from da3po_megatron.algorithms import ALGORITHMS
+from da3po_megatron.config import AlgorithmConfig, Config, to_dict
 from da3po_megatron.megatron import cpu_compat
 from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, balance_across_dp, microbatches
 from da3po_megatron.megatron.model import (
-    ModelOptions,
     build_gpt_model,
     load_hf_config,
     transformer_config,
@@ -71,156 +70,75 @@ from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_para
 
 log = logging.getLogger(__name__)
 
-LOSS_BACKENDS = ("torch", "kernel", "fused_linear")
-LR_DECAY_STYLES = ("constant", "cosine")
+KERNEL_BACKENDS = ("auto", "triton", "chunked", "reference")  # actor.loss_backend values that mean the kernel
 
 
-@dataclass(frozen=True)
-class OptimizerOptions:
-    """Adam + schedule (Megatron ``OptimizerConfig`` names where they exist).
+def loss_setup(cfg: Config) -> dict[str, Any]:
+    """What the loss code reads, derived from the run config (nothing here has a default of its own).
 
-    Attributes:
-        lr: peak learning rate (paper: 1e-6 for Qwen3-4B/8B-Base).
-        min_lr: the cosine schedule's final learning rate.
-        weight_decay: decoupled (AdamW) weight decay; not applied to biases and norms.
-        adam_beta1 / adam_beta2 / adam_eps: Adam's moments and epsilon.
-        clip_grad: clip the global gradient norm (over all TP/PP/DP shards) to this value; 0 = no clipping.
-        lr_warmup_steps: optimizer steps of linear warmup (optimizer step k uses lr * k / warmup).
-        lr_decay_style: "constant" or "cosine" (from lr at the end of warmup to min_lr at total_steps).
-        total_steps: optimizer steps of the run, the schedule's horizon (RL steps x mini-batches x ppo_epochs).
-        use_distributed_optimizer: shard optimizer state (and fp32 master weights) over DP ranks (ZeRO-1).
+    The resolved algorithm fields (``ratio_level``, ``loss_agg_mode``, ``clip_ratio_low/high``; the registry filled
+    them at load), the custom loss ``algorithm.policy_loss_fn`` imported (None = ``losses.policy_loss``), and which
+    implementation computes log-probs and loss from ``actor.loss_backend``: "torch" (Megatron's vocab-parallel cross
+    entropy + ``losses.policy_loss``), "fused_linear" (from the final hidden states, no logits tensor), otherwise
+    "kernel" with that kernel backend (auto | triton | chunked | reference). ``rollout.temperature`` divides every
+    logit (the distribution the engines sampled from); ``actor.entropy`` turns the entropy metric on.
     """
+    from da3po_megatron.algorithms.registry import POLICY_LOSS_FN_ARGS, load_function
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    total_steps: int = 1000
-    use_distributed_optimizer: bool = True
-
-    def validate(self) -> None:
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style must be one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}")
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.total_steps <= self.lr_warmup_steps:
-            raise ValueError(f"total_steps ({self.total_steps}) must exceed lr_warmup_steps ({self.lr_warmup_steps})")
+    a, b = cfg.algorithm, cfg.actor.loss_backend
+    unset = [k for k in ("ratio_level", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high") if getattr(a, k) is None]
+    if unset:
+        raise ValueError(f"algorithm.{', algorithm.'.join(unset)} unset: resolve the run config first "
+                         "(da3po_megatron.config.load_config or resolve)")
+    if not cfg.rollout.temperature > 0:
+        raise ValueError(f"rollout.temperature must be > 0 (the sampling temperature), got {cfg.rollout.temperature}")
+    backend = b if b in ("torch", "fused_linear") else "kernel"
+    if backend == "kernel" and b not in KERNEL_BACKENDS:
+        raise ValueError(f"actor.loss_backend={b!r} is not one of torch, fused_linear, {', '.join(KERNEL_BACKENDS)}")
+    fn = load_function(a.policy_loss_fn, POLICY_LOSS_FN_ARGS, "algorithm.policy_loss_fn") if a.policy_loss_fn else None
+    return dict(algorithm=a.name, ratio_level=a.ratio_level, loss_agg_mode=a.loss_agg_mode,
+                clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, policy_loss_fn=fn,
+                backend=backend, kernel_backend=b if backend == "kernel" else "auto",
+                temperature=cfg.rollout.temperature, entropy=cfg.actor.entropy)
 
 
-@dataclass(frozen=True)
-class LossOptions:
-    """The policy loss.
+def layout_of(cfg: Config) -> ParallelLayout:
+    """The process-group layout of ``cfg.parallel`` (DP follows from the world size)."""
+    p = cfg.parallel
+    return ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size)
 
-    Attributes:
-        algorithm: grpo | dapo | gspo | da3po: picks ratio level and aggregation from ``POLICY_LOSS_PRESETS``.
-        clip_ratio_low / clip_ratio_high: eps_low / eps_high of Eq. 11; None = the algorithm's preset.
-        loss_agg_mode: None = the preset's; "token-mean" (Eq. 9) or "seq-mean-token-mean" (Eq. 4).
-        backend: "torch" (Megatron vocab-parallel log-probs + ``losses.policy_loss``), "kernel" (the fused DAA-loss
-            kernel for the token-level losses dapo / da3po; its vocab-parallel log-probs otherwise) or
-            "fused_linear" (the same from the final hidden states and the output weight, no logits tensor at all;
-            the kernel_backend does not apply).
-        kernel_backend: the kernel's own backend: "auto" | "triton" | "chunked" | "reference".
-        compute_entropy: report the mean token entropy of pi_theta (a metric; no entropy term in the loss).
-        temperature: the rollout's sampling temperature T; every log-prob, entropy and loss term is of
-            softmax(logits / T), the distribution the responses were sampled from (1.0: the logits as they are, and
-            no division is done).
+
+def validate_config(cfg: Config, world_size: int) -> None:
+    """Check the run config against the world and the model before any process group exists.
+
+    Raises ValueError naming the numbers: a world that is not ``cfg.policy_world_size``; world not divisible by
+    TP x PP (x CP), heads / KV heads not divisible by TP, layers not divisible by PP; an invalid loss set-up.
     """
-
-    algorithm: str = "da3po"
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    loss_agg_mode: str | None = None
-    backend: str = "torch"
-    kernel_backend: str = "auto"
-    compute_entropy: bool = True
-    temperature: float = 1.0
-
-    def resolved(self) -> dict[str, Any]:
-        from da3po_megatron.algorithms.losses import POLICY_LOSS_PRESETS
-
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"loss algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        if self.backend not in LOSS_BACKENDS:
-            raise ValueError(f"loss backend must be one of {LOSS_BACKENDS}, got {self.backend!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"loss temperature must be > 0 (the rollout's sampling temperature), "
-                             f"got {self.temperature}")
-        p = dict(POLICY_LOSS_PRESETS[self.algorithm])
-        if self.clip_ratio_low is not None:
-            p["clip_ratio_low"] = self.clip_ratio_low
-        if self.clip_ratio_high is not None:
-            p["clip_ratio_high"] = self.clip_ratio_high
-        if self.loss_agg_mode is not None:
-            if self.loss_agg_mode not in ("token-mean", "seq-mean-token-mean"):
-                raise ValueError(f"loss_agg_mode must be token-mean or seq-mean-token-mean, got {self.loss_agg_mode!r}")
-            p["loss_agg_mode"] = self.loss_agg_mode
-        return p
-
-
-@dataclass(frozen=True)
-class BatchingOptions:
-    """Mini- and micro-batching.
-
-    Attributes:
-        max_tokens_per_microbatch: token budget of one micro-batch (prompt + response tokens, packed); a sequence
-            longer than this is an error.
-        ppo_mini_batch_size: responses per optimizer step (0 = the whole batch in one step).
-        ppo_epochs: passes over the batch (each mini-batch is one optimizer step per pass).
-        packing: pack several sequences per row (block-diagonal mask / THD); False = one padded row per sequence.
-        logprob_max_tokens_per_microbatch: budget for ``compute_logprobs`` (forward only; 0 = 2x the training one).
-    """
-
-    max_tokens_per_microbatch: int = 8192
-    ppo_mini_batch_size: int = 0
-    ppo_epochs: int = 1
-    packing: bool = True
-    logprob_max_tokens_per_microbatch: int = 0
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Everything a :class:`PolicyWorker` needs besides its rank and rendezvous (picklable, for Ray)."""
-
-    hf_dir: str
-    layout: ParallelLayout = field(default_factory=ParallelLayout)
-    model: ModelOptions = field(default_factory=ModelOptions)
-    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
-    loss: LossOptions = field(default_factory=LossOptions)
-    batching: BatchingOptions = field(default_factory=BatchingOptions)
-    seed: int = 1234
-    load_hf_weights: bool = True
-
-
-def validate_config(cfg: PolicyConfig, world_size: int) -> None:
-    """Check the parallel layout against the world and the model before any process group exists.
-
-    Raises ValueError naming the numbers: world not divisible by TP x PP (x CP), heads / KV heads not divisible by
-    TP, layers not divisible by PP; and invalid optimizer / loss / batching options.
-    """
-    cfg.layout.validate(world_size)
-    hf = load_hf_config(cfg.hf_dir)
-    tp, pp = cfg.layout.tensor_model_parallel_size, cfg.layout.pipeline_model_parallel_size
-    tconf = transformer_config(hf, cfg.model, tp, pp, cfg.layout.context_parallel_size)
-    cfg.optimizer.validate()
-    cfg.loss.resolved()
-    if cfg.loss.backend == "fused_linear" and tconf.sequence_parallel:
-        raise ValueError("loss backend 'fused_linear' does not support sequence_parallel=True: the final hidden states "
-                         "are sharded over the sequence there; use loss backend 'kernel' or 'torch'")
-    b = cfg.batching
-    if b.max_tokens_per_microbatch < 1 or b.ppo_epochs < 1 or b.ppo_mini_batch_size < 0:
-        raise ValueError(f"need max_tokens_per_microbatch >= 1, ppo_epochs >= 1, ppo_mini_batch_size >= 0; got {b}")
+    layout = layout_of(cfg)
+    layout.validate(world_size)
+    hf = load_hf_config(cfg.model.path)
+    tconf = transformer_config(hf, cfg.model, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                               layout.context_parallel_size)
+    if world_size != cfg.policy_world_size:
+        p = cfg.parallel
+        raise ValueError(f"world size {world_size} != parallel.tensor_model_parallel_size "
+                         f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+                         f"({p.pipeline_model_parallel_size}) x context_parallel_size ({p.context_parallel_size}) x "
+                         f"data_parallel_size ({p.data_parallel_size}) = {cfg.policy_world_size}")
+    setup = loss_setup(cfg)
+    if setup["backend"] == "fused_linear" and tconf.sequence_parallel:
+        raise ValueError("actor.loss_backend='fused_linear' does not support sequence_parallel=True: the final hidden "
+                         "states are sharded over the sequence there; use a kernel backend or 'torch'")
 
 
 class PolicyWorker:
-    """One rank of the policy world. Use ``PolicyWorker().init(cfg, rank=..., ...)`` or ``PolicyWorker(cfg, ...)``."""
+    """One rank of the policy world, configured by the run config's own sections (``da3po_megatron.config.Config``):
+    ``model``, ``parallel``, ``optim``, ``actor``, the resolved ``algorithm`` fields, ``rollout.temperature`` /
+    ``rollout.n`` and ``trainer.seed``. Use ``PolicyWorker().init(cfg, rank=..., ...)`` or
+    ``PolicyWorker(cfg, ...)``."""
 
-    def __init__(self, cfg: PolicyConfig | None = None, **init_kwargs: Any) -> None:
-        self.cfg: PolicyConfig | None = None
+    def __init__(self, cfg: Config | None = None, **init_kwargs: Any) -> None:
+        self.cfg: Config | None = None
         self.step = 0
         if cfg is not None:
             self.init(cfg, **init_kwargs)
@@ -231,9 +149,11 @@ class PolicyWorker:
         """(address, port) for the world's rendezvous, as seen from other nodes; called on rank 0's host."""
         return node_ip(), free_port()
 
-    def init(self, cfg: PolicyConfig, *, rank: int | None = None, world_size: int | None = None,
-             master_addr: str | None = None, master_port: int | None = None) -> dict[str, Any]:
-        """Join the world, build the model stage, load weights, wrap in DDP, build optimizer and LR schedule."""
+    def init(self, cfg: Config, *, rank: int | None = None, world_size: int | None = None,
+             master_addr: str | None = None, master_port: int | None = None,
+             load_hf_weights: bool = True) -> dict[str, Any]:
+        """Join the world, build the model stage, load weights from ``cfg.model.path`` (unless ``load_hf_weights`` is
+        False: random initialisation), wrap in DDP, build optimizer and LR schedule."""
         import os
 
         from megatron.core import parallel_state as ps
@@ -248,10 +168,10 @@ class PolicyWorker:
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         validate_config(cfg, world_size)
         self.cfg = cfg
-        self.loss_params = cfg.loss.resolved()
-        init_parallel(cfg.layout, rank=rank, world_size=world_size, master_addr=master_addr,
-                      master_port=master_port, seed=cfg.seed)
-        self.hf = load_hf_config(cfg.hf_dir)
+        self.loss_params = loss_setup(cfg)
+        init_parallel(layout_of(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
+                      master_port=master_port, seed=cfg.trainer.seed)
+        self.hf = load_hf_config(cfg.model.path)
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.dp = ps.get_data_parallel_world_size()
@@ -265,20 +185,20 @@ class PolicyWorker:
             torch.device("cpu")
         self.vocab, self.padded_vocab = vocab_sizes(self.hf, self.tp, cfg.model.make_vocab_size_divisible_by)
         self.te = use_te(cfg.model)
-        self.thd = self.te and cfg.batching.packing
+        self.thd = self.te and cfg.actor.packing
         pad = self.hf.get("pad_token_id")
         self.pad_id = int(pad) if isinstance(pad, int) else 0
 
         model = self._gpt = build_gpt_model(self.hf, cfg.model)
-        self.hf_loaded = self.load_hf(cfg.hf_dir) if cfg.load_hf_weights else False
+        self.hf_loaded = self.load_hf(cfg.model.path) if load_hf_weights else False
         dtype = model.config.params_dtype
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+            use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
         )
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        o = cfg.optimizer
+        o = cfg.optim
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=o.lr,
@@ -299,11 +219,11 @@ class PolicyWorker:
             max_lr=o.lr,
             min_lr=o.min_lr,
             lr_warmup_steps=o.lr_warmup_steps,
-            lr_decay_steps=o.total_steps,
-            lr_decay_style=o.lr_decay_style,
+            lr_decay_steps=cfg.optimizer_steps,
+            lr_decay_style=o.lr_schedule,
             start_wd=o.weight_decay,
             end_wd=o.weight_decay,
-            wd_incr_steps=o.total_steps,
+            wd_incr_steps=cfg.optimizer_steps,
             wd_incr_style="constant",
         )
         config = model.config
@@ -321,10 +241,19 @@ class PolicyWorker:
         cpu_compat.apply_if_needed()  # Ray may run actor methods on another thread than init's
         return fn(self, *args, **kwargs)
 
-    def set_loss_options(self, loss: LossOptions) -> None:
-        """Switch the policy loss (algorithm preset, clip ratios, backend) between steps, e.g. for ablations."""
-        self.cfg = replace(self.cfg, loss=loss)
-        self.loss_params = loss.resolved()
+    def set_loss(self, algorithm: AlgorithmConfig | None = None, loss_backend: str | None = None,
+                 temperature: float | None = None) -> None:
+        """Switch the policy loss between steps, e.g. for ablations: a resolved ``algorithm`` section (see
+        ``config.algorithm_config``), ``actor.loss_backend``, ``rollout.temperature``; None keeps the current one."""
+        cfg = self.cfg
+        if algorithm is not None:
+            cfg = replace(cfg, algorithm=algorithm)
+        if loss_backend is not None:
+            cfg = replace(cfg, actor=replace(cfg.actor, loss_backend=loss_backend))
+        if temperature is not None:
+            cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=temperature))
+        self.loss_params = loss_setup(cfg)
+        self.cfg = cfg
 
     def info(self) -> dict[str, Any]:
         """Where this rank sits and what it holds."""
@@ -341,11 +270,12 @@ class PolicyWorker:
         """What computes the policy loss here, with "auto" resolved: e.g. "kernel:triton" on a GPU where the Triton
         kernels compile, "kernel:chunked" on CPU, "torch" (Megatron's vocab-parallel cross-entropy + algorithms/),
         "fused_linear" (kernels/fused_linear.py from the final hidden states)."""
-        if self.cfg.loss.backend != "kernel":
-            return self.cfg.loss.backend
+        backend = self.loss_params["backend"]
+        if backend != "kernel":
+            return backend
         from da3po_megatron.kernels import resolve_backend
 
-        return "kernel:" + resolve_backend(self.cfg.loss.kernel_backend, torch.empty(0, device=self.device))
+        return "kernel:" + resolve_backend(self.loss_params["kernel_backend"], torch.empty(0, device=self.device))
 
     @property
     def _bare(self) -> torch.nn.Module:
@@ -414,7 +344,7 @@ class PolicyWorker:
         and backends: nothing changes.
         """
         gpt = self._gpt
-        if self.cfg.loss.backend != "fused_linear" or not gpt.post_process:
+        if self.loss_params["backend"] != "fused_linear" or not gpt.post_process:
             yield
             return
         layer = gpt.output_layer
@@ -440,7 +370,7 @@ class PolicyWorker:
         ``copy_to_tensor_model_parallel_region`` does on the logits path.
         """
         return dict(vocab_start=self.tp_rank * weight.shape[0], tp_group=self.tp_group,
-                    temperature=self.cfg.loss.temperature, vocab_limit=self.vocab, reduce_hidden_grad=True)
+                    temperature=self.loss_params["temperature"], vocab_limit=self.vocab, reduce_hidden_grad=True)
 
     @staticmethod
     def _response_hidden(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -450,7 +380,7 @@ class PolicyWorker:
     def _token_logprobs(self, output: torch.Tensor, mb: MicroBatch, entropy: bool
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (differentiable) and entropy (detached) of the response tokens of one micro-batch's output."""
-        if self.cfg.loss.backend != "fused_linear":
+        if self.loss_params["backend"] != "fused_linear":
             return self._logprobs(self._response_logits(output, mb), mb.token_targets, entropy)
         from da3po_megatron.kernels import fused_linear_vocab_parallel_logprobs
 
@@ -472,9 +402,9 @@ class PolicyWorker:
         for T < 1, and -inf turns the entropy's 0 * z into NaN.
         """
         flat = output.reshape(-1, output.shape[-1]).index_select(0, mb.token_index)
-        if self.cfg.loss.backend == "torch":
+        if self.loss_params["backend"] == "torch":
             flat = flat.float()
-        t = self.cfg.loss.temperature
+        t = self.loss_params["temperature"]
         if t != 1.0:
             flat.div_(t)
         if self.padded_vocab > self.vocab:
@@ -486,11 +416,11 @@ class PolicyWorker:
     def _logprobs(self, logits: torch.Tensor, targets: torch.Tensor, entropy: bool
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Vocab-parallel log-probs (differentiable) and entropy (detached) of ``[N, V_local]`` logits."""
-        if self.cfg.loss.backend == "kernel":
+        if self.loss_params["backend"] == "kernel":
             from da3po_megatron.kernels import vocab_parallel_logprobs
 
             lp, ent = vocab_parallel_logprobs(logits, targets, self.tp_rank * logits.shape[-1], self.tp_group,
-                                              compute_entropy=entropy, backend=self.cfg.loss.kernel_backend)
+                                              compute_entropy=entropy, backend=self.loss_params["kernel_backend"])
             return lp, None if ent is None else ent.detach()
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -505,11 +435,12 @@ class PolicyWorker:
                          ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
         """Per-token log-probs of each response given its prompt (and entropies with ``return_entropy``).
 
-        ``packing`` overrides ``BatchingOptions.packing`` for this call (packed and padded give the same values).
+        ``packing`` overrides ``actor.packing`` for this call (packed and padded give the same values).
         """
         cpu_compat.apply_if_needed()
-        packing = self.cfg.batching.packing if packing is None else packing
-        budget = self.cfg.batching.logprob_max_tokens_per_microbatch or 2 * self.cfg.batching.max_tokens_per_microbatch
+        a = self.cfg.actor
+        packing = a.packing if packing is None else packing
+        budget = a.logprob_max_tokens_per_microbatch or 2 * a.max_tokens_per_microbatch
         offsets = [0]
         for r in batch.response_ids:
             offsets.append(offsets[-1] + len(r))
@@ -551,11 +482,12 @@ class PolicyWorker:
         from da3po_megatron.algorithms.losses import policy_loss
 
         p = self.loss_params
-        entropy = self.cfg.loss.compute_entropy
-        backend = self.cfg.loss.backend
+        entropy = self.loss_params["entropy"]
+        backend = self.loss_params["backend"]
         n = mb.num_response_tokens
         old_flat = mb.old_logprobs[mb.token_seq, mb.token_pos]
-        fused = backend != "torch" and p["ratio_level"] == "token" and p["loss_agg_mode"] == "token-mean"
+        fused = backend != "torch" and p["ratio_level"] == "token" and p["loss_agg_mode"] == "token-mean" and \
+            p["policy_loss_fn"] is None
         if fused:
             from da3po_megatron.kernels import daa_policy_loss, fused_linear_daa_policy_loss
 
@@ -574,7 +506,7 @@ class PolicyWorker:
                 loss_sum, lp, ent, km = daa_policy_loss(
                     logits, mb.token_targets, old_flat, adv_flat, torch.ones_like(old_flat), **common,
                     vocab_start=self.tp_rank * logits.shape[-1], tp_group=self.tp_group,
-                    backend=self.cfg.loss.kernel_backend)
+                    backend=self.loss_params["kernel_backend"])
             loss = loss_sum / global_tokens.clamp_min(1)
             clip_low, clip_high = km["clip_low_count"], km["clip_high_count"]
             lp = lp.detach()
@@ -582,12 +514,12 @@ class PolicyWorker:
         else:
             lp, ent = self._token_logprobs(output, mb, entropy)
             adv = mb.advantages if mb.token_weights is None else mb.advantages.unsqueeze(1) * mb.token_weights
-            loss, m = policy_loss(
-                mb.unflatten(lp), mb.old_logprobs, adv, mb.response_mask,
+            loss, m = (p["policy_loss_fn"] or policy_loss)(
+                logprobs=mb.unflatten(lp), old_logprobs=mb.old_logprobs, advantages=adv, mask=mb.response_mask,
                 clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
                 ratio_level=p["ratio_level"], loss_agg_mode=p["loss_agg_mode"],
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs)
-            clip_low, clip_high = m["clipfrac_low"] * n, m["clipfrac_high"] * n
+            clip_low, clip_high = m.get("clipfrac_low", 0.0) * n, m.get("clipfrac_high", 0.0) * n
             lp = lp.detach()
         if n == 0:  # no response token: keep the graph connected for Megatron's backward
             loss = loss + 0.0 * output.sum()
@@ -613,15 +545,17 @@ class PolicyWorker:
             raise ValueError("train_step needs PolicyBatch.old_logprobs and PolicyBatch.advantages")
         if batch.token_weights is not None and self.loss_params["ratio_level"] != "token":
             raise ValueError(f"PolicyBatch.token_weights scale per-token surrogate terms; the "
-                             f"{self.cfg.loss.algorithm} loss has one ratio per sequence, to which they do not apply")
-        b = self.cfg.batching
+                             f"{self.loss_params['algorithm']} loss has one ratio per sequence, to which they do not "
+                             "apply")
+        b = self.cfg.actor
         n = len(batch)
-        size = b.ppo_mini_batch_size or n
+        size = self.cfg.ppo_mini_batch_responses  # actor.ppo_mini_batch_size prompts x rollout.n responses
         minis = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
         for rows in minis:
             if len(rows) < self.dp:
                 raise ValueError(f"a mini-batch of {len(rows)} responses cannot be split over {self.dp} data-parallel "
-                                 f"ranks (batch {n}, ppo_mini_batch_size {b.ppo_mini_batch_size})")
+                                 f"ranks (batch {n}, actor.ppo_mini_batch_size {b.ppo_mini_batch_size} x "
+                                 f"rollout.n {self.cfg.rollout.n} = {size} responses per mini-batch)")
         lengths = batch.lengths()
         self.model.train()
         t0 = time.perf_counter()
@@ -665,7 +599,7 @@ class PolicyWorker:
             "clipfrac_low": stats[1].item() / n_tok,
             "clipfrac_high": stats[2].item() / n_tok,
             "approx_kl": stats[3].item() / n_tok,
-            "entropy": stats[4].item() / n_tok if self.cfg.loss.compute_entropy else float("nan"),
+            "entropy": stats[4].item() / n_tok if self.loss_params["entropy"] else float("nan"),
             "response_tokens": stats[5].item() / b.ppo_epochs,
             "tokens_per_s": total_tokens / elapsed if elapsed > 0 else float("inf"),
             "num_microbatches": n_mb,
@@ -680,8 +614,8 @@ class PolicyWorker:
         """Model + optimizer + scheduler + RNG via ``dist_checkpointing`` (see :mod:`.checkpoint`)."""
         from da3po_megatron.megatron.checkpoint import save_policy
 
-        save_policy(path, self.model, self.optimizer, self.scheduler, step=self.step, hf_dir=self.cfg.hf_dir,
-                    extra={"policy_config": _jsonable(asdict(self.cfg)), "vocab_size": self.vocab,
+        save_policy(path, self.model, self.optimizer, self.scheduler, step=self.step, hf_dir=self.cfg.model.path,
+                    extra={"run_config": _jsonable(to_dict(self.cfg)), "vocab_size": self.vocab,
                            "padded_vocab_size": self.padded_vocab},
                     fully_parallel=fully_parallel)
 

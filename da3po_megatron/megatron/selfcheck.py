@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from da3po_megatron.config import algorithm_config, standalone_policy_config
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.model import ModelOptions
-from da3po_megatron.megatron.policy import BatchingOptions, LossOptions, OptimizerOptions, PolicyConfig, PolicyWorker
-from da3po_megatron.megatron.runtime import ParallelLayout
+from da3po_megatron.megatron.policy import PolicyWorker
 
 
 def fixed_batch(num: int = 8, vocab: int = 100, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -68,19 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--algorithm", default="da3po")
-    ap.add_argument("--loss-backend", default="torch")
+    ap.add_argument("--loss-backend", default="torch", help="actor.loss_backend ('kernel' = 'chunked')")
     args = ap.parse_args(argv)
 
-    cfg = PolicyConfig(
-        hf_dir=args.hf,
-        layout=ParallelLayout(args.tp, args.pp),
-        model=ModelOptions(),
-        optimizer=OptimizerOptions(lr=args.lr, adam_eps=1e-4, clip_grad=1.0),
-        loss=LossOptions(algorithm=args.algorithm, backend=args.loss_backend, kernel_backend="chunked"),
-        batching=BatchingOptions(max_tokens_per_microbatch=args.max_tokens),
-        load_hf_weights=args.load_hf,
-    )
-    w = PolicyWorker(cfg)
+    backend = "chunked" if args.loss_backend == "kernel" else args.loss_backend
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cfg = standalone_policy_config(args.hf, [
+        "model.params_dtype=float32", f"parallel.tensor_model_parallel_size={args.tp}",
+        f"parallel.pipeline_model_parallel_size={args.pp}",
+        f"parallel.data_parallel_size={world // (args.tp * args.pp)}",
+        f"optim.lr={args.lr}", "optim.adam_eps=1e-4", "optim.weight_decay=0.01", "optim.clip_grad=1.0",
+        f"algorithm.name={args.algorithm}", f"actor.loss_backend={backend}",
+        f"actor.max_tokens_per_microbatch={args.max_tokens}", "actor.ppo_mini_batch_size=512",
+        "data.train_batch_size=512", "trainer.seed=1234"])
+    w = PolicyWorker(cfg, load_hf_weights=args.load_hf)
     rank = dist.get_rank()
     res: dict = {"info": w.info()}
     if args.load_hf and not w.hf_loaded:
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         res["decrease_losses"] = [w.train_step(steady)["loss"] for _ in range(args.decrease_steps)]
     res["algorithms"] = {}
     for algorithm in ("grpo", "gspo"):  # sequence-level normaliser / ratio: one step each from the base weights
-        w.set_loss_options(LossOptions(algorithm=algorithm, backend=args.loss_backend, kernel_backend="chunked"))
+        w.set_loss(algorithm_config(algorithm))
         w.load_model(args.base)
         res["algorithms"][algorithm] = w.train_step(train)
     if rank == 0:

@@ -10,8 +10,17 @@ One update is a session, the same one vLLM's own weight-transfer engines run (``
    and its weight loaders wrapped, so a layer is (re)processed once all of its checkpoint tensors arrived;
 2. :meth:`da3po_load_bucket` -- ``model.load_weights`` on the tensors of one bucket (any number of buckets; a layer
    whose tensors straddle two buckets waits for the second);
-3. :meth:`da3po_finish_weight_update` -- ``finalize_layerwise_reload`` + cache resets, and a check that every model
-   parameter was written.
+3. :meth:`da3po_finish_weight_update` -- ``finalize_layerwise_reload``, the tied layers refreshed
+   (:func:`refresh_tied_layers`), cache resets, and a check that every model parameter was written.
+
+Tied embeddings (Qwen3-0.6B/1.7B/4B, SmolLM2, Llama-3.2): vLLM's output head shares its ``weight`` Parameter with the
+input embedding and receives no tensor of its own (its loader skips ``lm_head.*``). The session writes the new
+embedding into that shared Parameter, but the head is a layer of its own: it gets no ``process_weights_after_loading``
+and keeps whatever that step derived from the OLD weight -- on CPU the prepacked GEMM weight behind
+``layer.cpu_linear`` -- so the engine samples from the new embedding with the old head. ``refresh_tied_layers`` re-runs
+the weight post-processing of every layer that shares a Parameter with a written one and received nothing itself (a
+no-op on CUDA's unquantized head, which reads ``layer.weight`` directly). The "every parameter written" check cannot see
+the head (``named_parameters`` lists a shared Parameter once), so the tests compare log-probs of tied models.
 
 This is what ``Worker.reload_weights(weights_iterator=...)`` does in one call; splitting it keeps the memory bound of a
 bucket while a layer's q/k/v or gate/up still land in one fused parameter correctly. Plain ``model.load_weights``
@@ -45,6 +54,26 @@ def _unpack(payload) -> dict:
             flat = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
             out[name] = flat.view(getattr(torch, dtype)).view(shape)
     return out
+
+
+def refresh_tied_layers(model, loaded: set[str]) -> list[str]:
+    """Re-run ``quant_method.process_weights_after_loading`` on layers that share a Parameter with another layer and
+    had none of their own names in ``loaded`` (the tied output head); returns the refreshed layers' names."""
+    owners: dict[int, list[tuple[str, str, object]]] = {}
+    for mname, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((mname, pname, module))
+    refreshed = []
+    for shared in owners.values():
+        if len(shared) < 2 or not any(f"{m}.{p}" in loaded for m, p, _ in shared):
+            continue
+        for mname, pname, module in shared:
+            method = getattr(module, "quant_method", None)
+            if f"{mname}.{pname}" in loaded or not hasattr(method, "process_weights_after_loading"):
+                continue
+            method.process_weights_after_loading(module)
+            refreshed.append(mname)
+    return refreshed
 
 
 class WeightSyncExtension:
@@ -100,6 +129,7 @@ class WeightSyncExtension:
         model = self._da3po_model()
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(model, self.vllm_config.model_config)
+            refreshed = refresh_tied_layers(model, session["loaded"])
         self._da3po_session = None
         runner = self.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
@@ -111,7 +141,8 @@ class WeightSyncExtension:
         if strict and missing:
             raise RuntimeError(f"weight update left {len(missing)} vLLM parameters unwritten (they keep their old "
                                f"values): {missing[:8]}{'...' if len(missing) > 8 else ''}")
-        return {"missing": missing, "bytes": session["bytes"], "seconds": time.perf_counter() - session["t0"]}
+        return {"missing": missing, "bytes": session["bytes"], "seconds": time.perf_counter() - session["t0"],
+                "refreshed_tied": refreshed}
 
     def da3po_abort_weight_update(self) -> None:
         """Drop an open session after a failed bucket (finalise so every layer gets its kernel tensors back)."""
@@ -129,4 +160,6 @@ class WeightSyncExtension:
         """Reload every weight from an HF checkpoint directory on disk (the slow baseline of the sync benchmark)."""
         t0 = time.perf_counter()
         self.reload_weights(weights_path=path, is_checkpoint_format=True)
+        model = self._da3po_model()  # vLLM's own reload leaves a tied head stale too (see the module docstring)
+        refresh_tied_layers(model, {name for name, _ in model.named_parameters()})
         return time.perf_counter() - t0

@@ -31,6 +31,7 @@ from da3po_megatron.algorithms import (
     gamma,
     group_advantages,
 )
+from da3po_megatron.algorithms.registry import ADVANTAGE_FN_ARGS, load_function
 from da3po_megatron.algorithms.reward_shaping import overlong_penalty
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.megatron.batching import PolicyBatch
@@ -89,15 +90,24 @@ def make_groups(examples: Sequence[Example], completions: Sequence[Sequence[Any]
 
 
 def compute_advantages(groups: Sequence[Group], eps: float, daa: bool, lambda_: float, tau: float,
-                       mode: str = "constant", lambda_min: float = 1.0, lambda_max: float = 3.0) -> dict[str, float]:
-    """Eq. 3 then (if ``daa``) Eq. 14, written into each group's ``advantages``; returns DAA statistics."""
+                       mode: str = "constant", lambda_min: float = 1.0, lambda_max: float = 3.0,
+                       advantage_fn: str = "") -> dict[str, float]:
+    """Eq. 3 (or the custom estimator ``advantage_fn``, an import path: ``algorithm.advantage_fn``) then (if ``daa``)
+    Eq. 14, written into each group's ``advantages``; returns DAA statistics."""
     if not groups:
         return {}
     G = len(groups[0].acc)
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
     correct = torch.tensor([a > 0 for g in groups for a in g.acc])
     p_hat = torch.tensor([g.p_hat for g in groups for _ in g.acc], dtype=torch.float32)
-    adv = group_advantages(rewards, G, eps=eps)
+    if advantage_fn:
+        fn = load_function(advantage_fn, ADVANTAGE_FN_ARGS, where="algorithm.advantage_fn")
+        adv = torch.as_tensor(fn(rewards=rewards, group_size=G, eps=eps), dtype=torch.float64)
+        if adv.shape != rewards.shape:
+            raise ValueError(f"algorithm.advantage_fn={advantage_fn!r} returned shape {tuple(adv.shape)} for "
+                             f"{tuple(rewards.shape)} rewards; it must return one advantage per response")
+    else:
+        adv = group_advantages(rewards, G, eps=eps)
     stats = {"daa/activation_frac": 0.0, "daa/lambda_mean": 1.0}
     if daa:
         lam = adaptive_daa_lambda(p_hat, G, lambda_min, lambda_max).to(adv.dtype) if mode == "adaptive" else lambda_

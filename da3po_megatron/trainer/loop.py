@@ -63,7 +63,8 @@ def fill_batch(run: Run, step: int) -> StepRollout:
         for g in groups:
             g.weight_step = weight_step
         generated += groups
-        run.totals["kept_groups"] += buffer.add(groups, [g.p_hat if cfg.filter_groups else 0.5 for g in groups])
+        p_hats = [g.p_hat if cfg.algorithm.filter_groups else 0.5 for g in groups]  # 0.5: kept by the filter
+        run.totals["kept_groups"] += buffer.add(groups, p_hats)
     if not buffer.is_full:
         s = buffer.stats()
         raise DynamicSamplingError(
@@ -103,13 +104,14 @@ def train(cfg: Config) -> Run:
                 timer.seconds[phase] = seconds
 
             # 2. Advantages: group z-scores (Eq. 3), then Direct Advantage Amplification (Eq. 14).
-            daa = B.compute_advantages(groups, cfg.algorithm.advantage_eps, cfg.daa_enabled, cfg.daa.lambda_,
-                                       cfg.daa.tau, cfg.daa.mode, cfg.daa.lambda_min, cfg.daa.lambda_max)
+            daa = B.compute_advantages(groups, cfg.algorithm.advantage_eps, cfg.daa.enable, cfg.daa.lambda_,
+                                       cfg.daa.tau, cfg.daa.mode, cfg.daa.lambda_min, cfg.daa.lambda_max,
+                                       advantage_fn=cfg.algorithm.advantage_fn)
 
             # 3. pi_old: recomputed by the policy (default) or the engines' sampled-token log-probs.
             batch = B.policy_batch(groups)
             with timer("old_logprobs"):
-                batch, mismatch = run.old_logprobs(batch)
+                batch, mismatch = run.old_logprobs(batch, fresh=rollout.weight_step == step - 1)
 
             # 4. Mini-batch updates with the clipped surrogate on the Megatron policy.
             with timer("train"):

@@ -1,7 +1,9 @@
 """`da3po train --config X.yaml [section.key=value ...]`: run (or resume) DA3PO / DAPO / GRPO / GSPO training.
 
 Restarting the same command resumes from ``run_dir/checkpoints/latest`` (exactly, on CPU). ``--describe`` lists every
-config field with its documentation; ``--print-config`` shows the resolved config and exits.
+config field with its documentation; ``--print-config`` shows the effective config (every value the algorithm's preset
+decides filled in) and exits. Explicit values that override the preset are reported on stderr, e.g.
+``note: algorithm.clip_ratio_high=0.3 overrides the gspo preset (0.0004)``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import json
 import sys
 
+from da3po_megatron.algorithms.registry import preset_overrides
 from da3po_megatron.config import ConfigError, describe, load_config, to_dict
 
 
@@ -17,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="da3po train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="YAML recipe (see examples/)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=10 daa.lambda_=2.5")
-    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    ap.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     ap.add_argument("--describe", action="store_true", help="list every config field with its documentation")
     args = ap.parse_args(argv)
     if args.describe:
@@ -28,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    for line in preset_overrides(cfg):
+        print(f"note: {line}", file=sys.stderr, flush=True)
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0

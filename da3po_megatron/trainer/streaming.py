@@ -136,7 +136,7 @@ def stream_batch(run: Run, step: int) -> StepRollout:
         reward_s += time.perf_counter() - t_r
         for (j, _), g in zip(done, groups):
             g.weight_step = weight_step
-            keep = not cfg.filter_groups or 0.0 < g.p_hat < 1.0
+            keep = not cfg.algorithm.filter_groups or 0.0 < g.p_hat < 1.0
             informative += keep
             scored[j] = g
             if keep:
@@ -145,7 +145,7 @@ def stream_batch(run: Run, step: int) -> StepRollout:
                 batch.append(g)
         while in_order and admitted in scored and len(batch) < need:
             g = scored[admitted]
-            if not cfg.filter_groups or 0.0 < g.p_hat < 1.0:
+            if not cfg.algorithm.filter_groups or 0.0 < g.p_hat < 1.0:
                 batch.append(g)
             admitted += 1
     # End of the step: let the calls in flight return, then abort everything still running on every engine.
@@ -172,7 +172,7 @@ def stream_batch(run: Run, step: int) -> StepRollout:
     run.prompts.take(consumed)
     run.totals["kept_groups"] += informative
     generated = [scored[j] for j in sorted(scored)]
-    filtered = [g for g in generated if cfg.filter_groups and not 0.0 < g.p_hat < 1.0]
+    filtered = [g for g in generated if cfg.algorithm.filter_groups and not 0.0 < g.p_hat < 1.0]
     stats = {"dynamic_sampling/generated_groups": float(len(generated)),
              "dynamic_sampling/kept_groups": float(len(batch)),
              "dynamic_sampling/discarded_all_correct_groups": float(sum(g.p_hat >= 1.0 for g in filtered)),
