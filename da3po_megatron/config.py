@@ -108,16 +108,23 @@ class ActorConfig:
     use_rollout_logprobs: bool = doc(False, "Use the engines' sampled-token log-probs as pi_old instead of "
                                             "recomputing them with the policy (cheaper, carries engine mismatch).")
     entropy: bool = doc(True, "Compute the mean token entropy of the policy for logging.")
+    memory_check: Literal["refuse", "fit", "warn", "skip"] = doc(
+        "refuse", "Before starting, estimate the policy's peak memory per rank (megatron/memory.py) from the model "
+                  "shape, parallel layout, micro-batch token budget, layer spec, recomputation and loss backend, "
+                  "print it, and compare it with the device: 'refuse' stops with what to change, 'fit' lowers "
+                  "max_tokens_per_microbatch until it fits, 'warn' only prints, 'skip' skips it.")
 
 
 @dataclass
 class RolloutConfig:
     n: int = doc(16, "G: responses sampled per prompt (paper: 16). Eq. 3 normalises within these groups.")
-    temperature: float = doc(1.0, "T: training rollouts sample from softmax(logits / T) (paper: 1.0). The same T "
+    temperature: float = doc(1.0, "T: training rollouts sample from softmax(logits / T) (not stated in the paper; "
+                                  "1.0 as in DAPO/verl). The same T "
                                   "divides the policy's logits before every log-softmax (pi_old, pi_theta of the "
                                   "Eq. 5/11 ratio, the logged entropy), and the engines return log-probs after T "
                                   "(vLLM processed_logprobs), so rollout and policy log-probs score one distribution.")
-    top_p: float = doc(1.0, "Nucleus sampling for training rollouts (paper: 1.0). Below 1 the engines' log-probs are "
+    top_p: float = doc(1.0, "Nucleus sampling for training rollouts (not stated in the paper; 1.0 as in DAPO). "
+                            "Below 1 the engines' log-probs are "
                             "renormalised over the nucleus while the policy's cover the whole vocabulary: the "
                             "rollout/policy log-prob diff and TIS weights then carry that gap.")
     max_prompt_length: int = doc(2048, "Prompts longer than this many tokens are rejected (paper: 2K).")
@@ -233,6 +240,9 @@ class DataConfig:
     apply_chat_template: bool = doc(True, "Wrap prompts in the tokenizer's chat template.")
     train_batch_size: int = doc(512, "Prompts per RL step (paper: 512), i.e. groups after dynamic sampling.")
     shuffle: bool = doc(True, "Shuffle by (seed, epoch).")
+    dedup: bool = doc(False, "Drop repeated (prompt, answer) rows of each train file (count in data_stats.json). "
+                             "DAPO-Math-17K's parquet has ~1.79M rows of ~17.9K problems: with dedup, epochs and the "
+                             "data position count unique problems (docs/data_and_rewards.md).")
     on_bad_row: Literal["error", "skip"] = doc("error", "Malformed rows: stop with file/row/field, or skip and count.")
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
 
@@ -277,6 +287,10 @@ class TrainerConfig:
     run_dir: str = doc("runs/da3po", "Where logs, checkpoints and plots go.")
     save_every: int = doc(20, "Checkpoint every N steps (0 = only at the end).")
     keep_last: int = doc(3, "Checkpoints kept (older ones deleted after a newer one is complete).")
+    keep_best_metric: str = doc("", "Also keep the best checkpoint by this eval metric key (e.g. eval/avg/avg@k), "
+                                    "never pruned, in checkpoints/best.json (paper: best of 200 steps; "
+                                    "trainer/best.py). '' = off.")
+    keep_best_mode: Literal["max", "min"] = doc("max", "Whether a larger or a smaller keep_best_metric is better.")
     resume: bool = doc(True, "Resume from run_dir/checkpoints/latest when it exists.")
     tensorboard: bool = doc(True, "Write TensorBoard events to run_dir/tb (JSONL metrics are always written).")
     wandb_project: str = doc("", "Weights & Biases project ('' = off).")
@@ -463,6 +477,10 @@ def validate(cfg: Config) -> None:
     _check(o.lr_warmup_steps < cfg.optimizer_steps, "optim.lr_warmup_steps", o.lr_warmup_steps,
            f"< the run's {cfg.optimizer_steps} optimizer steps (trainer.total_steps x mini-batches x ppo_epochs)")
     _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
+    best, ev = cfg.trainer.keep_best_metric, cfg.eval
+    _check(not best or (best.startswith("eval/") and ev.every > 0 and bool(ev.benchmarks)), "trainer.keep_best_metric",
+           best, f"'' or an eval/... metric key with evaluations on (eval.every={ev.every}, eval.benchmarks="
+           f"{ev.benchmarks})")
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory")
 

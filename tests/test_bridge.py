@@ -121,6 +121,20 @@ def test_every_hf_tensor_round_trips_bit_exactly_through_full_megatron_tensors(m
     assert ("lm_head.weight" in state) == (not tied)
 
 
+@pytest.mark.parametrize("family,tied", FAMILIES)
+def test_the_export_stream_of_full_megatron_tensors_is_the_hf_state(models, family, tied):
+    from da3po_megatron.bridge.export import to_hf
+
+    d = models[(family, tied)]
+    hf = load_hf_config(d)
+    state = load_file(str(d / "model.safetensors"))
+    megatron = ((n, mapping.hf_to_megatron(n, state, hf, padded_vocab=130)) for n in _megatron_names(hf))
+    streamed = list(to_hf(megatron, d))  # the stage every export (sync, convert, --verify) goes through
+    assert len(streamed) == len(state) and all(torch.equal(t, state[k]) for k, t in streamed)
+    with pytest.raises(ValueError, match=r"'decoder\.layers\.0\.mlp\.router\.weight' \(1,\) to HF"):
+        list(to_hf([("decoder.layers.0.mlp.router.weight", torch.zeros(1))], hf))
+
+
 def test_unsupported_architecture_is_named_in_the_error():
     cfg, state = _qkv_hf()
     cfg["architectures"] = ["MixtralForCausalLM"]
@@ -195,7 +209,8 @@ def megatron_world():
 def test_megatron_logits_equal_transformers_logits_and_export_reproduces_hf(models, megatron_world, family, tied):
     from transformers import AutoModelForCausalLM
 
-    from da3po_megatron.bridge.megatron_io import export_state_dict, load_hf_weights
+    from da3po_megatron.bridge.export import export_model
+    from da3po_megatron.bridge.megatron_io import load_hf_weights
     from da3po_megatron.config import ModelConfig
     from da3po_megatron.megatron.model import build_gpt_model
 
@@ -214,9 +229,7 @@ def test_megatron_logits_equal_transformers_logits_and_export_reproduces_hf(mode
     print(f"{family} tied={tied}: max |megatron - transformers| logits = {diff:.2e} (max |logit| "
           f"{theirs.abs().max().item():.2f})")
     assert diff < 1e-4
-    exported = {}
-    for name, t in export_state_dict(model, hf):
-        exported.update(mapping.megatron_to_hf(name, t, hf))
+    exported = dict(export_model(model, hf))
     state = load_file(str(d / "model.safetensors"))
     assert sorted(exported) == sorted(state) and all(torch.equal(exported[k], state[k]) for k in state)
 

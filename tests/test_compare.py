@@ -1,4 +1,4 @@
-"""The algorithm-comparison runner and report (da3po_megatron/eval/compare*.py, tools/compare_algorithms.py).
+"""The algorithm-comparison study (da3po_megatron/studies/compare/, tools/compare_algorithms.py).
 
 Fast tests build synthetic ``metrics.jsonl`` files with known curves (so every table value is computable by hand);
 the slow test runs ``tools/compare_algorithms.py --smoke`` through the real trainer (megatron-core, vLLM, Ray) twice,
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from da3po_megatron.eval import compare as C
 from da3po_megatron.eval.curves import read_metrics
+from da3po_megatron.studies import compare as C
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKETS = (1, 2, 3, 4)
@@ -216,13 +216,13 @@ def test_table_points_are_the_last_common_eval_step_and_the_largest_common_budge
         write_run(s.run_dir, 10 if s.seed == 0 else 9, 10 if s.method.label == "grpo" else 25, lambda s: 0.5,
                   lambda s: 0.5, eval_every=4)
     d = C.prepare(C.parse_methods("grpo,dapo"), C.load_grid(specs))
-    assert d.k == 4 and d.buckets == list(BUCKETS)
+    assert d.metric == "avg@4" and d.groups == [f"b{b}" for b in BUCKETS] and d.train_buckets == list(BUCKETS)
     assert d.step_point.x == 8  # steps 4, 8 common; 10 and 9 are final evals of different runs
     assert [p.x for p in d.sample_points] == [45, 90]  # grpo seed 1 reached 9 x 10 samples
-    assert d.hard == [4]  # starting avg@4 < tau = 0.5 (strict: bucket 3 at 0.5 is not hard)
-    strong = C.prepare(C.parse_methods("grpo,dapo"), C.load_grid(specs), start_acc={1: 0.9, 2: 0.6, 3: 0.8, 4: 0.7},
-                       tau=0.5)
-    assert strong.hard == [2] and "lowest" in strong.hard_rule  # none below tau: the hardest quarter
+    assert d.hard == ["b4"]  # starting avg@4 < tau = 0.5 (strict: bucket 3 at 0.5 is not hard)
+    strong = C.prepare(C.parse_methods("grpo,dapo"), C.load_grid(specs),
+                       start_acc={"b1": 0.9, "b2": 0.6, "b3": 0.8, "b4": 0.7}, tau=0.5)
+    assert strong.hard == ["b2"] and "lowest" in strong.hard_rule  # none below tau: the hardest quarter
 
 
 def test_compare_means_screens_at_two_standard_errors():
@@ -283,7 +283,7 @@ def test_report_holds_equal_step_and_equal_sample_tables_per_bucket_figures_and_
     summary = json.loads((tmp_path / "rep/summary.json").read_text())
     assert summary["tables"]["128 samples"]["heldout"]["da3po:2"]["all"][0] == pytest.approx(0.3)
     assert summary["tables"]["128 samples"]["heldout"]["grpo"]["all"][0] == pytest.approx(0.6)
-    assert summary["hard_buckets"] == [4]
+    assert summary["hard_groups"] == ["b4"] and summary["group_kind"] == "bucket"
     for name in ("train_acc_vs_steps", "train_acc_vs_samples", "train_acc_vs_tokens", "heldout_vs_steps",
                  "heldout_vs_samples", "heldout_buckets_vs_samples", "heldout_by_bucket", "filtered_frac",
                  "daa_activation", "theory_diagnostic"):
@@ -293,6 +293,20 @@ def test_report_holds_equal_step_and_equal_sample_tables_per_bucket_figures_and_
     assert "](../rep/figures/heldout_by_bucket.png)" in page.read_text()
     assert (tmp_path / "rep/logs/da3po_2/seed2.jsonl").read_text() == (specs[-1].run_dir / "metrics.jsonl"
                                                                          ).read_text()
+
+
+def test_report_shows_a_previous_reports_numbers_side_by_side(tmp_path):
+    ms, specs = _grid(tmp_path / "old", "grpo,dapo,da3po:2",
+                      lambda m, s: {"grpo": 0.5, "dapo": 0.5, "da3po:2": 0.7}[m] + 0.01 * s)
+    C.build_report(specs, ms, tmp_path / "old_rep", figures=False)
+    ms, specs = _grid(tmp_path / "new", "grpo,dapo,da3po:2", lambda m, s: 0.5 + 0.01 * s)
+    text = C.build_report(specs, ms, tmp_path / "new_rep", figures=False, previous=tmp_path / "old_rep",
+                          previous_note="The baselines are now true baselines.").read_text()
+    section = text.split("## Compared with the previous report")[1].split("\n## ")[0]
+    assert "The baselines are now true baselines." in section
+    assert "| da3po:2 | 71.0 ± 1.0 | 51.0 ± 1.0 |" in section  # previous | this run, all buckets, equal steps
+    assert "| da3po:2 vs dapo | equal steps, all | +20.0 (**better**) | +0.0 (n.s.) |" in section
+    assert "previous 4 / 0 / 0; this run 0 / 0 / 4" in section
 
 
 def test_report_names_missing_and_unfinished_runs(tmp_path):
@@ -319,6 +333,72 @@ def test_tool_report_only_rebuilds_from_existing_runs(tmp_path):
     text = (tmp_path / "rep/report.md").read_text()
     assert "```bash\npython tools/compare_algorithms.py --seeds 0,1,2 --out rep\n```" in text  # the grid's command
     assert "rebuilt from the existing runs with" in text and "--report-only" in text
+
+
+# ------------------------------------------------------------------------------------- any benchmark's metric keys
+
+BENCH_START = {"aime24": 0.1, "amc": 0.4, "math500": 0.6}  # the starting policy's avg@k per benchmark
+
+
+def write_bench_run(run_dir: Path, steps: int, samples_per_step: float, eval_acc, eval_every: int = 2) -> Path:
+    """A fake run evaluated on math benchmarks (the keys of eval.runner.flat_metrics: eval/<bench>/avg@k, pass@k, k
+    and their mean eval/avg/...), no synthetic keys and no per-bucket training accuracy. Benchmark b gets
+    BENCH_START[b] + eval_acc(step); pass@k = avg@k + 0.1."""
+
+    def evals(gain: float) -> dict:
+        r: dict = {}
+        for b, v in BENCH_START.items():
+            r.update({f"eval/{b}/avg@k": v + gain, f"eval/{b}/pass@k": v + gain + 0.1, f"eval/{b}/k": 8.0})
+        r["eval/avg/avg@k"] = sum(BENCH_START.values()) / len(BENCH_START) + gain
+        r["eval/avg/pass@k"] = r["eval/avg/avg@k"] + 0.1
+        return r
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": 0, **evals(0.0)}]
+    for s in range(1, steps + 1):
+        r = {"step": s, "acc/mean": 0.5, "gen/cumulative_samples": samples_per_step * s,
+             "gen/cumulative_tokens": 100 * samples_per_step * s, "time/step": 1.0}
+        if s % eval_every == 0 or s == steps:
+            r.update(evals(eval_acc(s)))
+        rows.append(r)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_heldout_keys_are_discovered_for_the_synthetic_task_and_for_math_benchmarks(tmp_path):
+    syn = C.discover(read_metrics(write_run(tmp_path / "s", 2, 8, lambda s: 0.5, lambda s: 0.5)))
+    assert syn.names == ("avg@4", "greedy") and syn.overall == ("eval/synthetic/avg@4", "eval/synthetic/greedy")
+    assert list(syn.groups) == ["b1", "b2", "b3", "b4"] and syn.key(0, "b3") == "eval/synthetic/bucket3/avg@4"
+    math_rows = read_metrics(write_bench_run(tmp_path / "m", 2, 8, lambda s: 0.1))
+    keys = C.discover(math_rows)
+    assert keys.source == "benchmarks" and keys.group_kind == "benchmark"
+    assert keys.names == ("avg@8", "pass@8") and keys.overall == ("eval/avg/avg@k", "eval/avg/pass@k")
+    assert list(keys.groups) == ["aime24", "amc", "math500"] and keys.key(1, "amc") == "eval/amc/pass@k"
+    one = C.discover([{"step": 0, "eval/amc23/avg@k": 0.3, "eval/amc23/k": 4.0}])  # one benchmark: it is "all"
+    assert one.overall == ("eval/amc23/avg@k", None) and one.groups == {} and one.names == ("avg@4", "pass@4")
+    both = math_rows + [{"eval/synthetic/avg@4": 0.5}]
+    assert C.discover(both).source == "synthetic" and C.discover(both, prefer="benchmarks").source == "benchmarks"
+    assert C.discover([{"step": 1, "acc/mean": 0.5}]) is None
+
+
+def test_report_on_math_benchmark_keys_has_per_benchmark_columns_hard_benchmarks_and_a_verdict(tmp_path):
+    ms = C.parse_methods("dapo,da3po:2")
+    specs = C.grid_specs(ms, [0, 1, 2], 8, tmp_path / "runs")
+    for s in specs:
+        gain = (0.2 if s.method.daa else 0.1) + 0.01 * s.seed
+        write_bench_run(s.run_dir, 8, 16, lambda st, g=gain: g * st / 8)
+    C.build_report(specs, ms, tmp_path / "rep", figures=True)
+    text = (tmp_path / "rep/report.md").read_text()
+    assert "| method | seeds | all | hard | aime24 | amc | math500 |" in text
+    assert "Held-out pass@8 (%):" in text and "- held-out metric: `avg@8` and `pass@8` on the math benchmarks" in text
+    assert "**hard benchmarks** (starting held-out avg@8 < tau = 0.5, where DAA acts): aime24, amc" in text
+    assert "da3po:2 vs dapo (its baseline): +10.0 pts" in text and "on hard benchmarks aime24, amc" in text
+    summary = json.loads((tmp_path / "rep/summary.json").read_text())
+    assert summary["verdict"]["own_baseline_counts"]["better"] == 4
+    assert summary["tables"]["step 8"]["heldout"]["da3po:2"]["amc"][0] == pytest.approx(0.4 + 0.21)
+    assert summary["tables"]["step 8"]["second"]["dapo"]["all"][0] == pytest.approx(1.1 / 3 + 0.11 + 0.1)
+    for name in ("heldout_vs_steps", "heldout_vs_samples", "heldout_buckets_vs_samples", "heldout_by_bucket"):
+        assert (tmp_path / "rep/figures" / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
 
 
 # ---------------------------------------------------------------------------------------------------- real trainer

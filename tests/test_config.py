@@ -34,8 +34,10 @@ def test_paper_recipes_carry_paper_hyperparameters():
     grpo = load_config(ROOT / "examples/qwen3_4b_grpo.yaml")
     assert not grpo.daa.enable and not grpo.algorithm.filter_groups
     assert grpo.algorithm.loss_agg_mode == "seq-mean-token-mean"
-    lambdas = sorted(load_config(p).daa.lambda_ for p in (ROOT / "examples/ablation").glob("*.yaml"))
-    assert lambdas == [1.0, 1.5, 2.0, 2.5]
+    for size in ("4b", "8b"):  # the lambda ablation of both models
+        ablation = [load_config(p) for p in (ROOT / "examples/ablation").glob(f"qwen3_{size}_da3po_lambda*.yaml")]
+        assert sorted(c.daa.lambda_ for c in ablation) == [1.0, 1.5, 2.0, 2.5]
+        assert {c.model.path for c in ablation} == {f"checkpoints/Qwen3-{size.upper()}-Base"}
 
 
 def test_dotted_overrides_apply_with_yaml_types(tmp_path):

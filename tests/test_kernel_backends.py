@@ -19,8 +19,9 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from _kernel_cases import assert_same_outputs, random_case, run_loss
+
 from da3po_megatron.kernels import daa_policy_loss, reference_daa_policy_loss, vocab_parallel_logprobs
-from da3po_megatron.kernels.testing import assert_same_outputs, random_case, run_loss
 
 KW = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
 B, T, V = 2, 12, 75

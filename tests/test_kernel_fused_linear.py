@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from _kernel_cases import random_case
 
 from da3po_megatron.kernels import (
     fused_linear_daa_policy_loss,
@@ -11,7 +12,6 @@ from da3po_megatron.kernels import (
     reference_daa_policy_loss,
     vocab_parallel_logprobs,
 )
-from da3po_megatron.kernels.testing import random_case
 
 KW = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
 B, T, H, V = 2, 11, 16, 53

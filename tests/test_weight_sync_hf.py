@@ -8,6 +8,8 @@ follow the synced input embedding). One in-process engine per model.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from _hf import max_logprob_diff, perturbed
@@ -54,6 +56,24 @@ def test_synced_weights_give_the_new_models_logprobs_and_not_the_old(client, mod
     out = client.generate(["What is 2+3?", "hello"], SamplingConfig(n=2, max_tokens=20, seed=5))
     assert max_logprob_diff(new, out) < TOL
     assert max_logprob_diff(old, out) > CHANGED
+
+
+def test_a_sync_loads_every_layer_without_vllm_warnings_and_rope_stays_exact(client, model_dir):
+    """vLLM's layerwise reload used to log "RotaryEmbedding: Failed to load weights" on every sync: RoPE's cos/sin
+    cache is a non-persistent buffer no checkpoint holds. The worker extension marks such layers as expecting
+    nothing; vLLM still restores the cache, so the log-probs stay exact (in-process engine: its logs are visible)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    log.addHandler(handler)
+    try:
+        new = perturbed(load_hf(model_dir), seed=11)
+        client.update_weights(hf_state_tensors(new), bucket_mb=1)
+    finally:
+        log.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+    assert max_logprob_diff(new, client.generate(["What is 7*6?"], SamplingConfig(n=2, max_tokens=12, seed=4))) < TOL
 
 
 def test_a_stale_prefix_cache_cannot_leak_across_a_sync(client, model_dir):

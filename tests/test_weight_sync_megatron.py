@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from da3po_megatron.bridge.export import export_policy_state, load_policy_hf
 from da3po_megatron.rollout import EngineConfig, RolloutClient, SamplingConfig
 from da3po_megatron.rollout.consistency import check_consistency
 from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines, sync_policy_to_engines
@@ -47,7 +48,9 @@ def policy_group(hf_dir: str, tp: int, pp: int = 1):
                                             "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10",
                                             "actor.ppo_mini_batch_size=512", "data.train_batch_size=512",
                                             "actor.loss_backend=torch", "trainer.seed=1234"])
-    return PolicyGroup(cfg, world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    group = PolicyGroup(cfg, world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    assert all(group.run_on_all(load_policy_hf, hf_dir))  # the HF weights, through the bridge
+    return group
 
 
 def train_on(group, groups) -> None:
@@ -114,7 +117,8 @@ def test_tp2_policy_sync_matches_megatron_logprobs(client, dirs):
         assert hf_max_diff(dirs[2], out) < TOL  # and both equal the HF checkpoint the policy loaded
         # the single-process entry point on the same export (gathered to the driver) gives the same engine weights
         pushed = client.weights_checksums()[0]
-        stats = sync_policy_to_engines(group.export_state_dict().items(), dirs[2], client, bucket_mb=1)
+        exported = {k: v for part in group.run_on_all(export_policy_state) for k, v in part.items()}
+        stats = sync_policy_to_engines(exported.items(), client, bucket_mb=1)
         assert stats["gbps"] > 0 and client.weights_checksums()[0] == pytest.approx(pushed, rel=1e-12)
     finally:
         group.shutdown()

@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
+    from da3po_megatron.bridge.export import load_policy_hf
     from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.batching import PolicyBatch
     from da3po_megatron.megatron.model import load_hf_config
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> dict:
         f"actor.ppo_mini_batch_size={prompts_per_update}", f"data.train_batch_size={prompts_per_update}"])
     t0 = time.perf_counter()
     w = PolicyWorker(cfg)
+    load_policy_hf(w, args.hf)
     start_s = time.perf_counter() - t0
     hf = load_hf_config(args.hf)
     rng = random.Random(0)

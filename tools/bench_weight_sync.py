@@ -58,7 +58,6 @@ def main(argv=None) -> dict:
         hf_state_tensors,
         save_and_reload,
         sync_policy_group_to_engines,
-        to_hf,
     )
 
     if args.source == "megatron" and not args.ray:
@@ -102,22 +101,22 @@ def main(argv=None) -> dict:
                 shutil.rmtree(disk_dir, ignore_errors=True)
                 rows["disk"].append(save_and_reload(hf_state_tensors(hf), disk_dir, client, model)["seconds"])
         else:
+            from da3po_megatron.bridge.export import export_policy_state, load_policy_hf
             from da3po_megatron.config import standalone_policy_config
             from da3po_megatron.megatron.actor_group import PolicyGroup
-            from da3po_megatron.megatron.model import load_hf_config
 
             pcfg = standalone_policy_config(model, ["model.params_dtype=float32",
                                                     f"parallel.tensor_model_parallel_size={args.policy_tp}"])
             group = PolicyGroup(pcfg, world_size=args.policy_tp, num_cpus_per_rank=1)
-            hf_config = load_hf_config(model)
+            group.run_on_all(load_policy_hf, model)
             for _ in range(args.repeats):
                 stats = sync_policy_group_to_engines(group, client, bucket_mb=args.bucket_mb)
                 rows["memory"].append(stats["seconds"])
                 n_bytes = stats["bytes"]
                 shutil.rmtree(disk_dir, ignore_errors=True)
                 t = time.perf_counter()
-                exported = group.export_state_dict()  # gathered on the policy ranks, sent to the driver
-                save_and_reload(to_hf(exported.items(), hf_config), disk_dir, client, model)
+                exported = {k: v for part in group.run_on_all(export_policy_state) for k, v in part.items()}
+                save_and_reload(exported.items(), disk_dir, client, model)  # gathered on the ranks, sent to the driver
                 rows["disk"].append(time.perf_counter() - t)
                 del exported
     finally:

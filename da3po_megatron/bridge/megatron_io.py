@@ -2,13 +2,15 @@
 
 * :func:`load_hf_weights` fills *this rank's* ``GPTModel`` stage (its TP slice, its PP layers) straight from the HF
   safetensors files, reading only the slices it holds. Peak memory: the rank's own shard plus one tensor's slice.
-* :func:`export_state_dict` is the collective generator of ``(global_megatron_name, full_tensor)`` for a live model:
+* :func:`iter_model` is the collective generator of ``(global_megatron_name, full_tensor)`` for a live model:
   TP shards gathered on the first TP rank of each stage (``dist.gather``, so the full tensor exists on that rank only),
-  layer numbers global. Feed each item to :func:`~da3po_megatron.bridge.mapping.megatron_to_hf` for HF tensors.
+  split or replicated per the mapping table, ``linear_fc1`` re-interleaved to ``[gate; up]``, layer numbers global.
 * :func:`iter_checkpoint` streams the full tensors of a Megatron ``dist_checkpointing`` (torch_dist) checkpoint saved at
   *any* TP x PP layout, one layer at a time, without building a model or a process group: it reads the checkpoint's
   PyTorch-DCP metadata and loads per-layer slices of the stacked ``decoder.layers.*`` tensors with a slice planner.
   Peak memory: one layer's tensors (plus the embedding). This is how the Megatron -> HF converter bounds memory.
+
+Both generators feed the one HF export of :mod:`da3po_megatron.bridge.export`.
 
 Megatron's dist checkpoint stores each per-layer parameter as one tensor with a leading layer axis (global layer
 numbers), under the Transformer-Engine names for the pre-norms, and ``linear_fc1`` as ``[gate; up]`` -- the same full
@@ -85,11 +87,13 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, hf_config: dict[
 
 
 @torch.no_grad()
-def export_state_dict(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective generator of ``(global_megatron_name, full_tensor)`` for this rank's pipeline stage.
+def iter_model(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective generator of ``(global_megatron_name, full_tensor)`` for this rank's pipeline stage (``model``: the
+    GPTModel stage, bare or DDP-wrapped), in ``named_parameters()`` order, one gathered tensor at a time.
 
-    Every rank of the stage's TP group must iterate it (the gathers are collective); items are yielded on TP rank 0
-    only (other ranks iterate without items). Tensors keep the parameters' dtype and device.
+    Every rank of the stage's TP group must iterate it to the end (the gathers are collective); items are yielded on
+    TP rank 0 only (other ranks iterate without items). Tensors keep the parameters' dtype and device; replicated
+    ones are views of the live weights. The last stage's copy of tied embeddings is skipped (it has no HF tensor).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -101,6 +105,8 @@ def export_state_dict(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iter
     dst = ps.get_tensor_model_parallel_src_rank() if tp_size > 1 else 0
     for local_name, param in bare.named_parameters():
         name = mapping.layer_name(local_name, to_global)
+        if not mapping.hf_names_for(name, hf_config):  # tied output layer: no HF tensor, no gather
+            continue
         # split or replicated per the mapping table, not per parameter attributes (TE's fused layers differ there)
         if tp_size == 1 or mapping.resolve(name, hf_config)[0].tp_dim is None:
             if tp_rank == 0:
@@ -110,8 +116,9 @@ def export_state_dict(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iter
         shards = [torch.empty_like(shard) for _ in range(tp_size)] if tp_rank == 0 else None
         dist.gather(shard, shards, dst=dst, group=group)
         if tp_rank == 0:
-            yield name, mapping.full_from_tp_shards(name, shards, hf_config)
-            del shards
+            full = mapping.full_from_tp_shards(name, shards, hf_config)
+            del shards  # one full tensor alive while the consumer holds the item
+            yield name, full
 
 
 # ----------------------------------------------------------------------------------- reading a dist checkpoint

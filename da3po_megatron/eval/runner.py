@@ -119,7 +119,7 @@ def evaluate(
     apply_chat_template: bool = True,
     reward_pool: Any | None = None,
     reward_kind: str = "math",
-    batch_size: int = 64,
+    batch_size: int | None = None,
     seed: int | None = None,
     progress: bool = True,
     keep_responses: bool = False,
@@ -132,14 +132,24 @@ def evaluate(
     ``template``: ``boxed`` | ``dapo`` | ``none`` (``data.templates``). ``reward_pool``: a ``rewards.RewardPool`` to
     reuse (the trainer's); a temporary one is started and closed otherwise. ``reward_kind``: the pool's verifier
     (``math``; ``synthetic`` for the toy task).
-    ``batch_size`` prompts go to the engines per ``generate`` call (each with k samples); the progress bar counts
-    problems. ``seed``: per-request sampling seeds (problem i of a benchmark draws from ``seed + i * k``), so results
-    do not depend on batch size or engine count; None = the engines' own generators. The result carries per-problem
+    ``batch_size`` prompts go to the engines per ``generate`` call (each with k samples); the progress bar advances
+    after every call, so it moves per finished group of problems. None = 64 with CUDA, 4 on CPU (a CPU engine takes
+    minutes per batch of long responses: 50 problems in one call once left the bar at 0 % for 11 minutes).
+    Reward errors and timeouts are counted per benchmark (``reward_errors`` / ``reward_timeouts`` in the result, a
+    warning on stderr when any occurred); a broken pool raises ``rewards.RewardPoolError``.
+    ``seed``: per-request sampling seeds (problem i of a benchmark draws from ``seed + i * k``), so results do not
+    depend on batch size or engine count; None = the engines' own generators. The result carries per-problem
     correctness (``samples``) for ``write_results``.
     """
+    import torch
     from tqdm.auto import tqdm
 
     from da3po_megatron.rollout import SamplingConfig
+
+    if batch_size is None:
+        batch_size = 64 if torch.cuda.is_available() else 4
+    if batch_size < 1:
+        raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
 
     if isinstance(benchmarks, Mapping):
         problem_sets = {_name(b): list(ps)[:limit] if limit else list(ps) for b, ps in benchmarks.items()}
@@ -175,7 +185,7 @@ def evaluate(
             t0 = time.perf_counter()
             gen_s = verify_s = 0.0
             rows: list[dict[str, Any]] = []
-            num_tokens = truncated = 0
+            num_tokens = truncated = reward_errors = reward_timeouts = 0
             for start in range(0, len(problems), batch_size):
                 chunk = problems[start:start + batch_size]
                 tg = time.perf_counter()
@@ -192,6 +202,8 @@ def evaluate(
                 tv = time.perf_counter()
                 scored = reward_pool.score_batch(texts, answers, kind=reward_kind)
                 verify_s += time.perf_counter() - tv
+                reward_errors += scored.errors
+                reward_timeouts += scored.timeouts
                 for j, ((pid, _, answer), cs) in enumerate(zip(fields, completions)):
                     sl = slice(j * kb, (j + 1) * kb)
                     row = {"id": pid, "answer": answer,
@@ -208,7 +220,12 @@ def evaluate(
             score = score_benchmark(bench, [r["correct"] for r in rows], k=kb)
             entry = score.to_dict()
             n_samples = len(rows) * kb
-            entry.update(mean_response_tokens=num_tokens / n_samples, truncated_frac=truncated / n_samples)
+            entry.update(mean_response_tokens=num_tokens / n_samples, truncated_frac=truncated / n_samples,
+                         reward_errors=reward_errors, reward_timeouts=reward_timeouts)
+            if reward_errors or reward_timeouts:
+                print(f"warning: evaluate[{bench}]: {reward_errors} of {n_samples} answers could not be verified "
+                      f"(reward errors) and {reward_timeouts} timed out; they count as wrong", file=sys.stderr,
+                      flush=True)
             result["benchmarks"][bench] = entry
             result["samples"][bench] = rows
             result["timing"][bench] = {"total_s": time.perf_counter() - t0, "generate_s": gen_s, "verify_s": verify_s}
@@ -294,7 +311,11 @@ def _build_parser() -> argparse.ArgumentParser:
                    "cluster, e.g. from slurm/; 'local': start a private one)")
     p.add_argument("--seed", type=int, default=0, help="engine seed; with CUDA also per-request seeds (problem i: "
                    "seed + i * k), independent of batching")
-    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
+    p.add_argument("--batch-size", type=int, default=None, help="problems per generate call; the progress bar moves "
+                   "after each (default: 64 with CUDA, 4 on CPU)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="CPU: KV-cache budget of each engine in GiB "
+                   "(default 0.25; vLLM's own CPU default would take 0.9 x RAM). More lets more sequences decode at "
+                   "once")
     p.add_argument("--reward-workers", type=int, default=None, help="verifier processes (default: cores - 1)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per check; slower = wrong")
     p.add_argument("--save-responses", action="store_true", help="also store the response texts in samples/")
@@ -313,6 +334,10 @@ def _engine_config(args: argparse.Namespace) -> Any:
     wanted = {"model_path": str(args.checkpoint), "dtype": dtype, "seed": args.seed,
               "max_model_len": args.max_model_len or 2048 + args.max_tokens,
               "tensor_parallel_size": args.tensor_parallel_size}
+    if args.kv_cache_gib is not None:
+        if args.kv_cache_gib <= 0:
+            raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+        wanted["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     fields = {f.name for f in dataclasses.fields(EngineConfig)} if dataclasses.is_dataclass(EngineConfig) else None
     if fields is not None:
         dropped = [key for key in wanted if key not in fields and key != "model_path"]
@@ -340,7 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     from da3po_megatron.rewards import RewardPool, default_num_workers
     from da3po_megatron.rollout import RolloutClient
 
-    cfg = _engine_config(args)
+    try:
+        cfg = _engine_config(args)
+    except ValueError as e:
+        print(f"da3po eval: error: {e}", file=sys.stderr)
+        return 2
     if args.ray:
         import ray
 
@@ -357,12 +386,17 @@ def main(argv: list[str] | None = None) -> int:
     request_seed = args.seed if torch.cuda.is_available() else None
     pool = RewardPool(num_workers=args.reward_workers if args.reward_workers is not None else default_num_workers(),
                       timeout_s=args.reward_timeout)
+    from da3po_megatron.rewards import RewardPoolError
+
     try:
         result = evaluate(client, problem_sets, k=ks, template=args.template, temperature=args.temperature,
                           top_p=args.top_p, max_tokens=args.max_tokens,
                           apply_chat_template=not args.no_chat_template, reward_pool=pool,
                           batch_size=args.batch_size, seed=request_seed, progress=not args.no_progress,
                           keep_responses=args.save_responses)
+    except RewardPoolError as e:
+        print(f"da3po eval: error: {e}", file=sys.stderr)
+        return 1
     finally:
         pool.close()
         client.shutdown()

@@ -165,19 +165,9 @@ class PolicyGroup:
     def load_model(self, path: str) -> None:
         self.call("load_model", str(path))
 
-    def load_hf(self, hf_dir: str) -> bool:
-        return self.call("load_hf", str(hf_dir))
-
     def info(self) -> list[dict[str, Any]]:
         """Every rank's :meth:`PolicyWorker.info` (rank order)."""
         return self.call_all("info")
-
-    def export_state_dict(self) -> dict[str, Any]:
-        """The full exported model (global Megatron names) merged from all stages; small models / tests only."""
-        merged: dict[str, Any] = {}
-        for part in self.call_all("export_state_dict"):
-            merged.update(part)
-        return merged
 
     def shutdown(self) -> None:
         """Kill the actors (and the placement group). Idempotent."""

@@ -111,19 +111,35 @@ def use_te(options: ModelConfig) -> bool:
     return True
 
 
+def check_parallel_sizes(hf: dict[str, Any], tp: int, pp: int) -> None:
+    """Raise ValueError unless the model splits at TP x PP: attention heads, KV heads (query groups) and the MLP's
+    intermediate size divisible by ``tp``, layers divisible by ``pp``. The message names the field and the sizes that
+    would work. Pure (no process group): ``da3po convert`` and ``da3po train`` call it
+    before writing anything."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor_model_parallel_size ({tp}) and pipeline_model_parallel_size ({pp}) must be >= 1")
+    heads = int(hf["num_attention_heads"])
+    checks = [("num_attention_heads", heads, tp, "tensor_model_parallel_size"),
+              ("num_key_value_heads", int(hf.get("num_key_value_heads") or heads), tp, "tensor_model_parallel_size"),
+              ("intermediate_size", int(hf.get("intermediate_size") or 0), tp, "tensor_model_parallel_size"),
+              ("num_hidden_layers", int(hf["num_hidden_layers"]), pp, "pipeline_model_parallel_size")]
+    for field_name, value, size, option in checks:
+        if value and value % size:
+            ok = [d for d in range(1, value + 1) if value % d == 0]
+            if option.startswith("tensor"):  # TP must divide heads, KV heads and the MLP at once
+                ok = [d for d in ok if all(v % d == 0 for f, v, _, o in checks if o == option and v)]
+            raise ValueError(f"{field_name} ({value}) is not divisible by {option} ({size}); sizes that divide this "
+                             f"model: {ok}")
+
+
 def transformer_config(hf: dict[str, Any], options: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1):
     """A megatron ``TransformerConfig`` equivalent to the HF config, with parallel sizes and checks."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     family = model_family(hf)
+    check_parallel_sizes(hf, tp, pp)
     heads, groups, layers = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"]), \
         hf["num_hidden_layers"]
-    if heads % tp:
-        raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_model_parallel_size ({tp})")
-    if groups % tp:
-        raise ValueError(f"num_key_value_heads ({groups}) is not divisible by tensor_model_parallel_size ({tp})")
-    if layers % pp:
-        raise ValueError(f"num_hidden_layers ({layers}) is not divisible by pipeline_model_parallel_size ({pp})")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r} (SwiGLU models only)")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[options.params_dtype]

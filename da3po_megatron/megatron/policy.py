@@ -29,7 +29,8 @@ What it implements (paper equations as in DESIGN.md):
   BEFORE it: optimizer step k (1-based) uses lr * k / warmup during warmup, then constant or cosine decay to
   ``min_lr`` at ``total_steps``. Weight decay is constant (Megatron's ``wd_mult`` keeps it off biases and norms).
 - ``save`` / ``load``: :mod:`.checkpoint` (model resharding-safe across TP/PP; optimizer at the same TP x PP).
-- ``state_dict_for_export``: full tensors with global Megatron names for the bridge / vLLM weight sync.
+- No HF names here: HF weights go in and out through the bridge (``da3po_megatron.bridge.export``: ``load_policy_hf``,
+  ``export_policy``), which the trainer, the weight sync and tests run on every rank with :meth:`PolicyWorker.execute`.
 - Fused linear loss (``actor.loss_backend = "fused_linear"``): the last stage runs GPTModel with its output layer
   swapped for a pass-through, so the forward returns the final hidden states (after the final norm) instead of
   logits, and log-probs, entropy and loss come from :mod:`da3po_megatron.kernels.fused_linear` with this rank's
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -150,10 +150,9 @@ class PolicyWorker:
         return node_ip(), free_port()
 
     def init(self, cfg: Config, *, rank: int | None = None, world_size: int | None = None,
-             master_addr: str | None = None, master_port: int | None = None,
-             load_hf_weights: bool = True) -> dict[str, Any]:
-        """Join the world, build the model stage, load weights from ``cfg.model.path`` (unless ``load_hf_weights`` is
-        False: random initialisation), wrap in DDP, build optimizer and LR schedule."""
+             master_addr: str | None = None, master_port: int | None = None) -> dict[str, Any]:
+        """Join the world, build the model stage (randomly initialised: the HF weights come through the bridge's
+        ``load_policy_hf``), wrap in DDP, build optimizer and LR schedule."""
         import os
 
         from megatron.core import parallel_state as ps
@@ -190,7 +189,6 @@ class PolicyWorker:
         self.pad_id = int(pad) if isinstance(pad, int) else 0
 
         model = self._gpt = build_gpt_model(self.hf, cfg.model)
-        self.hf_loaded = self.load_hf(cfg.model.path) if load_hf_weights else False
         dtype = model.config.params_dtype
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -236,7 +234,7 @@ class PolicyWorker:
     def execute(self, fn, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(self, *args, **kwargs)`` on this rank (how a Ray driver runs e.g. the weight-sync push).
 
-        Collective when ``fn`` is (e.g. when it iterates :meth:`state_dict_for_export`).
+        Collective when ``fn`` is (e.g. the bridge's ``export_policy``, whose TP gathers are collective).
         """
         cpu_compat.apply_if_needed()  # Ray may run actor methods on another thread than init's
         return fn(self, *args, **kwargs)
@@ -262,7 +260,7 @@ class PolicyWorker:
             "rank": dist.get_rank(), "world_size": dist.get_world_size(), "tp_rank": self.tp_rank,
             "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "tp": self.tp, "pp": self.pp, "dp": self.dp,
             "local_params": n_params, "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab,
-            "hf_loaded": self.hf_loaded, "device": str(self.device), "thd": self.thd, "step": self.step,
+            "device": str(self.device), "thd": self.thd, "step": self.step,
             "loss_backend": self.loss_backend_name(),
         }
 
@@ -281,25 +279,6 @@ class PolicyWorker:
     def _bare(self) -> torch.nn.Module:
         """This rank's GPTModel stage, without the DDP wrapper."""
         return self._gpt
-
-    def load_hf(self, hf_dir: str | Path) -> bool:
-        """Fill this rank's shard from an HF checkpoint with the bridge's ``load_hf_weights`` (collective-free).
-
-        Returns False (random initialisation kept, with a warning) when the bridge is not installed or the directory
-        has no weights. After a load the optimizer's fp32 master weights are refreshed.
-        """
-        try:
-            from da3po_megatron.bridge import load_hf_weights
-        except ImportError as e:
-            log.warning("bridge not available (%s): keeping the random initialisation", e)
-            return False
-        if not any(Path(hf_dir).glob("*.safetensors")):
-            log.warning("no *.safetensors in %s: keeping the random initialisation", hf_dir)
-            return False
-        load_hf_weights(self._gpt, str(hf_dir))
-        if hasattr(self, "optimizer"):
-            self.optimizer.reload_model_params()
-        return True
 
     # ------------------------------------------------------------------ the Megatron schedule
     def _run_schedule(self, mbs: list[MicroBatch], loss_builder, forward_only: bool) -> list:
@@ -640,55 +619,6 @@ class PolicyWorker:
 
         load_model(self._bare, path)
         self.optimizer.reload_model_params()
-
-    # ------------------------------------------------------------------ export
-    def state_dict_for_export(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective generator of ``(global Megatron name, full tensor)`` for the bridge / weight sync.
-
-        Every rank must iterate it to the end (the TP all-gathers are collective). Tensors are yielded on the ranks
-        with TP rank 0 -- of every PP stage and every DP replica (replicas yield identical tensors: use DP rank 0's);
-        other ranks yield nothing. Within a stage the order is the model's ``named_parameters()`` order (embedding,
-        layers in order, final norm, output layer); stages are not ordered with respect to each other (each stage's
-        TP-rank-0 process yields its own layers, with layer numbers made global: local + PP offset). One gathered
-        tensor exists at a time (bounded memory). Tensor-parallel shards are gathered to the TP=1 layout (the fused
-        gate|up ``linear_fc1`` is re-interleaved to [gate; up]); the vocabulary padding is removed from the
-        embedding and output layer, so exported tensors do not depend on the layout. With tied embeddings the last
-        stage's copy of the output weight is not yielded. Tensors are views or fresh copies of the live weights in the
-        model's dtype: do not modify them; copy what you keep past the next ``train_step``.
-        """
-        cpu_compat.apply_if_needed()
-        model = self._bare
-        offsets = {}
-        for i, layer in enumerate(model.decoder.layers):
-            offsets[i] = layer.layer_number - 1
-        tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
-        glu = bool(model.config.gated_linear_unit)
-        layer_re = re.compile(r"^decoder\.layers\.(\d+)\.")
-        for name, param in model.named_parameters():
-            if tied and name == "output_layer.weight":
-                continue
-            tensor = param.detach()
-            if self.tp > 1 and getattr(param, "tensor_model_parallel", False):
-                dim = param.partition_dim
-                shards = [torch.empty_like(tensor) for _ in range(self.tp)]
-                dist.all_gather(shards, tensor.contiguous(), group=self.tp_group)
-                if glu and (name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")):
-                    halves = [s.chunk(2, dim=0) for s in shards]
-                    tensor = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-                else:
-                    tensor = torch.cat(shards, dim=dim)
-                del shards
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                tensor = tensor[: self.vocab]
-            m = layer_re.match(name)
-            if m:
-                name = f"decoder.layers.{offsets[int(m.group(1))]}." + name[m.end():]
-            if self.tp_rank == 0:
-                yield name, tensor
-
-    def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole export as a CPU dict on TP-rank-0 ranks (small models and tests only), {} elsewhere."""
-        return {k: v.detach().cpu().clone() for k, v in self.state_dict_for_export()}
 
     def shutdown(self) -> None:
         from da3po_megatron.megatron.runtime import destroy_parallel

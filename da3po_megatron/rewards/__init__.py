@@ -14,11 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from da3po_megatron.rewards.math_verify import answers_equivalent, extract_answer, score_math
-from da3po_megatron.rewards.pool import BUILTIN_KINDS, RewardPool, ScoreResult, default_num_workers
+from da3po_megatron.rewards.pool import BUILTIN_KINDS, RewardPool, RewardPoolError, ScoreResult, default_num_workers
 
 __all__ = [
     "BUILTIN_KINDS",
     "RewardPool",
+    "RewardPoolError",
     "ScoreResult",
     "answers_equivalent",
     "compute_rewards",

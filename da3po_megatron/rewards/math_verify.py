@@ -7,8 +7,12 @@ The overlong shaping term R_len (DAPO Eq. 8) is NOT here: the trainer adds it
 
 Extraction (what counts as "the final answer"):
   * the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, or
-  * the last DAPO-style ``Answer: ...`` line (the format DAPO-Math-17K's prompt asks for; regex as in DAPO's reference
-    reward: ``Answer\\s*:\\s*([^\\n]+)``, case-insensitive),
+  * the last DAPO-style ``Answer: ...`` line (the format DAPO-Math-17K's prompt asks for: "The last line of your
+    response should be of the form Answer: $Answer"). ``Answer:`` counts only at the start of a line (case-insensitive;
+    leading spaces and markdown emphasis such as ``**Answer:**`` allowed), never inside a sentence: MATH-500's own
+    reference solution ``test/number_theory/1000.json`` ends "... \\boxed{44}\\pmod{83}. We may check our answer:
+    $17\\cdot 44 = 748 ...", which DAPO's unanchored regex ``Answer\\s*:\\s*([^\\n]+)`` would read as the answer.
+    Unlike DAPO we do not insist that it be the very last line (models often add a closing sentence),
   whichever starts later in the response (so ``Answer: \\boxed{5}`` uses the box).
   LaTeX after ``Answer:`` is wrapped in ``$...$`` before parsing: math-verify's plain-expression fallback otherwise
   reads ``2\\sqrt{2}`` as ``2`` and a wrong answer would score right (measured; see docs/data_and_rewards.md).
@@ -54,7 +58,8 @@ INCORRECT = -1.0
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+# ``Answer:`` as a line of its own (DAPO's answer format), optionally behind spaces / markdown emphasis or a heading.
+_ANSWER_RE = re.compile(r"(?im)^[ \t]*(?:[*_#>]+[ \t]*)?Answer[*_]*[ \t]*:[*_]*[ \t]*([^\n]+)")
 _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
 
 _UNESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\$")  # the delimiter test math-verify's own LaTeX regexes use
@@ -84,7 +89,7 @@ def _last_boxed(text: str) -> tuple[int, str] | None:
 def _last_answer_line(text: str) -> tuple[int, str] | None:
     matches = list(_ANSWER_RE.finditer(text))
     for m in reversed(matches):
-        content = m.group(1).strip()
+        content = m.group(1).strip().rstrip("*").strip()  # "**Answer: 5**": the closing emphasis is not the answer
         if content:
             return m.start(), content
     return None

@@ -10,7 +10,10 @@ enforces the limit at two levels so that one bad answer can never hang or crash 
    interpreter), or it dies (segfault, OOM kill), the pool kills it and starts a replacement.
 
 Either way the item scores ``failure_reward`` (-1, the DAPO convention for "not correct") and is counted in
-:attr:`RewardPool.stats` (``timeouts``, ``errors``, ``restarts``) -- never silently.
+:attr:`RewardPool.stats` (``timeouts``, ``errors``, ``restarts``) -- never silently. A pool that is broken rather than
+unlucky -- every item of a batch of at least ``broken_min_items`` items with more than one ground truth fails with an
+error (the reward function does not import, every worker dies) -- raises :class:`RewardPoolError` with the first
+error instead of scoring the whole batch -1: a broken pool once scored 1,000 evaluation answers -1 without a word.
 
 Reward functions are plain functions named by import path (slime-style extension point): ``fn(response, answer)`` ->
 ``float`` or ``(float, info_dict)``. Built-in kinds: ``math`` (:func:`da3po_megatron.rewards.math_verify.score_math`)
@@ -38,7 +41,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["BUILTIN_KINDS", "RewardPool", "ScoreResult", "default_num_workers", "resolve_reward_fn"]
+__all__ = ["BUILTIN_KINDS", "RewardPool", "RewardPoolError", "ScoreResult", "default_num_workers",
+           "resolve_reward_fn"]
 
 BUILTIN_KINDS: dict[str, str] = {
     "math": "da3po_megatron.rewards.math_verify:score_math",
@@ -74,6 +78,10 @@ class ScoreResult:
     timeouts: int = 0
     errors: int = 0
     seconds: float = 0.0
+
+
+class RewardPoolError(RuntimeError):
+    """The pool cannot score at all (every item of a batch failed with an error); the message has the first error."""
 
 
 class _ItemTimeout(BaseException):
@@ -158,6 +166,8 @@ class RewardPool:
       failure_reward: reward of a timed-out or failed item (-1: DAPO's "incorrect").
       extra_kinds: more reward kinds, ``{"name": "package.module:function"}``.
       start_method: multiprocessing start method ("forkserver" default; "spawn" also works).
+      broken_min_items: a batch of at least this many items in which every item fails with an error raises
+        :class:`RewardPoolError` (0 = never raise).
 
     Use as a context manager or call :meth:`close`. Not thread-safe across concurrent ``score_batch`` calls
     (a lock serialises them).
@@ -172,6 +182,7 @@ class RewardPool:
         failure_reward: float = -1.0,
         extra_kinds: dict[str, str] | None = None,
         start_method: str = "forkserver",
+        broken_min_items: int = 4,
     ) -> None:
         if num_workers < 0:
             raise ValueError(f"RewardPool num_workers must be >= 0, got {num_workers}")
@@ -184,6 +195,7 @@ class RewardPool:
         self.timeout_s = float(timeout_s)
         self.kill_grace_s = float(kill_grace_s)
         self.failure_reward = float(failure_reward)
+        self.broken_min_items = int(broken_min_items)
         self._stats = {"n": 0, "timeouts": 0, "errors": 0, "restarts": 0, "seconds": 0.0}
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
@@ -262,7 +274,12 @@ class RewardPool:
             self._stats["timeouts"] += out.timeouts
             self._stats["errors"] += out.errors
             self._stats["seconds"] += out.seconds
-            return out
+        if (self.broken_min_items and len(results) >= self.broken_min_items and out.errors == len(results)
+                and len(set(answers)) > 1):  # one unparsable ground truth is bad data, not a broken pool
+            first = next((i.get("error") for i in out.infos if i.get("error")), "?")
+            raise RewardPoolError(f"reward pool is broken: all {len(results)} items of the batch failed (kind "
+                                  f"{kind!r}, {self._stats['restarts']} worker restarts so far); first error: {first}")
+        return out
 
     def _score_inline(self, response: str, answer: str, kind: str) -> tuple[float | None, dict[str, Any]]:
         t0 = time.perf_counter()

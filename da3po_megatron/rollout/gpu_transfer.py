@@ -40,7 +40,7 @@ def require_cuda(what: str) -> None:
 
 def make_source(make_iter: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> Any:
     """A re-iterable vLLM ``WeightSource``: ``make_iter()`` gives a fresh HF-named stream each round (e.g.
-    ``lambda: to_hf(worker.state_dict_for_export(), worker.hf)``). ``metadata()`` runs one pass to learn
+    ``lambda: export_policy(worker)``, the bridge's one export). ``metadata()`` runs one pass to learn
     names/dtypes/shapes and caches it (a collective pass for a Megatron export, on every rank alike)."""
     from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 

@@ -110,7 +110,8 @@ class EngineConfig:
 class SamplingConfig:
     """How to sample: n responses per prompt (the GRPO/DAPO group size G), temperature, nucleus, length, stops.
 
-    Paper (DA3PO): training samples G = 16 at temperature 1.0; evaluation temperature 1.0, top_p 0.95.
+    Paper (DA3PO): training samples G = 16 (its training temperature / top_p are not stated; we use 1.0 / 1.0, as
+    DAPO does); evaluation temperature 1.0, top_p 0.95.
     """
 
     n: int = 1

@@ -1,14 +1,16 @@
 """Megatron policy -> vLLM engines weight sync, in memory, in bounded buckets (the "one mapping, two uses" of DESIGN).
 
-The policy's ``state_dict_for_export()`` yields ``(global Megatron name, full tensor)`` one tensor at a time on the
-first TP rank of each PP stage; the bridge's ``megatron_to_hf`` turns each into its HF tensors (split QKV, gate/up,
-vocabulary padding removed); :meth:`RolloutClient.push_weights` packs those into safetensors buckets of at most
-``bucket_mb`` MiB and loads them into every engine inside one layerwise-reload session; the prefix cache is reset
-at the end. Memory bound on the sending side: one gathered Megatron tensor plus at most two buckets.
+The HF-named tensors come from the bridge's one export stream (:mod:`da3po_megatron.bridge.export`, the same one
+``da3po convert megatron-to-hf`` and ``--verify`` consume): :func:`~da3po_megatron.bridge.export.export_policy`
+yields ``(hf_name, tensor)`` one gathered tensor at a time on the first TP rank of each PP stage (QKV and gate/up
+split, vocabulary padding removed, the tied output layer left out); :meth:`RolloutClient.push_weights` packs those
+into safetensors buckets of at most ``bucket_mb`` MiB and loads them into every engine inside one layerwise-reload
+session; the prefix cache is reset at the end. Memory bound on the sending side: one gathered Megatron tensor plus at
+most two buckets.
 
 Entry points:
 
-- :func:`sync_policy_to_engines` -- one process holds the whole export (TP=1/PP=1 policy, a torchrun rank 0, tests);
+- :func:`sync_policy_to_engines` -- one process holds the whole HF stream (a TP=1/PP=1 model, a checkpoint, tests);
 - :func:`sync_policy_group_to_engines` -- the Ray policy (``PolicyGroup``): :func:`push_policy_weights` runs inside
   every policy rank (``run_on_all``); every rank iterates the collective export, the TP-rank-0 ranks of DP replica 0
   (one per PP stage) push their buckets straight to the engine actors; the driver brackets it with
@@ -31,37 +33,21 @@ from typing import Any
 
 import torch
 
+from da3po_megatron.bridge.export import export_policy
 from da3po_megatron.rollout.client import RolloutClient
 
 
-def to_hf(export_iter: Iterable[tuple[str, torch.Tensor]], hf_config: dict[str, Any] | str | Path
-          ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Map a stream of (global Megatron name, full tensor) to (HF name, tensor) with the bridge's ``megatron_to_hf``.
-
-    ``hf_config``: the HF config dict or the checkpoint directory holding config.json.
-    """
-    from da3po_megatron.bridge.mapping import megatron_to_hf
-    from da3po_megatron.megatron.model import load_hf_config
-
-    hf = hf_config if isinstance(hf_config, dict) else load_hf_config(hf_config)
-    for name, tensor in export_iter:
-        try:
-            pairs = megatron_to_hf(name, tensor, hf)
-        except (KeyError, ValueError) as e:
-            raise ValueError(f"weight sync: cannot map Megatron tensor {name!r} {tuple(tensor.shape)} to HF: {e}"
-                             ) from e
-        yield from pairs
-
-
-def sync_policy_to_engines(policy_export_iter: Iterable[tuple[str, torch.Tensor]],
-                           hf_config: dict[str, Any] | str | Path, client: RolloutClient, bucket_mb: float = 256,
-                           dtype: torch.dtype | None = None) -> dict:
-    """Stream a whole Megatron export into every engine: HF mapping, buckets, load, prefix-cache reset.
+def sync_policy_to_engines(hf_stream: Iterable[tuple[str, torch.Tensor]], client: RolloutClient,
+                           bucket_mb: float = 256, dtype: torch.dtype | None = None) -> dict:
+    """Stream a whole HF export held by one process (the bridge's :func:`~da3po_megatron.bridge.export.export_model`
+    of a TP=1/PP=1 model, :func:`~da3po_megatron.bridge.export.export_checkpoint`, the merged
+    :func:`~da3po_megatron.bridge.export.export_policy_state` of small test models) into every engine: buckets, load,
+    prefix-cache reset.
 
     Returns ``{"seconds", "bytes", "buckets", "tensors", "max_bucket_bytes", "gbps"}`` (bytes per engine).
     """
     t0 = time.perf_counter()
-    stats = client.update_weights(to_hf(policy_export_iter, hf_config), bucket_mb=bucket_mb, dtype=dtype)
+    stats = client.update_weights(hf_stream, bucket_mb=bucket_mb, dtype=dtype)
     stats["seconds"] = time.perf_counter() - t0
     stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9
     return stats
@@ -71,16 +57,16 @@ def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 2
                         dtype: torch.dtype | None = None) -> dict:
     """Collective on every policy rank (inside a ``client.begin/finish_weight_update`` bracket on the driver).
 
-    ``worker`` is a :class:`~da3po_megatron.megatron.policy.PolicyWorker` (needs ``state_dict_for_export()``,
-    ``hf``, ``tp_rank``, ``dp_rank``). Every rank iterates the export (its TP gathers are collective); ranks with TP
-    rank 0 in DP replica 0 push their stage's tensors. Returns this rank's push stats (zeros where it pushed nothing).
+    ``worker`` is a :class:`~da3po_megatron.megatron.policy.PolicyWorker`. Every rank iterates the bridge's export
+    (:func:`~da3po_megatron.bridge.export.export_policy`; its TP gathers are collective); ranks with TP rank 0 in DP
+    replica 0 push their stage's tensors. Returns this rank's push stats (zeros where it pushed nothing).
     """
-    export = worker.state_dict_for_export()
+    export = export_policy(worker)
     if getattr(worker, "dp_rank", 0) != 0 or getattr(worker, "tp_rank", 0) != 0:
         for _ in export:  # take part in the collectives, push nothing
             pass
         return {"seconds": 0.0, "bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
-    return client.push_weights(to_hf(export, worker.hf), bucket_mb=bucket_mb, dtype=dtype)
+    return client.push_weights(export, bucket_mb=bucket_mb, dtype=dtype)
 
 
 def sync_policy_group_to_engines(policy_group: Any, client: RolloutClient, bucket_mb: float = 256,

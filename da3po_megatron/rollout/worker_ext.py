@@ -7,7 +7,9 @@ pickled callables are needed.
 One update is a session, the same one vLLM's own weight-transfer engines run (``vllm/distributed/weight_transfer``):
 
 1. :meth:`da3po_begin_weight_update` -- ``initialize_layerwise_reload``: each layer's kernel tensors are remembered
-   and its weight loaders wrapped, so a layer is (re)processed once all of its checkpoint tensors arrived;
+   and its weight loaders wrapped, so a layer is (re)processed once all of its checkpoint tensors arrived. Layers
+   that hold only non-persistent buffers (RoPE's ``cos_sin_cache``: derived from the config, never in a checkpoint)
+   expect nothing (see :func:`_expect_nothing_from_derived_layers`);
 2. :meth:`da3po_load_bucket` -- ``model.load_weights`` on the tensors of one bucket (any number of buckets; a layer
    whose tensors straddle two buckets waits for the second);
 3. :meth:`da3po_finish_weight_update` -- ``finalize_layerwise_reload``, the tied layers refreshed
@@ -56,6 +58,30 @@ def _unpack(payload) -> dict:
     return out
 
 
+def _expect_nothing_from_derived_layers(model) -> int:
+    """Mark layers whose only tensors are non-persistent buffers as loading nothing; returns how many.
+
+    vLLM 0.32's layerwise reload counts every parameter AND buffer of a layer as loadable, so a ``RotaryEmbedding``
+    (one non-persistent ``cos_sin_cache`` buffer, computed from rope_theta / head_dim) waits for a tensor that no
+    checkpoint holds. At finalize vLLM puts the remembered cache back -- the values stay right -- but logs
+    "RotaryEmbedding: Failed to load weights" on every sync. With nothing expected (``load_numel_total = 0``) finalize
+    takes the same restore path without the warning. Parameters and persistent buffers (real checkpoint tensors,
+    e.g. a tied model's head) are untouched, so a layer that should have received weights still warns.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    n = 0
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.kernel_tensors is None or not info.can_load():
+            continue
+        params, buffers = info.kernel_tensors
+        if not params and buffers and set(buffers) <= info.kernel_non_persistent_buffers:
+            info.load_numel_total = 0
+            n += 1
+    return n
+
+
 def refresh_tied_layers(model, loaded: set[str]) -> list[str]:
     """Re-run ``quant_method.process_weights_after_loading`` on layers that share a Parameter with another layer and
     had none of their own names in ``loaded`` (the tied output head); returns the refreshed layers' names."""
@@ -91,6 +117,7 @@ class WeightSyncExtension:
         model = self._da3po_model()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
+        _expect_nothing_from_derived_layers(model)
         self._da3po_session = {"loaded": set(), "bytes": 0, "t0": time.perf_counter()}
 
     def da3po_load_bucket(self, payload) -> dict:

@@ -3,7 +3,8 @@
 A checkpoint is written into a temporary directory (``.tmp-step_000020``), marked complete, renamed into place, and only
 then is ``latest`` updated (write-then-``os.replace``, atomic on POSIX). A run killed at any moment therefore leaves
 either the previous complete checkpoint as ``latest`` or the new one, never a half-written one, and a restart with the
-same command resumes from it. Old checkpoints are deleted only after a newer one is complete.
+same command resumes from it. Old checkpoints are deleted only after a newer one is complete, and never those named by
+``protect()`` (the best checkpoint, :mod:`da3po_megatron.trainer.best`).
 
 Contents: ``policy/`` (model + optimizer + scheduler + RNG of every policy rank, Megatron dist_checkpointing, written by
 the policy ranks; a shared filesystem is assumed on multi-node runs, as on any Slurm cluster) and ``trainer_state.pt``
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,11 @@ COMPLETE = "COMPLETE"
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep_last: int = 3) -> None:
+    def __init__(self, run_dir: str | Path, keep_last: int = 3,
+                 protect: Callable[[], Iterable[str]] = lambda: ()) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.protect = protect  # names of step directories that pruning keeps, besides the last keep_last
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
@@ -63,10 +66,15 @@ class CheckpointManager:
     def load_trainer_state(self, path: Path) -> dict[str, Any]:
         return torch.load(path / "trainer_state.pt", weights_only=False)
 
-    def _prune(self, keep: Path) -> None:
+    def prune(self) -> None:
+        """Delete complete checkpoints beyond the last ``keep_last`` (protected ones excepted) and stale temporaries."""
+        self._prune(keep=None)
+
+    def _prune(self, keep: Path | None) -> None:
+        protected = set(self.protect())
         steps = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE).exists())
         for old in steps[:-self.keep_last]:
-            if old != keep:
+            if old != keep and old.name not in protected:
                 shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-step_*"):
             shutil.rmtree(stale, ignore_errors=True)

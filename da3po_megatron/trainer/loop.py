@@ -33,7 +33,12 @@ from da3po_megatron.trainer.streaming import Prefetch, StepRollout, stream_batch
 
 
 class DynamicSamplingError(RuntimeError):
-    """Dynamic sampling could not fill the batch within algorithm.max_generation_rounds."""
+    """Dynamic sampling could not fill the batch within algorithm.max_generation_rounds; ``stats`` holds the filter's
+    counts and the phase times of the failed step (logged before the run stops)."""
+
+    def __init__(self, message: str, stats: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.stats = dict(stats or {})
 
 
 class PhaseTimer:
@@ -52,6 +57,7 @@ def fill_batch(run: Run, step: int) -> StepRollout:
     cfg, buffer, timer, weight_step = run.cfg, run.buffer, PhaseTimer(), run.engine_weight_step
     buffer.reset_stats()
     generated: list[B.Group] = []
+    t0 = time.perf_counter()
     for round_ in range(cfg.algorithm.max_generation_rounds):
         if buffer.is_full:
             break
@@ -65,6 +71,10 @@ def fill_batch(run: Run, step: int) -> StepRollout:
         generated += groups
         p_hats = [g.p_hat if cfg.algorithm.filter_groups else 0.5 for g in groups]  # 0.5: kept by the filter
         run.totals["kept_groups"] += buffer.add(groups, p_hats)
+        if round_ or not buffer.is_full:  # a progress line whenever filling the batch takes more than one round
+            print(f"step {step} generation round {round_ + 1}/{cfg.algorithm.max_generation_rounds}: "
+                  f"{len(buffer)}/{cfg.data.train_batch_size} groups kept ({len(generated)} generated, "
+                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
     if not buffer.is_full:
         s = buffer.stats()
         raise DynamicSamplingError(
@@ -74,7 +84,8 @@ def fill_batch(run: Run, step: int) -> StepRollout:
             f"{s['dynamic_sampling/generated_groups']:.0f} groups; all-correct "
             f"{s['dynamic_sampling/discarded_all_correct_groups']:.0f}, all-wrong "
             f"{s['dynamic_sampling/discarded_all_wrong_groups']:.0f}). Raise algorithm.max_generation_rounds, lower "
-            "data.train_batch_size, or use easier/harder prompts.")
+            "data.train_batch_size, or use easier/harder prompts.",
+            {**s, **{f"time/{k}": v for k, v in timer.seconds.items()}})
     groups = buffer.take()
     stats = {**buffer.stats(), **token_stats(groups, generated)}
     return StepRollout(groups, generated, stats, weight_step, timer.seconds)
@@ -96,7 +107,11 @@ def train(cfg: Config) -> Run:
 
             # 1. Generation + rewards + dynamic sampling (DAPO) until the batch is full -- or, with staleness 1, the
             #    batch generated while the previous step trained; then start generating the next one.
-            rollout = run.pending.pop(0) if run.pending else collect(run, step)
+            try:
+                rollout = run.pending.pop(0) if run.pending else collect(run, step)
+            except DynamicSamplingError as e:  # keep what was measured: the filter's counts say why
+                run.logger.log(step, {**e.stats, "dynamic_sampling/failed": 1.0})
+                raise
             prefetch = Prefetch(lambda s=step + 1: collect(run, s)) if (
                 cfg.rollout.staleness == 1 and step < cfg.trainer.total_steps) else None
             groups = rollout.groups
@@ -134,8 +149,9 @@ def train(cfg: Config) -> Run:
                 with timer("eval"):
                     metrics.update(run.evaluate())
             run.logger.log(step, metrics)
-            if run.should_checkpoint(step) or run.preempted():
-                run.save_checkpoint()
+            best = run.best_candidate(metrics)  # trainer.keep_best_metric improved: keep this step's checkpoint
+            if run.should_checkpoint(step) or run.preempted() or best is not None:
+                run.save_checkpoint(best_value=best)
             if run.preempted():
                 print(f"preemption requested: checkpoint of step {step} saved; exiting for requeue", flush=True)
                 break

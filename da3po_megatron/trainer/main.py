@@ -3,13 +3,16 @@
 Restarting the same command resumes from ``run_dir/checkpoints/latest`` (exactly, on CPU). ``--describe`` lists every
 config field with its documentation; ``--print-config`` shows the effective config (every value the algorithm's preset
 decides filled in) and exits. Explicit values that override the preset are reported on stderr, e.g.
-``note: algorithm.clip_ratio_high=0.3 overrides the gspo preset (0.0004)``.
+``note: algorithm.clip_ratio_high=0.3 overrides the gspo preset (0.0004)``. The console shows our progress lines;
+third-party logs (Transformer-Engine/Apex fallbacks, vLLM start-up, Ray workers) go to ``run_dir/logs/`` unless
+``--verbose`` (``trainer/console.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from da3po_megatron.algorithms.registry import preset_overrides
@@ -22,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=10 daa.lambda_=2.5")
     ap.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     ap.add_argument("--describe", action="store_true", help="list every config field with its documentation")
+    ap.add_argument("--verbose", action="store_true", help="also show third-party logs (megatron-core, vLLM, Ray "
+                                                           "workers) on the console; they always go to run_dir/logs/")
     args = ap.parse_args(argv)
     if args.describe:
         print("\n".join(describe()))
@@ -37,7 +42,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     from da3po_megatron.data.datasets import BadRowError
-    from da3po_megatron.trainer.loop import train
+    from da3po_megatron.megatron.memory import MemoryBudgetError
+    from da3po_megatron.rewards import RewardPoolError
+    from da3po_megatron.trainer.console import configure
+    from da3po_megatron.trainer.loop import DynamicSamplingError, train
+
+    log_dir = configure(cfg.trainer.run_dir, verbose=args.verbose or os.environ.get("DA3PO_VERBOSE") == "1")
+    print(f"logs: third-party output in {log_dir}/" + ("" if args.verbose else " (--verbose to see it here)"),
+          flush=True)
 
     try:
         run = train(cfg)
@@ -46,6 +58,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DynamicSamplingError as e:  # one line; the filter's counts of the failed step are in metrics.jsonl
+        print(f"dynamic sampling error: {e}", file=sys.stderr)
+        return 2
+    except RewardPoolError as e:
+        print(f"reward error: {e}", file=sys.stderr)
+        return 2
+    except MemoryBudgetError as e:  # before anything started; the message says what to change
+        print(f"memory error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        if not str(e).startswith("parallel: "):
+            raise
+        print(f"config error: {e}", file=sys.stderr)
         return 2
     print(f"done: step {run.step}; logs in {run.run_dir}/metrics.jsonl", flush=True)
     return 0

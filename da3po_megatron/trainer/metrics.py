@@ -104,10 +104,3 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
 
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All step records of a run, in order."""
-    p = Path(run_dir) / "metrics.jsonl"
-    if not p.exists():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

@@ -14,6 +14,7 @@ killed), makes the loop checkpoint after the current step and exit; the requeued
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -33,7 +34,9 @@ from da3po_megatron.data.templates import render_prompt
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.rollout.types import EngineConfig
 from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.best import BestCheckpoint, save_checkpoint
 from da3po_megatron.trainer.checkpoint import CheckpointManager
+from da3po_megatron.trainer.console import ray_init_kwargs
 from da3po_megatron.trainer.metrics import MetricsLogger
 
 
@@ -59,9 +62,9 @@ def init_ray(cfg: Config) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=str(tmp),
                  num_cpus=max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
-                 log_to_driver=os.environ.get("DA3PO_RAY_LOG_TO_DRIVER", "1") == "1")
+                 **ray_init_kwargs())
     else:
-        ray.init(address=cfg.ray.address, include_dashboard=False)
+        ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
 
 
 def engine_config(cfg: Config) -> EngineConfig:
@@ -96,28 +99,52 @@ def load_train_data(cfg: Config) -> PromptDataset:
                     "(writes data/dapo-math-17k.parquet), or set data.train_files")
         raise FileNotFoundError(f"data.train_files: not found: {', '.join(missing)}{hint}")
     if d.format == "dapo":
-        parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row) for f in d.train_files]
+        parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row, dedup=d.dedup) for f in d.train_files]
     else:
         parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
-                              on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem)
+                              on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem,
+                              dedup=d.dedup)
                  for f in d.train_files]
     for f, part in zip(d.train_files, parts):
-        if part.stats.skipped:
-            print(f"data: {f}: skipped {part.stats.skipped} malformed rows (data.on_bad_row=skip)")
+        s = part.stats
+        print(f"data: {f}: {s.rows} rows, {s.kept} prompts"
+              + (f", {s.duplicates} repeated rows dropped (data.dedup)" if s.duplicates else "")
+              + (f", {s.skipped} malformed rows skipped (data.on_bad_row=skip)" if s.skipped else ""), flush=True)
     if len(parts) == 1:
         return parts[0]
     stats = ReadStats(path="+".join(d.train_files), rows=sum(p.stats.rows for p in parts),
-                      skipped=sum(p.stats.skipped for p in parts), duplicates=sum(p.stats.duplicates for p in parts))
+                      kept=sum(p.stats.kept for p in parts), skipped=sum(p.stats.skipped for p in parts),
+                      duplicates=sum(p.stats.duplicates for p in parts))
     return PromptDataset([ex for p in parts for ex in p], stats, name="+".join(p.name for p in parts))
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that need the model's config.json, before the run writes or starts anything: the parallel sizes divide
+    the model (heads, KV heads, MLP, layers), and the policy's estimated peak memory per rank fits the device
+    (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch`` in ``cfg``)."""
+    from da3po_megatron.megatron.memory import check_policy_memory
+    from da3po_megatron.megatron.model import check_parallel_sizes, load_hf_config
+
+    if not (Path(cfg.model.path) / "config.json").exists():
+        return  # reported with its fix by Run below
+    hf = load_hf_config(cfg.model.path)
+    p = cfg.parallel
+    try:
+        check_parallel_sizes(hf, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    except ValueError as e:
+        raise ValueError(f"parallel: {e} ({cfg.model.path}/config.json)") from None
+    cfg.actor.max_tokens_per_microbatch = check_policy_memory(cfg, hf, log=lambda m: print(m, flush=True))
 
 
 class Run:
     def __init__(self, cfg: Config) -> None:
+        from da3po_megatron.bridge.export import load_policy_hf
         from da3po_megatron.megatron.actor_group import PolicyGroup
         from da3po_megatron.rewards import RewardPool
         from da3po_megatron.rollout import RolloutClient
 
         self.cfg = cfg
+        preflight(cfg)  # parallel sizes and memory: fail before anything is written or started
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
@@ -149,11 +176,19 @@ class Run:
         self.prompts = self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
         self.rewards = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-        self.ckpt = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
+        if self.dataset.stats is not None:  # what the reader kept, dropped and skipped (docs/data_and_rewards.md)
+            (self.run_dir / "data_stats.json").write_text(json.dumps(self.dataset.stats.as_dict(), indent=1) + "\n")
+        t = cfg.trainer
+        self.ckpt = CheckpointManager(self.run_dir, t.keep_last)
+        self.best = BestCheckpoint(self.ckpt.root, t.keep_best_metric, t.keep_best_mode) if t.keep_best_metric else None
+        self.ckpt.protect = self.best.protected if self.best else self.ckpt.protect
 
         init_ray(cfg)
         t0 = time.perf_counter()
         self.policy = PolicyGroup.from_config(cfg)
+        if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
+            print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
+                  flush=True)
         self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                          num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
@@ -350,10 +385,17 @@ class Run:
             "config": to_dict(self.cfg),
         }
 
-    def save_checkpoint(self) -> Path:
+    def best_candidate(self, metrics: dict[str, Any]) -> float | None:
+        """The value of trainer.keep_best_metric when this step's evaluation beats the best so far (else None)."""
+        return self.best.candidate(self.step, metrics) if self.best else None
+
+    def save_checkpoint(self, best_value: float | None = None) -> Path:
+        """Checkpoint this step; with ``best_value`` also record it as the best checkpoint (trainer/best.py)."""
         t0 = time.perf_counter()
-        path = self.ckpt.save(self.step, lambda p: self.policy.save(str(p)), self.trainer_state())
-        print(f"checkpoint step {self.step} -> {path} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        path = save_checkpoint(self.ckpt, self.best, self.step, lambda p: self.policy.save(str(p)),
+                               self.trainer_state(), best_value)
+        note = f"; best {self.best.metric} = {best_value:.4f}" if self.best and best_value is not None else ""
+        print(f"checkpoint step {self.step} -> {path} ({time.perf_counter() - t0:.1f} s){note}", flush=True)
         return path
 
     def _restore(self, path: Path) -> None:

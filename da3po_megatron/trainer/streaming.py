@@ -165,7 +165,9 @@ def stream_batch(run: Run, step: int) -> StepRollout:
             f"dynamic sampling kept {len(batch)} of the {need} groups the batch needs after streaming {len(scored)} "
             f"groups (the budget is algorithm.max_generation_rounds x data.train_batch_size = {budget} prompts): "
             f"observed keep rate {informative / max(len(scored), 1):.3f}. Raise algorithm.max_generation_rounds, "
-            "lower data.train_batch_size, or use easier/harder prompts.")
+            "lower data.train_batch_size, or use easier/harder prompts.",
+            {"dynamic_sampling/generated_groups": float(len(scored)), "dynamic_sampling/kept_groups": float(len(batch)),
+             "dynamic_sampling/aborted_groups": float(len(aborted)), "time/generate": time.perf_counter() - t0})
     # The prompt stream resumes right after the last prompt the batch depends on.
     consumed = admitted if in_order else len([x for x in examples if x is not None])
     run.prompts.load_state_dict(start)

@@ -5,7 +5,7 @@ A method spec (``da3po:2``, ``grpo``, ...) becomes config overrides of the real 
 The grid is resumable: a finished run (``DONE`` marker or final step in ``metrics.jsonl``) is skipped and an
 unfinished one started again, the trainer resuming from its latest checkpoint. SIGUSR1 / SIGTERM (Slurm's time-limit
 warning, scancel) are forwarded to the running trainer, which checkpoints and exits. The comparison as a whole is
-described in :mod:`da3po_megatron.eval.compare`.
+described in :mod:`da3po_megatron.studies.compare`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Figures of the comparison report (matplotlib, Agg): every curve is the mean over seeds with a +-std band,
-against training steps, generated samples or generated tokens; plus held-out accuracy per bucket at equal steps, the
+against training steps, generated samples or generated tokens; plus held-out accuracy per group (difficulty bucket or
+benchmark) at equal steps, the
 filtered fraction, DAA activation and the Theorem 3.1 diagnostic. matplotlib is imported only when figures are drawn.
 """
 
@@ -12,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from da3po_megatron.eval.compare_stats import mean_std, seed_values, series
+from da3po_megatron.studies.compare.stats import mean_std, seed_values, series
 
 if TYPE_CHECKING:  # the report module draws the figures: a runtime import would be circular
-    from da3po_megatron.eval.compare_report import ReportData
+    from da3po_megatron.studies.compare.report import ReportData
 
 
 def _band(ax, xs_list: Sequence[Sequence[float]], ys_list: Sequence[Sequence[float]], label: str, color: str,
@@ -37,7 +38,7 @@ def _band(ax, xs_list: Sequence[Sequence[float]], ys_list: Sequence[Sequence[flo
     ax.fill_between(grid, m - s, m + s, color=color, alpha=0.15, linewidth=0)
 
 
-def plot_report(d: ReportData, fig_dir: Path, metric: str) -> list[Path]:
+def plot_report(d: ReportData, fig_dir: Path) -> list[Path]:
     """Write the report's PNG figures to ``fig_dir``; returns those written (a figure with nothing to draw,
     e.g. DAA activation without a DAA method, is skipped)."""
     import matplotlib
@@ -84,41 +85,42 @@ def plot_report(d: ReportData, fig_dir: Path, metric: str) -> list[Path]:
             save(fig, f"train_acc_vs_{name}.png")
         else:
             plt.close(fig)
-    if d.k:
-        key = f"eval/synthetic/{metric}"
+    keys = d.keys
+    if keys:
+        metric, second = keys.names
+        kind = keys.group_kind
         for x_key, name in (("step", "steps"), ("gen/cumulative_samples", "samples")):
             fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-            panel(axes[0], key, x_key, 1, f"Held-out {metric}, all buckets", metric, marker="o")
-            panel(axes[1], "eval/synthetic/greedy", x_key, 1, "Held-out greedy accuracy, all buckets", "greedy",
-                  marker="o")
+            panel(axes[0], keys.key(0), x_key, 1, f"Held-out {metric}, all {kind}s", metric, marker="o")
+            if keys.key(1):
+                panel(axes[1], keys.key(1), x_key, 1, f"Held-out {second}, all {kind}s", second, marker="o")
             save(fig, f"heldout_vs_{name}.png")
-        if d.buckets:
-            cols = min(4, len(d.buckets))
-            nrows = math.ceil(len(d.buckets) / cols)
+        if d.groups:
+            cols = min(4, len(d.groups))
+            nrows = math.ceil(len(d.groups) / cols)
             fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.0 * nrows), squeeze=False)
-            for ax, b in zip(axes.flat, d.buckets):
-                panel(ax, f"eval/synthetic/bucket{b}/{metric}", "gen/cumulative_samples", 1,
-                      f"bucket {b}" + (" (hard)" if b in d.hard else ""), metric, marker="o")
-                ax.get_legend() and b != d.buckets[0] and ax.get_legend().remove()
-            for ax in list(axes.flat)[len(d.buckets):]:
+            for ax, g in zip(axes.flat, d.groups):
+                panel(ax, keys.key(0, g), "gen/cumulative_samples", 1,
+                      f"{kind} {g}" + (" (hard)" if g in d.hard else ""), metric, marker="o")
+                ax.get_legend() and g != d.groups[0] and ax.get_legend().remove()
+            for ax in list(axes.flat)[len(d.groups):]:
                 ax.set_visible(False)
             save(fig, "heldout_buckets_vs_samples.png")
-        if d.step_point and d.buckets:
-            fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(d.buckets) * len(d.methods) / 3), 4.2))
+        if d.step_point and d.groups:
+            fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(d.groups) * len(d.methods) / 3), 4.2))
             width = 0.8 / max(len(d.methods), 1)
             for i, m in enumerate(d.methods):
-                ms = [mean_std(seed_values(d.grid, m.label, f"eval/synthetic/bucket{b}/{metric}", d.step_point))
-                      for b in d.buckets]
-                xs = np.arange(len(d.buckets)) + (i - (len(d.methods) - 1) / 2) * width
+                ms = [mean_std(seed_values(d.grid, m.label, keys.key(0, g), d.step_point)) for g in d.groups]
+                xs = np.arange(len(d.groups)) + (i - (len(d.methods) - 1) / 2) * width
                 ax.bar(xs, [t[0] for t in ms], width, yerr=[t[1] for t in ms], label=m.label, color=colors[m.label],
                        capsize=2)
             if d.start_acc:
-                ax.plot(range(len(d.buckets)), [d.start_acc.get(b, math.nan) for b in d.buckets], "k_",
+                ax.plot(range(len(d.groups)), [d.start_acc.get(g, math.nan) for g in d.groups], "k_",
                         markersize=18, label="starting policy")
-            ax.set_xticks(range(len(d.buckets)), [str(b) for b in d.buckets])
-            ax.set_xlabel("difficulty bucket (digits)")
+            ax.set_xticks(range(len(d.groups)), d.groups)
+            ax.set_xlabel("difficulty bucket (digits)" if kind == "bucket" else kind)
             ax.set_ylabel(metric)
-            ax.set_title(f"Held-out {metric} per bucket at {d.step_point.name} (mean ± std over seeds)", fontsize=10)
+            ax.set_title(f"Held-out {metric} per {kind} at {d.step_point.name} (mean ± std over seeds)", fontsize=10)
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3, axis="y")
             save(fig, "heldout_by_bucket.png")

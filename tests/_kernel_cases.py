@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import reference_logprobs_2d
+from da3po_megatron.kernels.reference import reference_logprobs_2d
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Statistics of the comparison, pure functions over metrics rows (no I/O): a run's curve read at a step or at a
 cumulative-sample budget by linear interpolation (never extrapolated), seed mean +- sample std (ddof=1), and the
 difference-of-means screen at ``z`` standard errors that the verdict is built from. Why each choice is made is
-described in :mod:`da3po_megatron.eval.compare`.
+described in :mod:`da3po_megatron.studies.compare`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The comparison report: where the tables are read (the last common eval step; the largest common sample budget and
-half of it), the Markdown tables (held-out avg@k / greedy per bucket, training accuracy, cost), the verdict generated
-from the numbers, and :func:`build_report`, which writes ``report.md``, ``summary.json``, the figures and copies of
-the runs' logs. What the report holds and why is described in :mod:`da3po_megatron.eval.compare`.
+half of it), the Markdown tables (held-out primary / secondary metric per group: avg@k / greedy per bucket of the
+synthetic task, avg@k / pass@k per math benchmark, see :mod:`~da3po_megatron.studies.compare.keys`; training
+accuracy; cost), the verdict generated from the numbers, and :func:`build_report`, which writes ``report.md``,
+``summary.json``, the figures and copies of the runs' logs. What the report holds and why is described in
+:mod:`da3po_megatron.studies.compare`.
 """
 
 from __future__ import annotations
@@ -9,36 +11,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from da3po_megatron.eval.compare_grid import Method, RunSpec, load_grid, warmup_digest
-from da3po_megatron.eval.compare_plots import plot_report
-from da3po_megatron.eval.compare_stats import Comparison, Point, compare_means, curve_at, mean_std, seed_values
-
-_EVAL_AVG_RE = re.compile(r"^eval/synthetic/avg@(\d+)$")
-_BUCKET_RE = re.compile(r"^gen/acc_bucket/(\d+)$")
-_EVAL_BUCKET_RE = re.compile(r"^eval/synthetic/bucket(\d+)/")
-
-
-def _keys(grid: dict[str, dict[int, list[dict]]]) -> tuple[int | None, list[int]]:
-    """(k of eval/synthetic/avg@k, sorted difficulty buckets) present in the logs."""
-    ks, buckets = set(), set()
-    for runs in grid.values():
-        for rows in runs.values():
-            for r in rows:
-                for key in r:
-                    if m := _EVAL_AVG_RE.match(key):
-                        ks.add(int(m.group(1)))
-                    elif m := _BUCKET_RE.match(key) or _EVAL_BUCKET_RE.match(key):
-                        buckets.add(int(m.group(1)))
-    return (max(ks) if ks else None), sorted(buckets)
+from da3po_megatron.studies.compare.grid import Method, RunSpec, load_grid, warmup_digest
+from da3po_megatron.studies.compare.keys import HeldOutKeys, discover, train_buckets
+from da3po_megatron.studies.compare.plots import plot_report
+from da3po_megatron.studies.compare.previous import load_summary, side_by_side
+from da3po_megatron.studies.compare.stats import Comparison, Point, compare_means, curve_at, mean_std, seed_values
 
 
 def start_evals(grid: dict[str, dict[int, list[dict]]], key: str) -> dict[str, float]:
@@ -65,28 +50,40 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
-def _hard_value(rows: Sequence[dict], hard: Sequence[int], metric: str, pt: Point) -> float | None:
-    vals = [curve_at(rows, f"eval/synthetic/bucket{b}/{metric}", pt.x, pt.x_key) for b in hard]
+def _hard_value(rows: Sequence[dict], keys: HeldOutKeys, hard: Sequence[str], which: int, pt: Point) -> float | None:
+    names = [keys.key(which, g) for g in hard]
+    vals = [curve_at(rows, k, pt.x, pt.x_key) if k else None for k in names]
     return None if not vals or any(v is None for v in vals) else sum(vals) / len(vals)
 
 
 @dataclass
 class ReportData:
-    """Everything the tables, verdict and figures read: the runs' rows, the buckets and hard buckets, and the points
-    (equal steps, equal-sample budgets) chosen once so that every table of a report is read at the same places."""
+    """Everything the tables, verdict and figures read: the runs' rows, the held-out keys (None: no held-out eval in
+    the logs), the held-out groups (difficulty buckets or benchmarks) and the hard ones, the training-accuracy
+    buckets, and the points (equal steps, equal-sample budgets) chosen once so that every table of a report is read at
+    the same places."""
 
     methods: list[Method]
     grid: dict[str, dict[int, list[dict]]]
-    k: int | None
-    buckets: list[int]
-    hard: list[int]
-    start_acc: dict[int, float]
+    keys: HeldOutKeys | None
+    groups: list[str]
+    hard: list[str]
+    start_acc: dict[str, float]
     step_point: Point | None
     sample_points: list[Point]
     window: int
     z: float
     tau: float
     hard_rule: str = ""
+    train_buckets: list[int] = field(default_factory=list)
+
+    @property
+    def metric(self) -> str:
+        return self.keys.metric if self.keys else "avg@k"
+
+    @property
+    def kind(self) -> str:
+        return self.keys.group_kind if self.keys else "bucket"
 
 
 def _eval_steps(rows: Sequence[dict], key: str) -> set[int]:
@@ -117,59 +114,70 @@ def choose_points(grid, key: str | None) -> tuple[Point | None, list[Point]]:
 
 
 def prepare(methods: Sequence[Method], grid: dict[str, dict[int, list[dict]]], window: int = 5, z: float = 2.0,
-            tau: float = 0.5, start_acc: dict[int, float] | None = None) -> ReportData:
-    """Read the grid's keys (k, buckets), choose the table points and the hard buckets; ``start_acc`` (the starting
-    policy's held-out avg@k per bucket) defaults to the runs' step-0 evals."""
-    k, buckets = _keys(grid)
-    key = f"eval/synthetic/avg@{k}" if k else None
-    step_pt, sample_pts = choose_points(grid, key)
-    if start_acc is None:  # the starting policy's held-out avg@k per bucket: the step-0 eval, averaged over runs
+            tau: float = 0.5, start_acc: dict[str, float] | None = None, keys: HeldOutKeys | None = None,
+            prefer: str | None = None) -> ReportData:
+    """Find the held-out keys (``keys``, default: discovered from the logs, ``prefer`` as in
+    :func:`~da3po_megatron.studies.compare.keys.discover`), choose the table points and the hard groups;
+    ``start_acc`` (the starting policy's held-out primary metric per group label) defaults to the runs' step-0 evals."""
+    all_rows = [r for runs in grid.values() for rows in runs.values() for r in rows]
+    keys = keys or discover(all_rows, prefer)
+    groups = list(keys.groups) if keys else []
+    step_pt, sample_pts = choose_points(grid, keys.key(0) if keys else None)
+    if start_acc is None:  # the starting policy's held-out metric per group: the step-0 eval, averaged over runs
         start_acc = {}
-        for b in buckets:
-            vals = [r.get(f"eval/synthetic/bucket{b}/avg@{k}") for runs in grid.values() for rows in runs.values()
+        for g in groups:
+            vals = [r.get(keys.key(0, g)) for runs in grid.values() for rows in runs.values()
                     for r in rows[:1] if r.get("step") == 0]
             m, _, n = mean_std([v for v in vals if isinstance(v, int | float)])
             if n:
-                start_acc[b] = m
-    hard = [b for b in buckets if b in start_acc and start_acc[b] < tau]
-    hard_rule = f"starting held-out avg@k < tau = {tau:g}, where DAA acts"
-    if not hard and start_acc:  # a strong starting policy: the hardest quarter of the buckets (at least one)
+                start_acc[g] = m
+    kind = keys.group_kind if keys else "bucket"
+    hard = [g for g in groups if g in start_acc and start_acc[g] < tau]
+    hard_rule = f"starting held-out {keys.metric if keys else 'avg@k'} < tau = {tau:g}, where DAA acts"
+    if not hard and start_acc:  # a strong starting policy: the hardest quarter of the groups (at least one)
         n = max(1, len(start_acc) // 4)
-        hard = sorted(sorted(start_acc, key=lambda b: start_acc[b])[:n])
-        hard_rule = (f"no bucket starts below tau = {tau:g}, so the {n} with the lowest starting held-out avg@k; "
-                     "DAA acts on their prompts with p_hat < tau")
-    return ReportData(list(methods), grid, k, buckets, hard, start_acc, step_pt, sample_pts, window, z, tau,
-                      hard_rule)
+        lowest = set(sorted(start_acc, key=lambda g: start_acc[g])[:n])
+        hard = [g for g in groups if g in lowest]
+        hard_rule = (f"no {kind} starts below tau = {tau:g}, so the {n} with the lowest starting held-out "
+                     f"{keys.metric}; DAA acts on their prompts with p_hat < tau")
+    return ReportData(list(methods), grid, keys, groups, hard, start_acc, step_pt, sample_pts, window, z, tau,
+                      hard_rule, train_buckets(all_rows))
 
 
-def _heldout_table(d: ReportData, pt: Point, metric: str) -> tuple[str, dict]:
-    header = ["method", "seeds", "all"] + (["hard"] if d.hard else []) + [f"b{b}" for b in d.buckets]
+def _values(d: ReportData, label: str, which: int, pt: Point, group: str | None = None) -> list[float]:
+    key = d.keys.key(which, group) if d.keys else None
+    return seed_values(d.grid, label, key, pt) if key else []
+
+
+def _heldout_table(d: ReportData, pt: Point, which: int) -> tuple[str, dict]:
+    """Held-out metric ``which`` (0 = primary, 1 = secondary) per method: all, hard groups, each group."""
+    header = ["method", "seeds", "all"] + (["hard"] if d.hard else []) + d.groups
     rows, summ = [], {}
     for m in d.methods:
         runs = d.grid.get(m.label, {})
-        all_v = seed_values(d.grid, m.label, f"eval/synthetic/{metric}", pt)
+        all_v = _values(d, m.label, which, pt)
         row = [m.label, str(len(runs)), _fmt(*mean_std(all_v))]
         summ[m.label] = {"all": mean_std(all_v)}
         if d.hard:
-            hv = [v for rows_ in runs.values() if (v := _hard_value(rows_, d.hard, metric, pt)) is not None]
+            hv = [v for rows_ in runs.values() if (v := _hard_value(rows_, d.keys, d.hard, which, pt)) is not None]
             row.append(_fmt(*mean_std(hv)))
             summ[m.label]["hard"] = mean_std(hv)
-        for b in d.buckets:
-            bv = seed_values(d.grid, m.label, f"eval/synthetic/bucket{b}/{metric}", pt)
-            row.append(_fmt(*mean_std(bv)))
-            summ[m.label][f"b{b}"] = mean_std(bv)
+        for g in d.groups:
+            gv = _values(d, m.label, which, pt, g)
+            row.append(_fmt(*mean_std(gv)))
+            summ[m.label][g] = mean_std(gv)
         rows.append(row)
     return _table(header, rows), summ
 
 
 def _train_table(d: ReportData, pt: Point) -> tuple[str, dict]:
-    header = ["method", "acc (all)"] + [f"b{b}" for b in d.buckets] + ["samples", "tokens"]
+    header = ["method", "acc (all)"] + [f"b{b}" for b in d.train_buckets] + ["samples", "tokens"]
     rows, summ = [], {}
     for m in d.methods:
         acc = seed_values(d.grid, m.label, "acc/mean", pt, d.window)
         row = [m.label, _fmt(*mean_std(acc))]
         summ[m.label] = {"all": mean_std(acc)}
-        for b in d.buckets:
+        for b in d.train_buckets:
             bv = seed_values(d.grid, m.label, f"gen/acc_bucket/{b}", pt, d.window)
             row.append(_fmt(*mean_std(bv)))
             summ[m.label][f"b{b}"] = mean_std(bv)
@@ -221,7 +229,7 @@ def _cost_table(d: ReportData, walls: dict[str, list[float]]) -> str:
     return _table(header, rows)
 
 
-def _comparisons(d: ReportData, pt: Point, metric: str, subset: str) -> list[Comparison]:
+def _comparisons(d: ReportData, pt: Point, subset: str) -> list[Comparison]:
     """Each DAA method vs its own baseline first, then vs the other non-DAA methods present."""
     out = []
     labels = {m.label for m in d.methods if d.grid.get(m.label)}
@@ -229,8 +237,8 @@ def _comparisons(d: ReportData, pt: Point, metric: str, subset: str) -> list[Com
 
     def vals(label: str) -> list[float]:
         if subset == "all":
-            return seed_values(d.grid, label, f"eval/synthetic/{metric}", pt)
-        return [v for rows in d.grid.get(label, {}).values() if (v := _hard_value(rows, d.hard, metric, pt))
+            return _values(d, label, 0, pt)
+        return [v for rows in d.grid.get(label, {}).values() if (v := _hard_value(rows, d.keys, d.hard, 0, pt))
                 is not None]
 
     for m in d.methods:
@@ -254,9 +262,11 @@ def _describe_comparisons(cs: Sequence[Comparison], own: dict[str, str]) -> str:
     return "; ".join(parts)
 
 
-def verdict(d: ReportData, metric: str) -> tuple[str, dict]:
-    """The verdict paragraph: generated from the comparisons at equal steps and at the full equal-samples budget."""
-    if d.k is None:
+def verdict(d: ReportData) -> tuple[str, dict]:
+    """The verdict paragraph: generated from the comparisons (held-out primary metric, all groups and hard groups) at
+    equal steps and at the full equal-samples budget."""
+    metric = d.metric
+    if d.keys is None:
         return "No held-out evaluation in the logs: no verdict.", {}
     own = {m.label: m.baseline for m in d.methods if m.daa}
     points = [p for p in ([d.step_point] + d.sample_points[-1:]) if p is not None]
@@ -265,7 +275,7 @@ def verdict(d: ReportData, metric: str) -> tuple[str, dict]:
     n_seeds = sorted({len(r) for r in d.grid.values()})
     for pt in points:
         for subset in ["all"] + (["hard"] if d.hard else []):
-            cs = _comparisons(d, pt, metric, subset)
+            cs = _comparisons(d, pt, subset)
             if not cs:
                 continue
             data[f"{pt.name}|{subset}"] = [asdict(c) for c in cs]
@@ -273,7 +283,7 @@ def verdict(d: ReportData, metric: str) -> tuple[str, dict]:
                 counts[c.outcome] += 1
                 if own.get(c.a) == c.b:
                     own_counts[c.outcome] += 1
-            where = "all buckets" if subset == "all" else f"hard buckets {', '.join(map(str, d.hard))}"
+            where = f"all {d.kind}s" if subset == "all" else f"hard {d.kind}s {', '.join(d.hard)}"
             lines.append(f"- At **{'equal steps' if pt.x_key == 'step' else 'equal generated samples'} "
                          f"({pt.name})**, held-out {metric} on {where}: {_describe_comparisons(cs, own)}.")
     if not lines:
@@ -308,11 +318,14 @@ def verdict(d: ReportData, metric: str) -> tuple[str, dict]:
 def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: str | Path, *, command: str = "",
                  rebuilt_with: str = "", base_config: str = "", records: Sequence[dict] | None = None,
                  window: int = 5, z: float = 2.0, tau: float = 0.5, warmup_dir: str | Path | None = None,
-                 page: str | Path | None = None,
+                 page: str | Path | None = None, prefer: str | None = None,
+                 previous: str | Path | None = None, previous_note: str = "",
                  title: str = "Does DAA help? Compute-matched algorithm comparison", figures: bool = True) -> Path:
     """Write ``out_dir/report.md``, ``out_dir/figures/*.png``, ``out_dir/logs/<method>/seed<k>.jsonl`` and
     ``out_dir/summary.json`` from the runs of ``specs``; with ``page``, also a copy of the report at that path whose
-    figure links are relative to it (e.g. docs/results_cpu.md). Returns the report path."""
+    figure links are relative to it (e.g. docs/results_cpu.md). The held-out metric is whatever the runs logged
+    (synthetic task or math benchmarks; ``prefer`` chooses when both are there). ``previous``: an earlier report
+    directory whose numbers are shown side by side (``previous.py``), after ``previous_note``. Returns the path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     grid = load_grid(specs)
@@ -320,8 +333,9 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
     warm = None
     if warmup_dir and (Path(warmup_dir) / "warmup_report.json").exists():
         warm = json.loads((Path(warmup_dir) / "warmup_report.json").read_text())
-    d = prepare(methods, grid, window=window, z=z, tau=tau, start_acc=start_acc)
-    metric = f"avg@{d.k}" if d.k else "avg@k"
+    d = prepare(methods, grid, window=window, z=z, tau=tau, start_acc=start_acc, prefer=prefer)
+    metric, second = d.keys.names if d.keys else ("avg@k", "greedy")
+    kind = d.kind
 
     logs = out / "logs"
     for s in specs:
@@ -330,7 +344,11 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             dst = logs / s.method.slug / f"seed{s.seed}.jsonl"
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
-    figs = plot_report(d, out / "figures", metric) if grid and figures else []
+    # without figures=True the report links the PNGs an earlier build left (a quick rebuild keeps its figures)
+    order = ("train_acc", "heldout_vs", "heldout_b", "filtered", "daa", "theory")
+    figs = plot_report(d, out / "figures") if grid and figures else sorted(
+        (out / "figures").glob("*.png"), key=lambda f: (next((i for i, o in enumerate(order) if f.stem.startswith(o)),
+                                                               9), f.stem))
 
     walls: dict[str, list[float]] = {}
     resumed = 0
@@ -342,7 +360,7 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             if isinstance(w, int | float):
                 walls.setdefault(s.method.label, []).append(float(w))
             resumed += sum(a.get("rc") == 0 for a in data.get("attempts", [])) > 1
-    starts = start_evals(grid, f"eval/synthetic/{metric}")
+    starts = start_evals(grid, d.keys.key(0)) if d.keys else {}
     missing = [f"{s.method.label} seed {s.seed}" for s in specs if s.seed not in grid.get(s.method.label, {})]
     short = [f"{s.method.label} seed {s.seed} (step {grid[s.method.label][s.seed][-1]['step']} of {s.steps})"
              for s in specs if s.seed in grid.get(s.method.label, {})
@@ -352,7 +370,7 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
     def body(fig_prefix: str) -> str:
         md: list[str] = [f"# {title}", ""]
         md += ["_Generated by `tools/compare_algorithms.py` from the runs' `metrics.jsonl` "
-               "(da3po_megatron/eval/compare.py); regenerate with the command below._", ""]
+               "(da3po_megatron/studies/compare/); regenerate with the command below._", ""]
         if command:
             md += ["## Command", "", "Reproduce (finished runs are skipped, so re-running it only rebuilds this report "
                    "unless the runs directory is removed):", "", "```bash", command, "```", ""]
@@ -364,8 +382,10 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
                f"- base config: `{base_config}`" if base_config else "- base config: (not recorded)",
                "- methods: " + ", ".join(f"`{m.label}` ({' '.join(m.overrides)})" for m in methods),
                f"- seeds: {', '.join(map(str, seeds))}; steps per run: {', '.join(map(str, steps))}",
-               f"- held-out metric: `{metric}` (sampling) and greedy accuracy on the held-out split of the synthetic "
-               "task, per difficulty bucket (bucket = number of digits)"]
+               f"- held-out metric: `{metric}` and `{second}` " + (
+                   "(sampling; greedy accuracy) on the held-out split of the synthetic task, per difficulty bucket "
+                   "(bucket = number of digits)" if d.keys is None or d.keys.source == "synthetic" else
+                   f"on the math benchmarks {', '.join(d.groups) or 'of the runs'} (keys `{d.keys.key(0)}` ...)")]
         total_wall = sum(w for ws in walls.values() for w in ws)
         if total_wall:
             md.append(f"- training wall time, all runs together: {total_wall / 60:.0f} min (each run: its own trainer "
@@ -376,8 +396,8 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
                       "`compare_run.json`)")
         if d.start_acc:
             md.append("- starting policy (warm-up, shared by all runs), held-out "
-                      f"{metric} per bucket at step 0: " + ", ".join(f"b{b} {100 * v:.1f}%" for b, v in
-                                                                      sorted(d.start_acc.items())))
+                      f"{metric} per {kind} at step 0: " + ", ".join(f"{g} {100 * v:.1f}%" for g, v in
+                                                                       d.start_acc.items()))
         if warmup_dir and list(Path(warmup_dir).glob("*.safetensors")):
             md.append(f"- starting-policy weights: `{warmup_dir}` (sha256 {warmup_digest(warmup_dir)[:12]})")
         if len({round(v, 9) for v in starts.values()}) > 1:
@@ -391,8 +411,7 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             md.append("- warm-up report (one temperature-1 sample per held-out prompt): " + ", ".join(
                 f"b{b} {100 * v:.1f}%" for b, v in warm.get("accuracy_by_bucket", {}).items()))
         if d.hard:
-            md.append(f"- **hard buckets** ({d.hard_rule}): {', '.join(map(str, d.hard))}; the `hard` column is "
-                      "their mean")
+            md.append(f"- **hard {kind}s** ({d.hard_rule}): {', '.join(d.hard)}; the `hard` column is their mean")
         if missing or short or failed:
             md += ["", "**Incomplete grid** -- the tables use what exists:"]
             md += [f"- no metrics: {', '.join(missing)}"] if missing else []
@@ -400,22 +419,25 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             md += [f"- failed in this invocation: {', '.join(failed)}"] if failed else []
         md.append("")
         md += ["## Verdict", "", verdict_text, ""]
+        if previous:
+            md += [f"## Compared with the previous report (`{previous}`)", "", previous_note, "",
+                   side_by_side(load_summary(previous), summary), ""]
         if d.step_point:
-            t, _ = _heldout_table(d, d.step_point, metric)
-            g, _ = _heldout_table(d, d.step_point, "greedy")
+            t, _ = _heldout_table(d, d.step_point, 0)
+            g, _ = _heldout_table(d, d.step_point, 1)
             tr, _ = _train_table(d, d.step_point)
             md += [f"## Equal training steps ({d.step_point.name})", "",
                    f"Held-out {metric} (%, mean ± std over seeds):", "", t, "",
-                   "Held-out greedy accuracy (%):", "", g, "",
+                   f"Held-out {second} (%):", "", g, "",
                    f"Training (rollout) accuracy (%, {d.window}-step trailing mean) per bucket, and what the runs "
                    "had generated by then (samples = responses, tokens = response tokens):", "", tr, ""]
         for pt in d.sample_points:
-            t, _ = _heldout_table(d, pt, metric)
-            g, _ = _heldout_table(d, pt, "greedy")
+            t, _ = _heldout_table(d, pt, 0)
+            g, _ = _heldout_table(d, pt, 1)
             tr, _ = _train_table(d, pt)
             md += [f"## Equal generated samples ({pt.name})", "",
                    f"Held-out {metric} (%), each run's eval curve interpolated linearly in cumulative generated "
-                   "samples:", "", t, "", "Held-out greedy accuracy (%):", "", g, "",
+                   "samples:", "", t, "", f"Held-out {second} (%):", "", g, "",
                    f"Training accuracy (%, {d.window}-step trailing mean, interpolated at the budget):", "", tr, ""]
         cost = _cost_table(d, walls)
         md += ["## Cost and dynamics (means over steps, then mean ± std over seeds)", "", cost, ""]
@@ -424,10 +446,10 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
             "train_acc_vs_steps.png": "Training accuracy vs training steps.",
             "train_acc_vs_samples.png": "Training accuracy vs generated samples (the compute-matched view).",
             "train_acc_vs_tokens.png": "Training accuracy vs generated tokens.",
-            "heldout_vs_steps.png": f"Held-out {metric} and greedy accuracy vs steps.",
-            "heldout_vs_samples.png": f"Held-out {metric} and greedy accuracy vs generated samples.",
-            "heldout_buckets_vs_samples.png": f"Held-out {metric} per difficulty bucket vs generated samples.",
-            "heldout_by_bucket.png": f"Held-out {metric} per bucket at equal steps, with the starting policy.",
+            "heldout_vs_steps.png": f"Held-out {metric} and {second} vs steps.",
+            "heldout_vs_samples.png": f"Held-out {metric} and {second} vs generated samples.",
+            "heldout_buckets_vs_samples.png": f"Held-out {metric} per {kind} vs generated samples.",
+            "heldout_by_bucket.png": f"Held-out {metric} per {kind} at equal steps, with the starting policy.",
             "filtered_frac.png": "Fraction of generated groups thrown away by dynamic sampling (p_hat in {0, 1}).",
             "daa_activation.png": "DAA activation (fraction of responses amplified, Eq. 14) and mean lambda.",
             "theory_diagnostic.png": "Theorem 3.1: mean advantage of correct / incorrect responses on kept groups "
@@ -455,7 +477,15 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
                ""]
         return "\n".join(md)
 
-    verdict_text, verdict_data = verdict(d, metric)
+    verdict_text, verdict_data = verdict(d)
+    summary: dict[str, Any] = {"metric": metric, "second_metric": second, "group_kind": kind, "groups": d.groups,
+                               "hard_groups": d.hard, "keys": asdict(d.keys) if d.keys else None,
+                               "start_acc": {str(k): v for k, v in d.start_acc.items()}, "verdict": verdict_data,
+                               "missing": missing, "unfinished": short, "failed": failed, "tables": {}}
+    for pt in ([d.step_point] if d.step_point else []) + d.sample_points:
+        summary["tables"][pt.name] = {"heldout": _heldout_table(d, pt, 0)[1],
+                                      "second": _heldout_table(d, pt, 1)[1],
+                                      "train": _train_table(d, pt)[1], "x_key": pt.x_key, "x": pt.x}
     report = out / "report.md"
     report.write_text(body("figures/"))
     if page:
@@ -464,12 +494,5 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
         prefix = os.path.relpath(out / "figures", page.parent).replace(os.sep, "/") + "/"
         page.write_text(body(prefix))
 
-    summary: dict[str, Any] = {"metric": metric, "buckets": d.buckets, "hard_buckets": d.hard,
-                               "start_acc": {str(k): v for k, v in d.start_acc.items()}, "verdict": verdict_data,
-                               "missing": missing, "unfinished": short, "failed": failed, "tables": {}}
-    for pt in ([d.step_point] if d.step_point else []) + d.sample_points:
-        summary["tables"][pt.name] = {"heldout": _heldout_table(d, pt, metric)[1],
-                                      "greedy": _heldout_table(d, pt, "greedy")[1],
-                                      "train": _train_table(d, pt)[1], "x_key": pt.x_key, "x": pt.x}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     return report

@@ -7,9 +7,9 @@ step 1, step 2, load, step 2 again: identical), checkpoints of other layouts loa
 the fixed batch, and the largest parameter difference between data-parallel replicas. The tests
 (``tests/test_megatron_policy.py``) launch it with ``torchrun`` and assert; on a GPU cluster it checks a real install::
 
-    python -m torch.distributed.run --nproc-per-node 1 -m da3po_megatron.megatron.selfcheck --hf HF --base B \\
+    python -m torch.distributed.run --nproc-per-node 1 tests/_policy_selfcheck.py --hf HF --base B \\
         --init-base --out tp1.json
-    python -m torch.distributed.run --nproc-per-node 2 -m da3po_megatron.megatron.selfcheck --hf HF --base B \\
+    python -m torch.distributed.run --nproc-per-node 2 tests/_policy_selfcheck.py --hf HF --base B \\
         --tp 2 --out tp2.json
 
 Only for small models: exports are written as whole tensors with ``--export``.
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithm", default="da3po")
     ap.add_argument("--loss-backend", default="torch", help="actor.loss_backend ('kernel' = 'chunked')")
     args = ap.parse_args(argv)
+    # HF weights in and out through the bridge (a test harness, on its way to tests/: issue 14 item 5)
+    from da3po_megatron.bridge.export import export_policy_state, load_policy_hf
 
     backend = "chunked" if args.loss_backend == "kernel" else args.loss_backend
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -80,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         f"algorithm.name={args.algorithm}", f"actor.loss_backend={backend}",
         f"actor.max_tokens_per_microbatch={args.max_tokens}", "actor.ppo_mini_batch_size=512",
         "data.train_batch_size=512", "trainer.seed=1234"])
-    w = PolicyWorker(cfg, load_hf_weights=args.load_hf)
+    w = PolicyWorker(cfg)
     rank = dist.get_rank()
-    res: dict = {"info": w.info()}
-    if args.load_hf and not w.hf_loaded:
-        raise RuntimeError(f"--load-hf: the HF weights in {args.hf} were not loaded (bridge missing?)")
+    res: dict = {"info": w.info(), "hf_loaded": bool(args.load_hf and load_policy_hf(w, args.hf))}
+    if args.load_hf and not res["hf_loaded"]:
+        raise RuntimeError(f"--load-hf: the HF weights in {args.hf} were not loaded")
     if args.init_base:
         w.save_model(args.base)
     w.load_model(args.base)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     export_owner = w.tp_rank == 0 and w.dp_rank == 0
 
     def export(tag: str) -> None:
-        sd = w.export_state_dict()
+        sd = export_policy_state(w)  # the weight sync's HF stream
         if args.export and export_owner:
             torch.save(sd, f"{args.export}_{tag}_pp{w.pp_rank}.pt")
 

@@ -5,24 +5,27 @@ Why two axes: dynamic sampling (DAPO, DA3PO) throws away groups with p_hat in {0
 batch is full, so one of its steps costs more generated samples (and tokens) than a GRPO/GSPO step. The paper compares
 checkpoints at equal steps; a user paying for generation also wants equal samples. Both are reported.
 
-What the report holds (all numbers are mean +- std over seeds, std with ddof=1):
+What the report holds (all numbers are mean +- std over seeds, std with ddof=1). "Held-out metric" is whatever the
+runs logged (:mod:`~da3po_megatron.studies.compare.keys`): on the synthetic task avg@k and greedy accuracy per
+difficulty bucket; on math benchmarks (``eval.benchmarks: [aime24, amc, ...]``) avg@k and pass@k per benchmark with
+their mean as "all". Below, "group" is a bucket or a benchmark.
 
-- **equal steps**: at the last step where every run has a held-out evaluation, held-out avg@k and greedy accuracy
-  overall and per difficulty bucket, and training (rollout) accuracy per bucket (trailing mean of the last ``window``
-  steps, because one step's rollout accuracy is noisy);
+- **equal steps**: at the last step where every run has a held-out evaluation, held-out metrics overall and per
+  group, and training (rollout) accuracy, per difficulty bucket where the data has buckets (trailing mean of the last
+  ``window`` steps, because one step's rollout accuracy is noisy);
 - **equal generated samples**: at budgets B (default: the largest budget every run reached, and half of it), each
   run's curve is **linearly interpolated** in ``gen/cumulative_samples`` (responses generated so far, filtered groups
   and discarded surplus included). Held-out curves are interpolated between their evaluation points (the step-0 record
   holds the starting policy's eval at 0 samples); training curves are the trailing-mean series interpolated the same
   way. No extrapolation: a run that did not reach B has no value at B (and B is chosen so that every run reached it);
 - **verdict**: each method with DAA (Eq. 14) against the same algorithm without DAA (da3po vs dapo; grpo:lambda vs
-  grpo; ...), and against the other baselines, on held-out avg@k overall and on the *hard* buckets (those where the
-  starting policy's held-out avg@k is below ``daa.tau`` = 0.5, the p_hat < tau regime where DAA acts). A difference of
-  seed means counts as significant only beyond ``z`` (= 2) standard errors, SE = sqrt(s_a^2/n_a + s_b^2/n_b); with
-  three seeds this is a coarse screen, and the text says so. The verdict sentences are generated from the numbers;
-  nothing is hard-coded;
+  grpo; ...), and against the other baselines, on the held-out metric overall and on the *hard* groups (those
+  where the starting policy's held-out metric is below ``daa.tau`` = 0.5, the p_hat < tau regime where DAA acts). A
+  difference of seed means counts as significant only beyond ``z`` (= 2) standard errors, SE = sqrt(s_a^2/n_a +
+  s_b^2/n_b); with three seeds this is a coarse screen, and the text says so. The verdict sentences are generated from
+  the numbers; nothing is hard-coded;
 - PNG curves (mean line, +-std band over seeds): training accuracy vs steps / generated samples / generated tokens,
-  held-out avg@k vs steps / samples (overall and per bucket), held-out avg@k per bucket at equal steps, the filtered
+  held-out metrics vs steps / samples (overall and per group), held-out metric per group at equal steps, the filtered
   fraction, DAA activation, and the Theorem 3.1 diagnostic (mean advantage on kept / all groups vs alpha+ / alpha-);
 - the raw ``metrics.jsonl`` of every run, copied.
 
@@ -33,17 +36,17 @@ again (the trainer resumes from its latest checkpoint). The warm-up starting pol
 is built once and shared by every run.
 
 Left out: parallel runs (2 cores), significance tests beyond the 2-SE screen (no t-distribution, no multiple-comparison
-correction), math-benchmark evals (the report reads ``eval/synthetic/*``; other ``eval/<bench>/avg@k`` keys are
-plotted by ``eval.curves``), wall-clock-matched comparisons.
+correction), wall-clock-matched comparisons.
 
-Where each part lives (this module re-exports their public names, so ``from da3po_megatron.eval import compare``
-is the whole API): the grid, its runner and the warm-up in :mod:`~da3po_megatron.eval.compare_grid`; interpolation,
-seed statistics and the significance screen in :mod:`~da3po_megatron.eval.compare_stats` (pure functions); table
-points, tables, verdict and ``report.md`` in :mod:`~da3po_megatron.eval.compare_report`; the PNG figures in
-:mod:`~da3po_megatron.eval.compare_plots`.
+Where each part lives (this module re-exports their public names, so ``from da3po_megatron.studies import compare``
+is the whole API): the grid, its runner and the warm-up in :mod:`~da3po_megatron.studies.compare.grid`; the held-out
+metric keys in :mod:`~da3po_megatron.studies.compare.keys`; interpolation,
+seed statistics and the significance screen in :mod:`~da3po_megatron.studies.compare.stats` (pure functions); table
+points, tables, verdict and ``report.md`` in :mod:`~da3po_megatron.studies.compare.report`; the PNG figures in
+:mod:`~da3po_megatron.studies.compare.plots`.
 """
 
-from da3po_megatron.eval.compare_grid import (
+from da3po_megatron.studies.compare.grid import (
     ALGORITHMS,
     DONE_MARKER,
     Method,
@@ -60,9 +63,10 @@ from da3po_megatron.eval.compare_grid import (
     train_command,
     warmup_digest,
 )
-from da3po_megatron.eval.compare_plots import plot_report
-from da3po_megatron.eval.compare_report import ReportData, build_report, choose_points, prepare, start_evals, verdict
-from da3po_megatron.eval.compare_stats import (
+from da3po_megatron.studies.compare.keys import HeldOutKeys, discover
+from da3po_megatron.studies.compare.plots import plot_report
+from da3po_megatron.studies.compare.report import ReportData, build_report, choose_points, prepare, start_evals, verdict
+from da3po_megatron.studies.compare.stats import (
     Comparison,
     Point,
     compare_means,
@@ -77,6 +81,7 @@ from da3po_megatron.eval.compare_stats import (
 __all__ = [
     "ALGORITHMS",
     "DONE_MARKER",
+    "HeldOutKeys",
     "Comparison",
     "Method",
     "Point",
@@ -87,6 +92,7 @@ __all__ = [
     "choose_points",
     "compare_means",
     "curve_at",
+    "discover",
     "ensure_warmup",
     "grid_specs",
     "interp_at",
