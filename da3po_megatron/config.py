@@ -136,6 +136,15 @@ class RolloutConfig:
     kv_cache_memory_bytes: int = doc(256 * 2**20, "CPU: KV-cache budget per engine in bytes (vLLM's default takes "
                                                   "0.9 x RAM).")
     weight_sync_bucket_mb: int = doc(512, "Weight sync streams HF-named tensors in buckets of at most this size.")
+    weight_transfer: Literal["auto", "bytes", "collective", "ipc"] = doc(
+        "auto", "How weights reach the engines after a step. 'bytes': buckets through Ray's object store (one pull "
+                "per engine). 'collective': a private gloo (CPU) / NCCL (CUDA) group from each PP stage's sender to "
+                "every engine worker, flat buckets broadcast (rollout/collective.py). 'ipc': CUDA IPC handles, "
+                "colocated on CUDA only. 'auto': 'collective' when engines and policy are on different nodes or "
+                "(CUDA, not colocated) different GPUs, 'ipc' colocated on CUDA, 'bytes' on one CPU node (measured "
+                "there: Ray's shared-memory object store is as fast as gloo over loopback; docs/rollout.md).")
+    weight_sync_timeout_s: float = doc(600.0, "Collective transport: group set-up and per-broadcast timeout; a sync "
+                                              "whose sender stops sending fails after at most this long.")
     logprob_check_fraction: float = doc(0.05, "With actor.use_rollout_logprobs: fraction of responses whose rollout "
                                               "log-probs are recomputed by the policy and compared (mean/max abs diff "
                                               "logged). Without it every response is compared (pi_old is recomputed "
@@ -449,6 +458,11 @@ def validate(cfg: Config) -> None:
            "streaming (it aborts the surplus instead of generating it)")
     _check(r.logprob_drift_factor >= 0, "rollout.logprob_drift_factor", r.logprob_drift_factor, ">= 0 (0 = off)")
     _check(0 <= r.logprob_check_fraction <= 1, "rollout.logprob_check_fraction", r.logprob_check_fraction, "[0, 1]")
+    _check(r.weight_transfer in ("auto", "bytes", "collective", "ipc"), "rollout.weight_transfer", r.weight_transfer,
+           "auto, bytes, collective or ipc")
+    _check(r.weight_transfer != "ipc" or r.colocate, "rollout.weight_transfer", r.weight_transfer,
+           "'ipc' only with rollout.colocate=true (CUDA IPC shares one GPU's memory)")
+    _check(r.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, "> 0")
     ov = a.overlong
     _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,
            f"[0, rollout.max_response_length={r.max_response_length})")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from da3po_megatron.kernels.common import LossInputs
 from da3po_megatron.kernels.reference import reference_logprobs_2d
 
 
@@ -71,10 +72,16 @@ def random_case(
     )
 
 
-def run_loss(fn: Callable, case: Case, *, upstream: str = "all", **kwargs) -> dict[str, torch.Tensor | None]:
-    """Call `fn(logits, targets, old, adv, mask, **kwargs)` and backprop; upstream in {"all", "loss"}."""
+def loss_inputs(case: Case, **fields) -> LossInputs:
+    """The case's targets, old log-probs, advantages and mask as a `LossInputs`, with the other fields given."""
+    return LossInputs(case.targets, old_logprobs=case.old_logprobs, advantages=case.advantages, mask=case.mask,
+                      **fields)
+
+
+def run_loss(fn: Callable, case: Case, *, upstream: str = "all", **fields) -> dict[str, torch.Tensor | None]:
+    """Call `fn(logits, loss_inputs(case, **fields))` and backprop; upstream in {"all", "loss"}."""
     x = case.logits.clone().requires_grad_(True)
-    loss, logp, ent, metrics = fn(x, case.targets, case.old_logprobs, case.advantages, case.mask, **kwargs)
+    loss, logp, ent, metrics = fn(x, loss_inputs(case, **fields))
     total = loss * case.g_loss
     if upstream == "all":
         total = total + (logp * case.g_logp).sum()

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,9 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from _kernel_cases import assert_same_outputs, random_case, run_loss
+from _kernel_cases import assert_same_outputs, loss_inputs, random_case, run_loss
 
-from da3po_megatron.kernels import daa_policy_loss, reference_daa_policy_loss, vocab_parallel_logprobs
+from da3po_megatron.kernels import LogprobInputs, daa_policy_loss, reference_daa_policy_loss, vocab_parallel_logprobs
 
 KW = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
 B, T, V = 2, 12, 75
@@ -67,10 +68,7 @@ def backend(request):
 
 
 def _loss_fn(backend):
-    def fn(*args, **kw):
-        return daa_policy_loss(*args, **kw, backend=backend, **BACKEND_KW[backend])
-
-    return fn
+    return partial(daa_policy_loss, backend=backend, **BACKEND_KW[backend])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -136,7 +134,7 @@ def test_backend_logprobs_path_values_and_gradients_equal_reference(backend, dty
     results = {}
     for name, kw in (("reference", {}), (backend, BACKEND_KW[backend])):
         x = c.logits.clone().requires_grad_(True)
-        logp, ent = vocab_parallel_logprobs(x, c.targets, compute_entropy=True, backend=name, **kw)
+        logp, ent = vocab_parallel_logprobs(x, LogprobInputs(c.targets, compute_entropy=True), backend=name, **kw)
         ((logp * c.g_logp).sum() + (ent * c.g_entropy).sum()).backward()
         results[name] = (logp.detach(), ent.detach(), x.grad)
     (lr, er, gr), (lb, eb, gb) = results["reference"], results[backend]
@@ -155,9 +153,8 @@ def test_backend_inplace_backward_writes_the_same_gradient_into_the_logits(backe
     logits = c.logits.clone().requires_grad_(False)
     h = logits * 1.0  # a non-leaf that nothing else needs in backward, like the output layer's logits
     h.requires_grad_(True)
-    loss, logp, ent, _ = daa_policy_loss(h, c.targets, c.old_logprobs, c.advantages, c.mask, **KW,
-                                         compute_entropy=True, backend=backend, inplace_backward=True,
-                                         **BACKEND_KW[backend])
+    loss, logp, ent, _ = daa_policy_loss(h, loss_inputs(c, **KW, compute_entropy=True), backend=backend,
+                                         inplace_backward=True, **BACKEND_KW[backend])
     h.retain_grad()
     (loss * c.g_loss + (logp * c.g_logp).sum() + (ent * c.g_entropy).sum()).backward()
     torch.testing.assert_close(h.grad, want["dlogits"], atol=0, rtol=0)
@@ -168,8 +165,7 @@ def test_backend_entropy_is_none_unless_requested(backend):
     if backend is None:
         return
     c = random_case(1, 3, V, seed=0)
-    _, logp, ent, _ = daa_policy_loss(c.logits, c.targets, c.old_logprobs, c.advantages, c.mask, **KW,
-                                      backend=backend, **BACKEND_KW[backend])
+    _, logp, ent, _ = daa_policy_loss(c.logits, loss_inputs(c, **KW), backend=backend, **BACKEND_KW[backend])
     assert ent is None and logp.shape == (1, 3) and logp.dtype == torch.float32
 
 
@@ -198,5 +194,5 @@ def test_compiled_triton_on_cuda_equals_reference_and_is_chosen_by_auto(dtype):
     assert resolve_backend("auto", c.logits) == "triton"
     daa = dict(correct=c.correct, p_hat=c.p_hat, daa_lambda=2.0, daa_tau=0.5, compute_entropy=True)
     want = run_loss(reference_daa_policy_loss, c, **KW, **daa)
-    got = run_loss(lambda *a, **k: daa_policy_loss(*a, **k, backend="triton"), c, **KW, **daa)
+    got = run_loss(partial(daa_policy_loss, backend="triton"), c, **KW, **daa)
     assert_same_outputs(want, got, dtype, "compiled triton")

@@ -14,7 +14,8 @@ def test_bench_loss_prints_a_row_per_path_with_memory_and_time(tmp_path):
         [sys.executable, str(ROOT / "tools" / "bench_loss.py"), "--cpu", "--tokens", "32", "--vocab", "1000",
          "--hidden", "16", "--repeats", "1", "--paths", "reference,chunked_inplace,triton,fused_linear",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},  # this checkout's package
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["path"]: row for row in json.loads(out.read_text())["rows"]}

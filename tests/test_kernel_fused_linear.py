@@ -4,9 +4,11 @@ import random
 
 import pytest
 import torch
-from _kernel_cases import random_case
+from _kernel_cases import loss_inputs, random_case
 
 from da3po_megatron.kernels import (
+    LogprobInputs,
+    OutputLayer,
     fused_linear_daa_policy_loss,
     fused_linear_vocab_parallel_logprobs,
     reference_daa_policy_loss,
@@ -23,18 +25,18 @@ def _inputs(dtype, seed):
     weight = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
     c = random_case(B, T, V, seed=seed)  # per-token inputs; its logits are not used
     with torch.no_grad():
-        logp, _ = vocab_parallel_logprobs(hidden @ weight.t(), c.targets, backend="reference")
+        logp, _ = vocab_parallel_logprobs(hidden @ weight.t(), LogprobInputs(c.targets), backend="reference")
     c.old_logprobs = logp - torch.randn(B, T, generator=g) * 0.35  # ratios around 1: some clipped, most not
     return hidden, weight, c
 
 
-def _run(fused: bool, hidden, weight, c, **kw):
+def _run(fused: bool, hidden, weight, c, chunk_tokens=None, **kw):
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     if fused:
-        out = fused_linear_daa_policy_loss(h, w, c.targets, c.old_logprobs, c.advantages, c.mask, **KW, **kw)
+        out = fused_linear_daa_policy_loss(h, OutputLayer(w), loss_inputs(c, **KW, **kw), chunk_tokens=chunk_tokens)
     else:
-        out = reference_daa_policy_loss(h @ w.t(), c.targets, c.old_logprobs, c.advantages, c.mask, **KW, **kw)
+        out = reference_daa_policy_loss(h @ w.t(), loss_inputs(c, **KW, **kw))
     loss, logp, ent, metrics = out
     (loss * c.g_loss + (logp * c.g_logp).sum() + (ent * c.g_entropy).sum()).backward()
     return loss.detach(), logp.detach(), ent.detach(), metrics, h.grad, w.grad
@@ -74,10 +76,12 @@ def test_fused_linear_logprobs_path_and_frozen_weight():
     seed = random.randrange(2**31)
     hidden, weight, c = _inputs(torch.float32, seed)
     h1 = hidden.clone().requires_grad_(True)
-    logp, ent = fused_linear_vocab_parallel_logprobs(h1, weight, c.targets, compute_entropy=True, chunk_tokens=5)
+    logp, ent = fused_linear_vocab_parallel_logprobs(
+        h1, OutputLayer(weight), LogprobInputs(c.targets, compute_entropy=True), chunk_tokens=5)
     ((logp * c.g_logp).sum() + (ent * c.g_entropy).sum()).backward()
     h2 = hidden.clone().requires_grad_(True)
-    logp2, ent2 = vocab_parallel_logprobs(h2 @ weight.t(), c.targets, compute_entropy=True, backend="reference")
+    logp2, ent2 = vocab_parallel_logprobs(h2 @ weight.t(), LogprobInputs(c.targets, compute_entropy=True),
+                                          backend="reference")
     ((logp2 * c.g_logp).sum() + (ent2 * c.g_entropy).sum()).backward()
     torch.testing.assert_close(logp, logp2.detach(), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ent2.detach(), atol=2e-5, rtol=1e-5)
@@ -87,9 +91,9 @@ def test_fused_linear_logprobs_path_and_frozen_weight():
 def test_fused_linear_rejects_mismatched_weight():
     hidden, weight, c = _inputs(torch.float32, 0)
     with pytest.raises(ValueError, match="weight"):
-        fused_linear_daa_policy_loss(hidden, weight[:, :5], c.targets, c.old_logprobs, c.advantages, c.mask, **KW)
+        fused_linear_daa_policy_loss(hidden, OutputLayer(weight[:, :5]), loss_inputs(c, **KW))
     with pytest.raises(ValueError, match="dtype"):
-        fused_linear_daa_policy_loss(hidden, weight.double(), c.targets, c.old_logprobs, c.advantages, c.mask, **KW)
+        fused_linear_daa_policy_loss(hidden, OutputLayer(weight.double()), loss_inputs(c, **KW))
 
 
 # ------------------------------------------------------------------ temperature and padded vocabulary (the policy's)
@@ -110,16 +114,15 @@ def test_fused_linear_at_temperature_with_padded_vocab_equals_reference(temperat
         c.targets = c.targets % vocab_limit  # targets are real tokens
     with torch.no_grad():  # old log-probs near the tempered ones: some ratios clip, most do not
         lp, _ = vocab_parallel_logprobs(_tempered_reference_logits(hidden, weight, temperature, vocab_limit),
-                                        c.targets, backend="reference")
+                                        LogprobInputs(c.targets), backend="reference")
     c.old_logprobs = lp - torch.randn(B, T, generator=torch.Generator().manual_seed(seed)) * 0.35
     daa = dict(correct=c.correct, p_hat=c.p_hat, daa_lambda=2.0, daa_tau=0.5, compute_entropy=True)
     tv = dict(temperature=temperature, vocab_limit=vocab_limit)
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    got = fused_linear_daa_policy_loss(h1, w1, c.targets, c.old_logprobs, c.advantages, c.mask, **KW, **daa,
-                                       chunk_tokens=5, **tv)
+    got = fused_linear_daa_policy_loss(h1, OutputLayer(w1, **tv), loss_inputs(c, **KW, **daa), chunk_tokens=5)
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    want = reference_daa_policy_loss(_tempered_reference_logits(h2, w2, temperature, vocab_limit), c.targets,
-                                     c.old_logprobs, c.advantages, c.mask, **KW, **daa)
+    want = reference_daa_policy_loss(_tempered_reference_logits(h2, w2, temperature, vocab_limit),
+                                     loss_inputs(c, **KW, **daa))
     for out in (got, want):
         (out[0] * c.g_loss + (out[1] * c.g_logp).sum() + (out[2] * c.g_entropy).sum()).backward()
     msg = f"seed {seed}"
@@ -133,13 +136,14 @@ def test_fused_linear_at_temperature_with_padded_vocab_equals_reference(temperat
         assert torch.all(w1.grad[vocab_limit:] == 0)
     # the log-probs-only entry point takes the same two arguments
     h3 = hidden.clone().requires_grad_(True)
-    lp3, ent3 = fused_linear_vocab_parallel_logprobs(h3, weight, c.targets, compute_entropy=True, chunk_tokens=7, **tv)
+    lp3, ent3 = fused_linear_vocab_parallel_logprobs(h3, OutputLayer(weight, **tv),
+                                                     LogprobInputs(c.targets, compute_entropy=True), chunk_tokens=7)
     torch.testing.assert_close(lp3.detach(), want[1].detach(), atol=2e-5, rtol=1e-5, msg=msg)
     torch.testing.assert_close(ent3.detach(), want[2].detach(), atol=2e-5, rtol=1e-5, msg=msg)
     ((lp3 * c.g_logp).sum()).backward()
     h4 = hidden.clone().requires_grad_(True)
-    lp4, _ = vocab_parallel_logprobs(_tempered_reference_logits(h4, weight, temperature, vocab_limit), c.targets,
-                                     backend="reference")
+    lp4, _ = vocab_parallel_logprobs(_tempered_reference_logits(h4, weight, temperature, vocab_limit),
+                                     LogprobInputs(c.targets), backend="reference")
     ((lp4 * c.g_logp).sum()).backward()
     torch.testing.assert_close(h3.grad, h4.grad, atol=1e-5, rtol=1e-4, msg=f"dhidden (logprobs) {msg}")
 
@@ -147,9 +151,9 @@ def test_fused_linear_at_temperature_with_padded_vocab_equals_reference(temperat
 def test_fused_linear_rejects_bad_temperature_and_vocab_limit():
     hidden, weight, c = _inputs(torch.float32, 0)
     with pytest.raises(ValueError, match="temperature"):
-        fused_linear_vocab_parallel_logprobs(hidden, weight, c.targets, temperature=0.0)
+        fused_linear_vocab_parallel_logprobs(hidden, OutputLayer(weight, temperature=0.0), LogprobInputs(c.targets))
     with pytest.raises(ValueError, match="vocab_limit"):
-        fused_linear_vocab_parallel_logprobs(hidden, weight, c.targets, vocab_limit=0)
+        fused_linear_vocab_parallel_logprobs(hidden, OutputLayer(weight, vocab_limit=0), LogprobInputs(c.targets))
 
 
 def _tp_worker(rank: int, port: int, inputs: dict, out_dir: str) -> None:
@@ -165,8 +169,9 @@ def _tp_worker(rank: int, port: int, inputs: dict, out_dir: str) -> None:
         h = inputs["hidden"].clone().requires_grad_(True)
         w = inputs["weight"][sl].clone().requires_grad_(True)
         lp, ent = fused_linear_vocab_parallel_logprobs(
-            h, w, inputs["targets"], vocab_start=rank * v_local, tp_group=dist.group.WORLD, compute_entropy=True,
-            chunk_tokens=6, temperature=inputs["temperature"], vocab_limit=inputs["vocab_limit"])
+            h, OutputLayer(w, temperature=inputs["temperature"], vocab_limit=inputs["vocab_limit"]),
+            LogprobInputs(inputs["targets"], vocab_start=rank * v_local, tp_group=dist.group.WORLD,
+                          compute_entropy=True), chunk_tokens=6)
         ((lp * inputs["g_logp"]).sum() + (ent * inputs["g_entropy"]).sum()).backward()
         torch.save(dict(logp=lp.detach(), entropy=ent.detach(), dhidden=h.grad, dweight=w.grad),
                    os.path.join(out_dir, f"rank{rank}.pt"))
@@ -193,8 +198,8 @@ def test_fused_linear_tp2_padded_vocab_and_temperature_equal_tp1(tmp_path, monke
     mp.spawn(_tp_worker, args=(port, inputs, str(tmp_path)), nprocs=2, join=True)
     h = inputs["hidden"].clone().requires_grad_(True)
     w = inputs["weight"].clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs(_tempered_reference_logits(h, w, 0.7, vocab_limit), inputs["targets"],
-                                      compute_entropy=True, backend="reference")
+    lp, ent = vocab_parallel_logprobs(_tempered_reference_logits(h, w, 0.7, vocab_limit),
+                                      LogprobInputs(inputs["targets"], compute_entropy=True), backend="reference")
     ((lp * inputs["g_logp"]).sum() + (ent * inputs["g_entropy"]).sum()).backward()
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")

@@ -2,12 +2,20 @@
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
-from _kernel_cases import random_case, run_loss
+from _kernel_cases import loss_inputs, random_case, run_loss
 
-from da3po_megatron.kernels import daa_policy_loss, reference_daa_policy_loss, resolve_backend, vocab_parallel_logprobs
+from da3po_megatron.kernels import (
+    LogprobInputs,
+    LossInputs,
+    daa_policy_loss,
+    reference_daa_policy_loss,
+    resolve_backend,
+    vocab_parallel_logprobs,
+)
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
@@ -19,7 +27,7 @@ def _seed() -> int:
 def test_reference_logprobs_and_entropy_equal_float64_formulas():
     seed = _seed()
     c = random_case(3, 5, 37, seed=seed)
-    logp, ent = vocab_parallel_logprobs(c.logits, c.targets, compute_entropy=True, backend="reference")
+    logp, ent = vocab_parallel_logprobs(c.logits, LogprobInputs(c.targets, compute_entropy=True), backend="reference")
     z = c.logits.double()
     lse = torch.logsumexp(z, -1)
     want_logp = z.gather(-1, c.targets[..., None]).squeeze(-1) - lse
@@ -42,7 +50,8 @@ def test_reference_surrogate_on_hand_computed_tokens():
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
     x = logits.clone().requires_grad_(True)
     loss, lp, _, metrics = reference_daa_policy_loss(
-        x, targets, old, adv, mask, clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH
+        x, LossInputs(targets, old_logprobs=old, advantages=adv, mask=mask, clip_ratio_low=EPS_LOW,
+                      clip_ratio_high=EPS_HIGH)
     )
     want = -(1.0 * 1.5) - (1.28 * 1.0) - (0.8 * -2.0) - (0.5 * 3.0)
     assert loss.item() == pytest.approx(want, abs=1e-5)
@@ -93,7 +102,7 @@ def test_reference_agrees_with_algorithms_policy_loss_token_mean(daa):
     x1 = c.logits.clone().requires_grad_(True)
     daa_kw = dict(correct=correct[:, None], p_hat=p_hat[:, None], daa_lambda=2.0, daa_tau=0.5) if daa else {}
     loss_sum, logp, _, metrics = reference_daa_policy_loss(
-        x1, c.targets, c.old_logprobs, adv_tok, c.mask, **kw, **daa_kw
+        x1, LossInputs(c.targets, old_logprobs=c.old_logprobs, advantages=adv_tok, mask=c.mask, **kw, **daa_kw)
     )
     (loss_sum / metrics["token_count"]).backward()
 
@@ -113,20 +122,20 @@ def test_reference_agrees_with_algorithms_policy_loss_token_mean(daa):
 
 def test_invalid_inputs_raise_errors_naming_the_argument():
     c = random_case(2, 4, 11, seed=0)
-    base = dict(clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, backend="reference")
-    args = (c.logits, c.targets, c.old_logprobs, c.advantages, c.mask)
+    clip = dict(clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH)
+    good = loss_inputs(c, **clip)
     with pytest.raises(ValueError, match="targets"):
-        daa_policy_loss(c.logits, c.targets[:, :3], *args[2:], **base)
+        daa_policy_loss(c.logits, replace(good, targets=c.targets[:, :3]), backend="reference")
     with pytest.raises(ValueError, match="old_logprobs"):
-        daa_policy_loss(*args[:2], torch.zeros(3, 3), *args[3:], **base)
-    with pytest.raises(ValueError, match="missing.*daa_tau"):
-        daa_policy_loss(*args, **base, correct=c.correct, p_hat=c.p_hat, daa_lambda=2.0)
+        daa_policy_loss(c.logits, replace(good, old_logprobs=torch.zeros(3, 3)), backend="reference")
+    with pytest.raises(ValueError, match="missing.*daa_tau"):  # checked when the inputs are built
+        loss_inputs(c, **clip, correct=c.correct, p_hat=c.p_hat, daa_lambda=2.0)
     with pytest.raises(ValueError, match="clip_ratio_low"):
-        daa_policy_loss(*args, clip_ratio_low=1.5, clip_ratio_high=0.2)
+        loss_inputs(c, clip_ratio_low=1.5, clip_ratio_high=0.2)
     with pytest.raises(ValueError, match="backend"):
-        daa_policy_loss(*args, clip_ratio_low=0.2, clip_ratio_high=0.2, backend="cuda")
+        daa_policy_loss(c.logits, good, backend="cuda")
     with pytest.raises(TypeError, match="targets"):
-        daa_policy_loss(c.logits, c.targets.float(), *args[2:], **base)
+        daa_policy_loss(c.logits, replace(good, targets=c.targets.float()), backend="reference")
 
 
 def test_auto_backend_is_chunked_for_cpu_tensors():

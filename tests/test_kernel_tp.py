@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # children are spawned fresh and inherit it before importing triton
 
-from _kernel_cases import random_case  # noqa: E402
+from _kernel_cases import loss_inputs, random_case  # noqa: E402
 
-from da3po_megatron.kernels import daa_policy_loss, fused_linear_daa_policy_loss  # noqa: E402
+from da3po_megatron.kernels import OutputLayer, daa_policy_loss, fused_linear_daa_policy_loss  # noqa: E402
 
 KW = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
 B, T, V, H = 2, 10, 90, 12  # V_local = 45: not a multiple of the Triton block (32)
@@ -53,8 +53,8 @@ def _run_all(inputs: dict, vocab_start: int, v_local: int, group, backends=BACKE
     for backend in backends:
         x = c.logits[..., sl].clone().requires_grad_(True)
         loss, logp, ent, metrics = daa_policy_loss(
-            x, c.targets, c.old_logprobs, c.advantages, c.mask, **KW, **_daa(c), vocab_start=vocab_start,
-            tp_group=group, backend=backend, **BACKEND_KW[backend],
+            x, loss_inputs(c, **KW, **_daa(c), vocab_start=vocab_start, tp_group=group), backend=backend,
+            **BACKEND_KW[backend],
         )
         _backward(c, loss, logp, ent)
         out[backend] = dict(loss=loss.detach(), logp=logp.detach(), entropy=ent.detach(), dlogits=x.grad,
@@ -62,8 +62,7 @@ def _run_all(inputs: dict, vocab_start: int, v_local: int, group, backends=BACKE
     h = inputs["hidden"].clone().requires_grad_(True)
     w = inputs["weight"][sl].clone().requires_grad_(True)
     loss, logp, ent, metrics = fused_linear_daa_policy_loss(
-        h, w, c.targets, c.old_logprobs, c.advantages, c.mask, **KW, **_daa(c), vocab_start=vocab_start,
-        tp_group=group, chunk_tokens=6,
+        h, OutputLayer(w), loss_inputs(c, **KW, **_daa(c), vocab_start=vocab_start, tp_group=group), chunk_tokens=6,
     )
     _backward(c, loss, logp, ent)
     out["fused_linear"] = dict(loss=loss.detach(), logp=logp.detach(), entropy=ent.detach(), dhidden=h.grad,
@@ -104,8 +103,7 @@ def test_tp2_vocab_split_equals_tp1_for_every_backend(tmp_path, monkeypatch):
     c = inputs["case"]
     h1 = inputs["hidden"].clone().requires_grad_(True)
     w1 = inputs["weight"].clone().requires_grad_(True)
-    loss, logp, ent, metrics = daa_policy_loss(h1 @ w1.t(), c.targets, c.old_logprobs, c.advantages, c.mask, **KW,
-                                               **_daa(c), backend="reference")
+    loss, logp, ent, metrics = daa_policy_loss(h1 @ w1.t(), loss_inputs(c, **KW, **_daa(c)), backend="reference")
     _backward(c, loss, logp, ent)
     full_linear = dict(loss=loss.detach(), logp=logp.detach(), entropy=ent.detach(), **metrics)
     v_local = V // 2

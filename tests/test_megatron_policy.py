@@ -478,6 +478,40 @@ def test_actor_loss_backend_fused_linear_reaches_the_policy():
     assert (gspo["clip_ratio_low"], gspo["clip_ratio_high"], gspo["ratio_level"]) == (3e-4, 4e-4, "sequence")
 
 
+def test_loss_backends_are_registered_by_name_and_a_new_one_is_chosen_without_editing_the_policy():
+    from dataclasses import replace
+
+    from da3po_megatron.config import load_config
+    from da3po_megatron.megatron.loss_backends import (
+        LOSS_BACKENDS,
+        TorchLossBackend,
+        VocabShard,
+        make_loss_backend,
+        register_loss_backend,
+    )
+    from da3po_megatron.megatron.policy import loss_setup
+
+    assert {"torch", "kernel", "fused_linear"} <= set(LOSS_BACKENDS)
+    shard = VocabShard(tp_rank=1, tp_size=2, tp_group=None, vocab=90, padded_vocab=96)
+    assert (shard.v_local, shard.vocab_start) == (48, 48)
+    with pytest.raises(ValueError, match="loss backend must be one of"):
+        make_loss_backend("nope", torch.nn.Linear(1, 1), shard, 1.0)
+
+    @register_loss_backend("torch_copy_for_test")
+    class Copy(TorchLossBackend):
+        pass
+
+    try:
+        cfg = load_config(Path(__file__).resolve().parents[1] / "examples/tiny_cpu_da3po.yaml")
+        cfg = replace(cfg, actor=replace(cfg.actor, loss_backend="torch_copy_for_test"))
+        assert loss_setup(cfg)["backend"] == "torch_copy_for_test"
+        assert isinstance(make_loss_backend("torch_copy_for_test", torch.nn.Linear(1, 1), shard, 0.7), Copy)
+        with pytest.raises(ValueError, match="actor.loss_backend='nope' is not one of .*torch_copy_for_test"):
+            loss_setup(replace(cfg, actor=replace(cfg.actor, loss_backend="nope")))
+    finally:
+        del LOSS_BACKENDS["torch_copy_for_test"]
+
+
 def test_the_policy_world_must_be_the_configured_one(tiny_hf):
     with pytest.raises(ValueError, match=r"world size 2 != .*data_parallel_size \(1\) = 1"):
         validate_config(_cfg(tiny_hf), 2)

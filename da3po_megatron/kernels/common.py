@@ -19,6 +19,7 @@ Gimelshein 2018, used the same way by Megatron-LM's vocab-parallel cross-entropy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,105 @@ def tp_world_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
+@dataclass(frozen=True, eq=False)
+class LogprobInputs:
+    """What a log-prob entry point scores, besides the logits: the inputs of every ``*_vocab_parallel_logprobs``.
+
+    Attributes:
+        targets: [...] token ids (global vocab ids); ids outside this rank's shard contribute 0 on this rank.
+        vocab_start: global vocab index of this rank's first logit column (TP rank x V_local).
+        tp_group: tensor-parallel group over which the vocab is split (None: the whole vocab is local).
+        compute_entropy: also return the per-token entropy of the full (global-vocab) distribution.
+    """
+
+    targets: torch.Tensor
+    vocab_start: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    compute_entropy: bool = False
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class LossInputs(LogprobInputs):
+    """Everything of the DAA policy loss except the tensor it differentiates (a logit shard, or hidden states and
+    an output weight): the one inputs object of every ``*_daa_policy_loss``. Checked when built.
+
+    Attributes (besides :class:`LogprobInputs`'), per-token tensors broadcast to ``targets``' shape:
+        old_logprobs: [...] log pi_old(y_t).
+        advantages: [...] A_t (Eq. 3), raw; DAA is applied inside when correct/p_hat/daa_lambda/daa_tau are given.
+        mask: [...] token weights (1 = response token, 0 = padding/prompt); a token counts as valid when mask > 0.
+        clip_ratio_low / clip_ratio_high: eps_low / eps_high of Eq. 11 (DAPO: 0.2 / 0.28).
+        correct, p_hat, daa_lambda, daa_tau: DAA (Eq. 14): A~ = lambda A where correct and p_hat < tau; correct and
+            p_hat broadcast to targets' shape ([B, 1] per response works); daa_lambda is a float (paper: 2.0) or a
+            tensor broadcastable likewise (adaptive DAA). All four or none.
+    """
+
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    clip_ratio_low: float
+    clip_ratio_high: float
+    correct: torch.Tensor | None = None
+    p_hat: torch.Tensor | None = None
+    daa_lambda: float | torch.Tensor | None = None
+    daa_tau: float | None = None
+
+    def __post_init__(self) -> None:
+        check_clip(self.clip_ratio_low, self.clip_ratio_high)
+        check_daa_args(self.correct, self.p_hat, self.daa_lambda, self.daa_tau)
+
+    @property
+    def use_daa(self) -> bool:
+        """DAA (Eq. 14) requested: the four DAA fields are given (checked together when built)."""
+        return self.daa_tau is not None
+
+
+class LossOutputs(NamedTuple):
+    """What every ``*_daa_policy_loss`` returns (a tuple: ``loss_sum, logp, entropy, metrics = ...`` works).
+
+    loss_sum: 0-dim float32, sum_t loss_t (divide by the global valid-token count for Eq. 9's mean);
+    logprobs: [...] float32 log pi_theta(y_t) (differentiable); entropy: [...] float32 or None (differentiable);
+    metrics: {"clip_low_count", "clip_high_count", "token_count"} 0-dim float32 tensors over valid tokens.
+    """
+
+    loss_sum: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    metrics: dict[str, torch.Tensor]
+
+
+class LogprobGrads(NamedTuple):
+    """What the backward of a log-prob path needs per token, [N] float32: the saved logsumexp (and entropy) and the
+    upstream gradients; d/dz_j of sum_t g_logp_t logp_t + g_entropy_t H_t = g_logp (onehot_j - p_j)
+    - g_entropy p_j (log p_j + H). `entropy` and `g_entropy` are None when the entropy receives no gradient."""
+
+    lse: torch.Tensor
+    g_logp: torch.Tensor
+    entropy: torch.Tensor | None
+    g_entropy: torch.Tensor | None
+
+    def rows(self, a: int, b: int) -> LogprobGrads:
+        """Tokens a..b-1 (one chunk)."""
+        return LogprobGrads(*(None if t is None else t[a:b] for t in self))
+
+
+def logprob_grads(
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    g_logp: torch.Tensor | None,
+    g_entropy: torch.Tensor | None,
+    compute_entropy: bool,
+) -> LogprobGrads | None:
+    """An autograd backward's upstream gradients of (logp, entropy): None when neither receives one (the backward
+    returns no gradient); a missing logp gradient is 0; the entropy's counts only when the entropy was computed."""
+    if not compute_entropy:
+        g_entropy = None
+    if g_logp is None and g_entropy is None:
+        return None
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    return LogprobGrads(lse, g_logp, entropy if g_entropy is not None else None, g_entropy)
+
+
 @dataclass
 class TokenInputs:
     """Flattened per-token inputs: N tokens, every tensor 1-D and contiguous, loss inputs in float32."""
@@ -51,6 +151,10 @@ class TokenInputs:
     p_hat: torch.Tensor | None  # [N] float32
     daa_lambda: float | torch.Tensor | None  # a float, or [N] float32 (adaptive DAA: one lambda per response)
     token_shape: torch.Size  # shape of `targets` as given; per-token outputs are reshaped to it
+
+    def unflatten(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A per-token [N] result in the targets' shape (None stays None)."""
+        return None if t is None else t.reshape(self.token_shape)
 
 
 def _per_token(name: str, t: torch.Tensor | None, shape: torch.Size, device: torch.device) -> torch.Tensor | None:
@@ -84,23 +188,14 @@ def check_daa_args(
     return all(given.values())
 
 
-def prepare_inputs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprobs: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    correct: torch.Tensor | None = None,
-    p_hat: torch.Tensor | None = None,
-    daa_lambda: float | torch.Tensor | None = None,
-    *,
-    need_loss_inputs: bool = True,
-    logits_name: str = "logits_shard",
-) -> TokenInputs:
-    """Validate and flatten logits [..., V_local] and targets [...]; other per-token tensors broadcast to [...]."""
-    if need_loss_inputs:
-        for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask)):
-            if t is None:
+def prepare_inputs(logits: torch.Tensor, inputs: LogprobInputs, logits_name: str = "logits_shard") -> TokenInputs:
+    """Validate and flatten logits [..., V_local] and targets [...]; the loss tensors of a :class:`LossInputs`
+    broadcast to [...] (a :class:`LogprobInputs` has none: they stay None)."""
+    targets = inputs.targets
+    loss = inputs if isinstance(inputs, LossInputs) else None
+    if loss is not None:
+        for name in ("old_logprobs", "advantages", "mask"):
+            if getattr(loss, name) is None:
                 raise ValueError(f"{name} is required for the policy loss (Eq. 11), got None")
     if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
         raise ValueError(
@@ -122,19 +217,36 @@ def prepare_inputs(
     logits2d = logits.reshape(-1, v_local)
     if logits2d.stride(-1) != 1:
         logits2d = logits2d.contiguous()
+
+    def per_token(name: str) -> torch.Tensor | None:
+        return None if loss is None else _per_token(name, getattr(loss, name), shape, logits.device)
+
+    lam = None if loss is None else loss.daa_lambda
     return TokenInputs(
         logits=logits2d,
         targets=targets.reshape(-1).to(torch.int64).contiguous(),
-        old_logprobs=_per_token("old_logprobs", old_logprobs, shape, logits.device),
-        advantages=_per_token("advantages", advantages, shape, logits.device),
-        mask=_per_token("mask", mask, shape, logits.device),
-        correct=_per_token("correct", correct, shape, logits.device),
-        p_hat=_per_token("p_hat", p_hat, shape, logits.device),
-        daa_lambda=_per_token("daa_lambda", daa_lambda, shape, logits.device)
-        if isinstance(daa_lambda, torch.Tensor)
-        else daa_lambda,
+        old_logprobs=per_token("old_logprobs"),
+        advantages=per_token("advantages"),
+        mask=per_token("mask"),
+        correct=per_token("correct"),
+        p_hat=per_token("p_hat"),
+        daa_lambda=per_token("daa_lambda") if isinstance(lam, torch.Tensor) else lam,
         token_shape=shape,
     )
+
+
+def loss_from_logprobs(
+    inputs: LossInputs, flat: TokenInputs, logp: torch.Tensor, entropy: torch.Tensor | None
+) -> LossOutputs:
+    """The per-token tail shared by the paths that compute log-probs first (reference, chunked, fused-linear):
+    DAA (Eq. 14) on the advantages, then the clipped surrogate (Eq. 5/11) summed over tokens; outputs reshaped."""
+    adv = flat.advantages
+    if inputs.use_daa:
+        adv = amplify_advantages(adv, flat.correct, flat.p_hat, flat.daa_lambda, inputs.daa_tau)
+    loss_sum, metrics = clipped_surrogate(
+        logp, flat.old_logprobs, adv, flat.mask, inputs.clip_ratio_low, inputs.clip_ratio_high
+    )
+    return LossOutputs(loss_sum, flat.unflatten(logp), flat.unflatten(entropy), metrics)
 
 
 def check_clip(clip_ratio_low: float, clip_ratio_high: float) -> None:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .chunked import chunked_daa_policy_loss, chunked_vocab_parallel_logprobs
-from .common import prepare_inputs
-from .reference import reference_daa_policy_loss, reference_logprobs_2d
+from .common import LogprobInputs, LossInputs, LossOutputs
+from .reference import reference_daa_policy_loss, reference_logprobs_2d, reference_vocab_parallel_logprobs
 
 BACKENDS = ("auto", "triton", "chunked", "reference")
 
@@ -77,91 +78,57 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     return "triton" if logits.is_cuda and _cuda_triton_works() else "chunked"
 
 
+# the implementation options each backend's functions take (the others do not apply to it)
+_OPTIONS = {"reference": (), "chunked": ("chunk_tokens", "inplace_backward"), "triton": ("block_v", "inplace_backward")}
+
+
+def _implementation(backend: str, logits: torch.Tensor, loss: bool, **options: Any) -> Callable:
+    """`backend`'s loss (or log-prob) function ("auto" resolved for the logits' device), with its own options bound."""
+    name = resolve_backend(backend, logits)
+    if name == "reference":
+        fns = (reference_daa_policy_loss, reference_vocab_parallel_logprobs)
+    elif name == "chunked":
+        fns = (chunked_daa_policy_loss, chunked_vocab_parallel_logprobs)
+    else:
+        from .triton_loss import triton_daa_policy_loss, triton_vocab_parallel_logprobs
+
+        fns = (triton_daa_policy_loss, triton_vocab_parallel_logprobs)
+    return functools.partial(fns[0] if loss else fns[1], **{k: options[k] for k in _OPTIONS[name]})
+
+
 def daa_policy_loss(
-    logits_shard: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    vocab_start: int = 0,
-    tp_group: dist.ProcessGroup | None = None,
-    correct: torch.Tensor | None = None,
-    p_hat: torch.Tensor | None = None,
-    daa_lambda: float | torch.Tensor | None = None,
-    daa_tau: float | None = None,
-    compute_entropy: bool = False,
-    backend: str = "auto",
-    chunk_tokens: int | None = None,
-    block_v: int | None = None,
-    inplace_backward: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    logits_shard: torch.Tensor, inputs: LossInputs, *, backend: str = "auto", chunk_tokens: int | None = None,
+    block_v: int | None = None, inplace_backward: bool = False,
+) -> LossOutputs:
     """Token-level DAPO/DA3PO clipped surrogate on vocab-parallel logits; returns (loss_sum, logp, entropy, metrics).
 
     Args:
         logits_shard: [..., V_local] logits of this TP rank's vocab columns [vocab_start, vocab_start + V_local)
             (any float dtype; never upcast as a whole).
-        targets: [...] token ids (global vocab ids); ids outside the local shard contribute 0 on this rank.
-        old_logprobs: [...] log pi_old(y_t) (float; broadcast to targets' shape, like the next three).
-        advantages: [...] A_t (Eq. 3), raw; DAA is applied inside when correct/p_hat/daa_lambda/daa_tau are given.
-        mask: [...] token weights (1 = response token, 0 = padding/prompt); a token counts as valid when mask > 0.
-        clip_ratio_low / clip_ratio_high: eps_low / eps_high of Eq. 11 (DAPO: 0.2 / 0.28).
-        tp_group: tensor-parallel group over which the vocab is split (None: the whole vocab is local).
-        correct, p_hat, daa_lambda, daa_tau: DAA (Eq. 14): A~ = lambda A where correct and p_hat < tau; correct and
-            p_hat broadcast to targets' shape ([B, 1] per response works); daa_lambda is a float (paper: 2.0) or a
-            tensor broadcastable likewise (adaptive DAA).
-        compute_entropy: also return the per-token entropy of the full (global-vocab) distribution.
+        inputs: targets, old log-probs, advantages, mask, clip ratios, DAA, vocab shard, entropy flag
+            (:class:`LossInputs`).
         backend: "auto" | "triton" | "chunked" | "reference" (see the module docstring).
         chunk_tokens: tokens per chunk of the chunked path (default: ~128 MiB per float32 chunk buffer).
         block_v: vocab block width of the Triton kernels (default: next power of 2 of V_local, at most 4096).
         inplace_backward: chunked/Triton: write dlogits into the logits' storage (only for logits not used later).
 
     Returns:
-        loss_sum: 0-dim float32, sum_t loss_t (divide by the global valid-token count for Eq. 9's mean);
-        logp: [...] float32 log pi_theta(y_t) (differentiable); entropy: [...] float32 or None (differentiable);
-        metrics: {"clip_low_count", "clip_high_count", "token_count"} 0-dim float32 tensors over valid tokens.
+        :class:`LossOutputs` (loss_sum, logprobs, entropy or None, metrics); divide loss_sum by the global
+        valid-token count for Eq. 9's mean.
     """
-    name = resolve_backend(backend, logits_shard)
-    kw = dict(
-        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, vocab_start=vocab_start, tp_group=tp_group,
-        correct=correct, p_hat=p_hat, daa_lambda=daa_lambda, daa_tau=daa_tau, compute_entropy=compute_entropy,
-    )
-    args = (logits_shard, targets, old_logprobs, advantages, mask)
-    if name == "reference":
-        return reference_daa_policy_loss(*args, **kw)
-    if name == "chunked":
-        return chunked_daa_policy_loss(*args, **kw, chunk_tokens=chunk_tokens, inplace_backward=inplace_backward)
-    from .triton_loss import triton_daa_policy_loss
-
-    return triton_daa_policy_loss(*args, **kw, block_v=block_v, inplace_backward=inplace_backward)
+    fn = _implementation(backend, logits_shard, True, chunk_tokens=chunk_tokens, block_v=block_v,
+                         inplace_backward=inplace_backward)
+    return fn(logits_shard, inputs)
 
 
 def vocab_parallel_logprobs(
-    logits_shard: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_start: int = 0,
-    tp_group: dist.ProcessGroup | None = None,
-    compute_entropy: bool = False,
-    backend: str = "auto",
-    chunk_tokens: int | None = None,
+    logits_shard: torch.Tensor, inputs: LogprobInputs, *, backend: str = "auto", chunk_tokens: int | None = None,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log pi(y_t) (and entropy) from vocab-parallel logits [..., V_local]: (logp [...], entropy or None).
 
     The log-prob path without a loss (old-logprob recomputation, evaluation); differentiable in every backend.
     """
-    name = resolve_backend(backend, logits_shard)
-    if name == "reference":
-        inp = prepare_inputs(logits_shard, targets, need_loss_inputs=False)
-        logp, ent = reference_logprobs_2d(inp.logits, inp.targets, vocab_start, tp_group, compute_entropy)
-        shape = inp.token_shape
-        return logp.reshape(shape), ent.reshape(shape) if ent is not None else None
-    if name == "chunked":
-        return chunked_vocab_parallel_logprobs(
-            logits_shard, targets, vocab_start, tp_group, compute_entropy, chunk_tokens
-        )
-    from .triton_loss import triton_vocab_parallel_logprobs
-
-    return triton_vocab_parallel_logprobs(logits_shard, targets, vocab_start, tp_group, compute_entropy, block_v)
+    fn = _implementation(backend, logits_shard, False, chunk_tokens=chunk_tokens, block_v=block_v,
+                         inplace_backward=False)
+    return fn(logits_shard, inputs)

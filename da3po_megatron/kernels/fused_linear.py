@@ -12,15 +12,17 @@ unlike Liger we recompute the chunk logits in backward (one extra matmul per chu
 during forward, so that gradients may also flow from the returned per-token logp and entropy.
 
 Tensor parallelism: `weight` is this rank's vocab shard [V_local, H] (Megatron's ColumnParallelLinear output layer);
-`hidden` is replicated. Its gradient is summed over the TP group inside backward (`reduce_hidden_grad=True`), which is
-what Megatron's `copy_to_tensor_model_parallel_region` does for the output layer's input. Pass False when the caller
-already wraps `hidden` in such a region (or gathers it from sequence-parallel ranks, whose backward reduce-scatters).
+`hidden` is replicated. Its gradient is summed over the TP group inside backward (`OutputLayer.reduce_hidden_grad`),
+which is what Megatron's `copy_to_tensor_model_parallel_region` does for the output layer's input. Set it False when
+the caller already wraps `hidden` in such a region (or gathers it from sequence-parallel ranks, whose backward
+reduce-scatters).
 
 Sampling temperature and vocabulary padding, for a policy that scores softmax(z / T) over the real vocabulary:
-`temperature` divides each chunk's logits in float32 (the backward divides dlogits by T before the matmuls), and
-`vocab_limit` drops the weight rows whose global index is >= the real vocabulary size before the matmul, which is the
-softmax with those logits at -inf and also skips their columns of both matmuls (their dweight rows stay 0). A rank
-whose whole shard is padding contributes (max = float32 min, sum-exp = 0), which the merge weights by exp(-huge) = 0.
+`OutputLayer.temperature` divides each chunk's logits in float32 (the backward divides dlogits by T before the
+matmuls), and `OutputLayer.vocab_limit` drops the weight rows whose global index is >= the real vocabulary size before
+the matmul, which is the softmax with those logits at -inf and also skips their columns of both matmuls (their dweight
+rows stay 0). A rank whose whole shard is padding contributes (max = float32 min, sum-exp = 0), which the merge weights
+by exp(-huge) = 0.
 Targets must be real tokens (< vocab_limit).
 
 Memory: per chunk one [chunk x V_local] logits buffer in the hidden dtype plus two float32 ones; dweight is accumulated
@@ -30,16 +32,20 @@ per-chunk reductions (the matmuls dominate; the torch chunk reductions are share
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from .chunked import DEFAULT_CHUNK_BYTES, chunk_dlogits, chunk_stats
 from .common import (
-    amplify_advantages,
-    check_clip,
-    check_daa_args,
-    clipped_surrogate,
+    LogprobInputs,
+    LossInputs,
+    LossOutputs,
+    TokenInputs,
     combine_vocab_stats,
+    logprob_grads,
+    loss_from_logprobs,
     prepare_inputs,
     tp_world_size,
 )
@@ -85,12 +91,9 @@ class FusedLinearVocabParallelLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy):  # type: ignore[override]
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         vocab_start, group, compute_entropy, chunk_tokens, reduce_hidden_grad, temperature, n_real = ctx.cfg
-        if not compute_entropy:
-            g_entropy = None
-        if g_logp is None and g_entropy is None:
+        grads = logprob_grads(lse, entropy, g_logp, g_entropy, compute_entropy)
+        if grads is None:
             return (None,) * 10
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
         n = hidden.shape[0]
         w_real = weight[:n_real]
         dhidden = torch.zeros_like(hidden)
@@ -102,11 +105,7 @@ class FusedLinearVocabParallelLogprobs(torch.autograd.Function):
             b = min(n, a + chunk_tokens)
             h = hidden[a:b]
             z = _chunk_logits(h, w_real, temperature)
-            d = chunk_dlogits(
-                z, targets[a:b], vocab_start, lse[a:b], g_logp[a:b],
-                entropy[a:b] if g_entropy is not None else None,
-                g_entropy[a:b] if g_entropy is not None else None,
-            )
+            d = chunk_dlogits(z, targets[a:b], vocab_start, grads.rows(a, b))
             del z
             if temperature != 1.0:
                 d.div_(temperature)  # d/dh of z / T
@@ -124,15 +123,32 @@ class FusedLinearVocabParallelLogprobs(torch.autograd.Function):
         return (dhidden, dweight) + (None,) * 8
 
 
-def _prepare_fused(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    chunk_tokens: int | None,
-    vocab_start: int,
-    temperature: float,
-    vocab_limit: int | None,
-) -> tuple[int, int]:
-    """Checks; -> (tokens per chunk, real vocabulary rows of this shard)."""
+@dataclass(frozen=True, eq=False)
+class OutputLayer:
+    """This rank's shard of the output layer, as the fused-linear path applies it to the hidden states:
+    logits = hidden @ weight.T / temperature over the global vocabulary columns < vocab_limit.
+
+    Attributes:
+        weight: [V_local, H] this rank's rows of the output weight (Megatron's ColumnParallelLinear shard), in the
+            hidden states' dtype and on their device; receives its gradient unless it does not require one.
+        temperature: the sampling temperature T (> 0); 1.0 divides nothing.
+        vocab_limit: the real vocabulary size; global columns >= it (padding) are left out of the softmax. None: all.
+        reduce_hidden_grad: sum dhidden over the TP group in backward (see the module docstring); False when the
+            caller's own region does it.
+    """
+
+    weight: torch.Tensor
+    temperature: float = 1.0
+    vocab_limit: int | None = None
+    reduce_hidden_grad: bool = True
+
+
+def _flat_logprobs(
+    hidden: torch.Tensor, layer: OutputLayer, inputs: LogprobInputs, chunk_tokens: int | None
+) -> tuple[TokenInputs, torch.Tensor, torch.Tensor | None]:
+    """Checks, then the autograd function on the flattened tokens -> (flat inputs, logp [N], entropy [N] or None)."""
+    flat = prepare_inputs(hidden, inputs, logits_name="hidden")
+    weight, temperature, vocab_limit = layer.weight, layer.temperature, layer.vocab_limit
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"weight must be the output-layer shard [V_local, H={hidden.shape[-1]}], "
@@ -150,71 +166,29 @@ def _prepare_fused(
     if vocab_limit is not None and vocab_limit < 1:
         raise ValueError(f"vocab_limit must be >= 1 (the real vocabulary size) or None, got {vocab_limit}")
     v_local = weight.shape[0]
-    n_real = v_local if vocab_limit is None else max(0, min(v_local, vocab_limit - vocab_start))
-    return chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, v_local))), n_real
+    n_real = v_local if vocab_limit is None else max(0, min(v_local, vocab_limit - inputs.vocab_start))
+    chunk = chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, v_local)))
+    logp, ent = FusedLinearVocabParallelLogprobs.apply(
+        flat.logits, weight, flat.targets, inputs.vocab_start, inputs.tp_group, inputs.compute_entropy, chunk,
+        layer.reduce_hidden_grad, float(temperature), n_real,
+    )
+    return flat, logp, ent if inputs.compute_entropy else None
 
 
 def fused_linear_vocab_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_start: int = 0,
-    tp_group: dist.ProcessGroup | None = None,
-    compute_entropy: bool = False,
-    chunk_tokens: int | None = None,
-    reduce_hidden_grad: bool = True,
-    temperature: float = 1.0,
-    vocab_limit: int | None = None,
+    hidden: torch.Tensor, layer: OutputLayer, inputs: LogprobInputs, *, chunk_tokens: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of softmax(hidden @ weight.T / temperature) over the global vocabulary
     columns < vocab_limit, without materialising the logits."""
-    inp = prepare_inputs(hidden, targets, need_loss_inputs=False, logits_name="hidden")
-    chunk, n_real = _prepare_fused(hidden, weight, chunk_tokens, vocab_start, temperature, vocab_limit)
-    logp, ent = FusedLinearVocabParallelLogprobs.apply(
-        inp.logits, weight, inp.targets, vocab_start, tp_group, compute_entropy, chunk, reduce_hidden_grad,
-        float(temperature), n_real,
-    )
-    shape = inp.token_shape
-    return logp.reshape(shape), ent.reshape(shape) if compute_entropy else None
+    flat, logp, ent = _flat_logprobs(hidden, layer, inputs, chunk_tokens)
+    return flat.unflatten(logp), flat.unflatten(ent)
 
 
 def fused_linear_daa_policy_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    vocab_start: int = 0,
-    tp_group: dist.ProcessGroup | None = None,
-    correct: torch.Tensor | None = None,
-    p_hat: torch.Tensor | None = None,
-    daa_lambda: float | torch.Tensor | None = None,
-    daa_tau: float | None = None,
-    compute_entropy: bool = False,
-    chunk_tokens: int | None = None,
-    reduce_hidden_grad: bool = True,
-    temperature: float = 1.0,
-    vocab_limit: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    hidden: torch.Tensor, layer: OutputLayer, inputs: LossInputs, *, chunk_tokens: int | None = None
+) -> LossOutputs:
     """DAA policy loss of logits = hidden [..., H] @ weight[V_local, H].T / temperature, global vocabulary columns
-    >= vocab_limit excluded; same outputs as `daa_policy_loss` on those logits."""
-    check_clip(clip_ratio_low, clip_ratio_high)
-    use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
-    inp = prepare_inputs(
-        hidden, targets, old_logprobs, advantages, mask, correct, p_hat, daa_lambda, logits_name="hidden"
-    )
-    chunk, n_real = _prepare_fused(hidden, weight, chunk_tokens, vocab_start, temperature, vocab_limit)
-    logp, ent = FusedLinearVocabParallelLogprobs.apply(
-        inp.logits, weight, inp.targets, vocab_start, tp_group, compute_entropy, chunk, reduce_hidden_grad,
-        float(temperature), n_real,
-    )
-    adv = inp.advantages
-    if use_daa:
-        adv = amplify_advantages(adv, inp.correct, inp.p_hat, inp.daa_lambda, daa_tau)
-    loss_sum, metrics = clipped_surrogate(logp, inp.old_logprobs, adv, inp.mask, clip_ratio_low, clip_ratio_high)
-    shape = inp.token_shape
-    return loss_sum, logp.reshape(shape), ent.reshape(shape) if compute_entropy else None, metrics
+    >= vocab_limit excluded; same outputs as `daa_policy_loss` on those logits.
+
+    chunk_tokens: tokens per chunk (default: ~128 MiB per float32 [chunk x V_local] buffer)."""
+    return loss_from_logprobs(inputs, *_flat_logprobs(hidden, layer, inputs, chunk_tokens))

@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 from .common import (
     SHIFTED_LOGIT_FLOOR,
-    amplify_advantages,
-    check_clip,
-    check_daa_args,
-    clipped_surrogate,
+    LogprobInputs,
+    LossInputs,
+    LossOutputs,
+    TokenInputs,
     local_target_index,
+    loss_from_logprobs,
     prepare_inputs,
     tp_world_size,
 )
@@ -76,31 +77,24 @@ def reference_logprobs_2d(
     return logp, entropy
 
 
-def reference_daa_policy_loss(
-    logits_shard: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    vocab_start: int = 0,
-    tp_group: dist.ProcessGroup | None = None,
-    correct: torch.Tensor | None = None,
-    p_hat: torch.Tensor | None = None,
-    daa_lambda: float | torch.Tensor | None = None,
-    daa_tau: float | None = None,
-    compute_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+def _flat_logprobs(
+    logits_shard: torch.Tensor, inputs: LogprobInputs
+) -> tuple[TokenInputs, torch.Tensor, torch.Tensor | None]:
+    flat = prepare_inputs(logits_shard, inputs)
+    logp, entropy = reference_logprobs_2d(
+        flat.logits, flat.targets, inputs.vocab_start, inputs.tp_group, inputs.compute_entropy
+    )
+    return flat, logp, entropy
+
+
+def reference_vocab_parallel_logprobs(
+    logits_shard: torch.Tensor, inputs: LogprobInputs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Ground truth of the log-prob path: (logp [...], entropy [...] or None), as `vocab_parallel_logprobs`."""
+    flat, logp, entropy = _flat_logprobs(logits_shard, inputs)
+    return flat.unflatten(logp), flat.unflatten(entropy)
+
+
+def reference_daa_policy_loss(logits_shard: torch.Tensor, inputs: LossInputs) -> LossOutputs:
     """Ground truth: (sum_t loss_t, logp [...], entropy [...] or None, clip metrics), as `daa_policy_loss`."""
-    check_clip(clip_ratio_low, clip_ratio_high)
-    use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
-    inp = prepare_inputs(logits_shard, targets, old_logprobs, advantages, mask, correct, p_hat, daa_lambda)
-    logp, entropy = reference_logprobs_2d(inp.logits, inp.targets, vocab_start, tp_group, compute_entropy)
-    adv = inp.advantages
-    if use_daa:
-        adv = amplify_advantages(adv, inp.correct, inp.p_hat, inp.daa_lambda, daa_tau)
-    loss_sum, metrics = clipped_surrogate(logp, inp.old_logprobs, adv, inp.mask, clip_ratio_low, clip_ratio_high)
-    shape = inp.token_shape
-    return loss_sum, logp.reshape(shape), entropy.reshape(shape) if entropy is not None else None, metrics
+    return loss_from_logprobs(inputs, *_flat_logprobs(logits_shard, inputs))

@@ -31,9 +31,12 @@ import torch.distributed as dist
 from .common import (
     LOG_RATIO_CLAMP,
     SHIFTED_LOGIT_FLOOR,
-    check_clip,
-    check_daa_args,
+    LogprobGrads,
+    LogprobInputs,
+    LossInputs,
+    LossOutputs,
     combine_vocab_stats,
+    logprob_grads,
     prepare_inputs,
 )
 
@@ -124,18 +127,11 @@ def triton_stats(
 
 
 def triton_dlogits(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_start: int,
-    lse: torch.Tensor,
-    g_logp: torch.Tensor,
-    entropy: torch.Tensor | None,
-    g_entropy: torch.Tensor | None,
-    block_v: int,
-    inplace: bool,
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, grads: LogprobGrads, block_v: int, inplace: bool
 ) -> torch.Tensor:
     """dlogits of sum_t g_logp_t logp_t + g_entropy_t H_t, in the logits' dtype (written into `logits` if inplace)."""
     k = _kernels()
+    lse, g_logp, entropy, g_entropy = grads
     n, v_local = logits.shape
     out = logits if inplace else torch.empty_like(logits)
     has_ent = g_entropy is not None
@@ -165,13 +161,10 @@ class TritonVocabParallelLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy):  # type: ignore[override]
         logits, targets, lse, entropy = ctx.saved_tensors
         vocab_start, compute_entropy, block_v, inplace = ctx.cfg
-        if not compute_entropy:
-            g_entropy = None
-        if g_logp is None and g_entropy is None:
+        grads = logprob_grads(lse, entropy, g_logp, g_entropy, compute_entropy)
+        if grads is None:
             return (None,) * 7
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
-        d = triton_dlogits(logits, targets, vocab_start, lse, g_logp, entropy, g_entropy, block_v, inplace)
+        d = triton_dlogits(logits, targets, vocab_start, grads, block_v, inplace)
         return (d,) + (None,) * 6
 
 
@@ -220,7 +213,8 @@ class TritonDAAPolicyLoss(torch.autograd.Function):
             g = g + coef * g_loss
         if g_logp is not None:
             g = g + g_logp
-        d = triton_dlogits(logits, targets, vocab_start, lse, g, entropy, g_entropy, block_v, inplace)
+        grads = LogprobGrads(lse, g, entropy if g_entropy is not None else None, g_entropy)
+        d = triton_dlogits(logits, targets, vocab_start, grads, block_v, inplace)
         return (d,) + (None,) * 15
 
 
@@ -229,55 +223,32 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def triton_vocab_parallel_logprobs(
-    logits_shard: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_start: int = 0,
-    tp_group: dist.ProcessGroup | None = None,
-    compute_entropy: bool = False,
-    block_v: int | None = None,
-    inplace_backward: bool = False,
+    logits_shard: torch.Tensor, inputs: LogprobInputs, *, block_v: int | None = None, inplace_backward: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) from vocab-parallel logits [..., V_local] with the Triton kernels."""
-    inp = prepare_inputs(logits_shard, targets, need_loss_inputs=False)
-    _check_device(inp.logits)
-    bv = block_v or default_block_v(inp.logits.shape[-1])
+    flat = prepare_inputs(logits_shard, inputs)
+    _check_device(flat.logits)
+    bv = block_v or default_block_v(flat.logits.shape[-1])
     logp, ent = TritonVocabParallelLogprobs.apply(
-        inp.logits, inp.targets, vocab_start, tp_group, compute_entropy, bv, inplace_backward
+        flat.logits, flat.targets, inputs.vocab_start, inputs.tp_group, inputs.compute_entropy, bv, inplace_backward
     )
-    shape = inp.token_shape
-    return logp.reshape(shape), ent.reshape(shape) if compute_entropy else None
+    return flat.unflatten(logp), flat.unflatten(ent) if inputs.compute_entropy else None
 
 
 def triton_daa_policy_loss(
-    logits_shard: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    vocab_start: int = 0,
-    tp_group: dist.ProcessGroup | None = None,
-    correct: torch.Tensor | None = None,
-    p_hat: torch.Tensor | None = None,
-    daa_lambda: float | torch.Tensor | None = None,
-    daa_tau: float | None = None,
-    compute_entropy: bool = False,
-    block_v: int | None = None,
-    inplace_backward: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    logits_shard: torch.Tensor, inputs: LossInputs, *, block_v: int | None = None, inplace_backward: bool = False
+) -> LossOutputs:
     """Triton path; same contract as `daa_policy_loss`. `inplace_backward=True` overwrites the logits with dlogits."""
-    check_clip(clip_ratio_low, clip_ratio_high)
-    use_daa = check_daa_args(correct, p_hat, daa_lambda, daa_tau)
-    inp = prepare_inputs(logits_shard, targets, old_logprobs, advantages, mask, correct, p_hat, daa_lambda)
-    _check_device(inp.logits)
-    bv = block_v or default_block_v(inp.logits.shape[-1])
+    flat = prepare_inputs(logits_shard, inputs)
+    _check_device(flat.logits)
+    bv = block_v or default_block_v(flat.logits.shape[-1])
+    daa = inputs.use_daa
     loss_sum, logp, ent, low, high = TritonDAAPolicyLoss.apply(
-        inp.logits, inp.targets, inp.old_logprobs, inp.advantages, inp.mask,
-        inp.correct if use_daa else None, inp.p_hat if use_daa else None, inp.daa_lambda, daa_tau,
-        clip_ratio_low, clip_ratio_high, vocab_start, tp_group, compute_entropy, bv, inplace_backward,
+        flat.logits, flat.targets, flat.old_logprobs, flat.advantages, flat.mask,
+        flat.correct if daa else None, flat.p_hat if daa else None, flat.daa_lambda, inputs.daa_tau,
+        inputs.clip_ratio_low, inputs.clip_ratio_high, inputs.vocab_start, inputs.tp_group, inputs.compute_entropy,
+        bv, inplace_backward,
     )
-    metrics = {"clip_low_count": low, "clip_high_count": high, "token_count": (inp.mask > 0).sum().to(torch.float32)}
-    shape = inp.token_shape
-    return loss_sum, logp.reshape(shape), ent.reshape(shape) if compute_entropy else None, metrics
+    metrics = {"clip_low_count": low, "clip_high_count": high, "token_count": (flat.mask > 0).sum().to(torch.float32)}
+    ent = ent if inputs.compute_entropy else None
+    return LossOutputs(loss_sum, flat.unflatten(logp), flat.unflatten(ent), metrics)

@@ -1,41 +1,33 @@
-"""The megatron-core policy actor: log-probs, the DA3PO train step, Megatron DDP + distributed optimizer, checkpoints.
+"""The megatron-core policy actor: one rank of the training world (set-up, the RL update, checkpoints).
 
 :class:`PolicyWorker` is one rank of the training world. It is a plain class: a ``torchrun`` process builds one
 directly, :mod:`da3po_megatron.megatron.actor_group` wraps one per rank in a Ray actor. Every public method is
 collective (called on ALL ranks in lock-step with the same arguments) and returns the same result on every rank; the
-driver reads rank 0's.
+driver reads rank 0's. It is configured by the run config's own sections (:class:`da3po_megatron.config.Config`).
 
-What it implements (paper equations as in DESIGN.md):
+One concern per module (paper equations as in DESIGN.md):
 
-- ``compute_logprobs``: log pi(o_t | q, o_<t) of every response token, forward-only through Megatron's pipeline
-  schedule, vocab-parallel (logits stay split over TP ranks: Megatron's ``vocab_parallel_cross_entropy`` or the
-  project's fused kernel); responses are sharded over DP ranks and the results gathered back in batch order.
-- Sampling temperature (``rollout.temperature``): pi is softmax(z / T), the
-  distribution the engines sample from, in log-probs, entropy and loss alike (as verl and slime do); otherwise the
-  ratio pi_theta / pi_old and the rollout-vs-policy comparison would score a distribution nobody sampled from.
-- ``train_step``: one RL update, the clipped surrogate of Eq. 5/11 with the algorithm's aggregation (GRPO Eq. 4,
-  DAPO / DA3PO token-level Eq. 9, GSPO sequence ratio; :func:`da3po_megatron.algorithms.losses.policy_loss`, or the
-  fused DAA-loss kernel for the token-level losses). DAA (Eq. 14) is applied by the trainer to the advantages it
-  sends; the policy does not amplify again. Optional per-token weights (``PolicyBatch.token_weights``, the TIS
-  correction of ``algorithms.rollout_correction``) scale each token's advantage, in both loss paths. The batch is
-  split into ``ppo_mini_batch_size`` mini-batches (one optimizer step each, ``ppo_epochs`` passes), each mini-batch
-  over DP ranks (token-balanced) and into micro-batches by token budget (packed sequences, :mod:`.batching`). The
+- set-up (here): process groups (:mod:`.runtime`), the GPTModel stage (:mod:`.model`; randomly initialised, the HF
+  weights come through the bridge), then Megatron DDP + distributed Adam + the LR schedule (:mod:`.optimizer`);
+- the forward schedule (:mod:`.schedule`): this rank's DP shard (token-balanced) in micro-batches by token budget
+  (packed sequences, :mod:`.batching`) through Megatron's pipeline schedule; ``compute_logprobs``: log pi(o_t | q,
+  o_<t) of every response token, forward-only, vocab-parallel, gathered back in batch order;
+- log-probs and the loss (:mod:`.loss_backends`): "torch" (Megatron's ``vocab_parallel_cross_entropy`` +
+  ``algorithms.losses``), "kernel" (the fused DAA-loss kernel on the logits) and "fused_linear" (from the final
+  hidden states, no ``[tokens x vocab]`` logits), registered by name behind one interface and chosen by
+  ``actor.loss_backend`` (:func:`loss_setup`). Sampling temperature (``rollout.temperature``): pi is softmax(z / T),
+  the distribution the engines sample from, in log-probs, entropy and loss alike (as verl and slime do);
+- ``train_step`` (here): one RL update, the clipped surrogate of Eq. 5/11 with the algorithm's aggregation (GRPO
+  Eq. 4, DAPO / DA3PO token-level Eq. 9, GSPO sequence ratio). DAA (Eq. 14) is applied by the trainer to the
+  advantages it sends; the policy does not amplify again. Optional per-token weights (``PolicyBatch.token_weights``,
+  the TIS correction of ``algorithms.rollout_correction``) scale each token's advantage. The batch is split into
+  mini-batches (one optimizer step each, ``actor.ppo_epochs`` passes), each over DP ranks and into micro-batches. The
   loss uses the GLOBAL normaliser of the mini-batch (its response tokens, or responses, summed over DP ranks first),
   so the gradient does not depend on how the mini-batch is split (the contract in ``losses.py``; verl's
-  ``global_batch_info``, NeMo-RL's ``global_valid_toks``).
-- Megatron ``DistributedDataParallel`` (fp32 gradient reduction) + ``get_megatron_optimizer`` (Adam, distributed
-  optimizer; bf16 params with fp32 master weights on GPU, fp32 on CPU), gradient clipping by global norm.
-- LR schedule: Megatron's ``OptimizerParamScheduler``, stepped once per optimizer step (as Megatron-LM does), just
-  BEFORE it: optimizer step k (1-based) uses lr * k / warmup during warmup, then constant or cosine decay to
-  ``min_lr`` at ``total_steps``. Weight decay is constant (Megatron's ``wd_mult`` keeps it off biases and norms).
+  ``global_batch_info``, NeMo-RL's ``global_valid_toks``);
 - ``save`` / ``load``: :mod:`.checkpoint` (model resharding-safe across TP/PP; optimizer at the same TP x PP).
 - No HF names here: HF weights go in and out through the bridge (``da3po_megatron.bridge.export``: ``load_policy_hf``,
   ``export_policy``), which the trainer, the weight sync and tests run on every rank with :meth:`PolicyWorker.execute`.
-- Fused linear loss (``actor.loss_backend = "fused_linear"``): the last stage runs GPTModel with its output layer
-  swapped for a pass-through, so the forward returns the final hidden states (after the final norm) instead of
-  logits, and log-probs, entropy and loss come from :mod:`da3po_megatron.kernels.fused_linear` with this rank's
-  output-weight shard: no ``[tokens x vocab]`` logits tensor exists at all, at the price of one more matmul per
-  chunk in backward. Not with sequence parallelism (the hidden states are sequence-sharded there).
 
 Left out: context parallelism (refused by config validation: sequences are not split across CP ranks), virtual
 pipeline stages, KL-to-reference and entropy bonus terms (DAPO / DA3PO use neither), dual-clip PPO.
@@ -46,8 +38,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -57,8 +47,16 @@ import torch
 import torch.distributed as dist
 
 from da3po_megatron.config import AlgorithmConfig, Config, to_dict
+from da3po_megatron.kernels import BACKENDS as KERNEL_BACKENDS
 from da3po_megatron.megatron import cpu_compat
-from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, balance_across_dp, microbatches
+from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.megatron.loss_backends import (
+    LOSS_BACKENDS,
+    LossBackend,
+    VocabShard,
+    make_loss_backend,
+    microbatch_loss,
+)
 from da3po_megatron.megatron.model import (
     build_gpt_model,
     load_hf_config,
@@ -66,11 +64,12 @@ from da3po_megatron.megatron.model import (
     use_te,
     vocab_sizes,
 )
+from da3po_megatron.megatron.optimizer import build_ddp_optimizer
 from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_parallel, node_ip
+from da3po_megatron.megatron.schedule import ForwardSchedule
 
 log = logging.getLogger(__name__)
 
-KERNEL_BACKENDS = ("auto", "triton", "chunked", "reference")  # actor.loss_backend values that mean the kernel
 
 
 def loss_setup(cfg: Config) -> dict[str, Any]:
@@ -92,9 +91,10 @@ def loss_setup(cfg: Config) -> dict[str, Any]:
                          "(da3po_megatron.config.load_config or resolve)")
     if not cfg.rollout.temperature > 0:
         raise ValueError(f"rollout.temperature must be > 0 (the sampling temperature), got {cfg.rollout.temperature}")
-    backend = b if b in ("torch", "fused_linear") else "kernel"
-    if backend == "kernel" and b not in KERNEL_BACKENDS:
-        raise ValueError(f"actor.loss_backend={b!r} is not one of torch, fused_linear, {', '.join(KERNEL_BACKENDS)}")
+    backend = "kernel" if b in KERNEL_BACKENDS else b  # a kernel backend's name means the kernel loss backend
+    if backend not in LOSS_BACKENDS or backend == "kernel" and b not in KERNEL_BACKENDS:
+        names = sorted(set(LOSS_BACKENDS) - {"kernel"}) + list(KERNEL_BACKENDS)
+        raise ValueError(f"actor.loss_backend={b!r} is not one of {', '.join(names)}")
     fn = load_function(a.policy_loss_fn, POLICY_LOSS_FN_ARGS, "algorithm.policy_loss_fn") if a.policy_loss_fn else None
     return dict(algorithm=a.name, ratio_level=a.ratio_level, loss_agg_mode=a.loss_agg_mode,
                 clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, policy_loss_fn=fn,
@@ -156,13 +156,6 @@ class PolicyWorker:
         import os
 
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         validate_config(cfg, world_size)
@@ -189,45 +182,11 @@ class PolicyWorker:
         self.pad_id = int(pad) if isinstance(pad, int) else 0
 
         model = self._gpt = build_gpt_model(self.hf, cfg.model)
-        dtype = model.config.params_dtype
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
-        )
-        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        o = cfg.optim
-        opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            bf16=dtype == torch.bfloat16,
-            params_dtype=dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer,
-        )
-        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_steps,
-            lr_decay_steps=cfg.optimizer_steps,
-            lr_decay_style=o.lr_schedule,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
-            wd_incr_steps=cfg.optimizer_steps,
-            wd_incr_style="constant",
-        )
-        config = model.config
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.model.no_sync
-        config.grad_scale_func = self.optimizer.scale_loss
+        self.model, self.optimizer, self.scheduler = build_ddp_optimizer(
+            model, cfg.optim, total_steps=cfg.optimizer_steps, lr_decay_style=cfg.optim.lr_schedule)
+        self.schedule = ForwardSchedule(self.model, self.device, self.te, self.thd, self.pad_id, self.dp,
+                                        self.dp_rank, self.tp_rank)
+        self.loss_backend = self._make_loss_backend()
         self.step = 0
         return self.info()
 
@@ -252,6 +211,13 @@ class PolicyWorker:
             cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=temperature))
         self.loss_params = loss_setup(cfg)
         self.cfg = cfg
+        self.loss_backend = self._make_loss_backend()
+
+    def _make_loss_backend(self) -> LossBackend:
+        """The loss backend ``loss_setup`` named, for this rank's model stage and vocab shard."""
+        p = self.loss_params
+        shard = VocabShard(self.tp_rank, self.tp, self.tp_group, self.vocab, self.padded_vocab)
+        return make_loss_backend(p["backend"], self._gpt, shard, p["temperature"], p["kernel_backend"])
 
     def info(self) -> dict[str, Any]:
         """Where this rank sits and what it holds."""
@@ -268,146 +234,12 @@ class PolicyWorker:
         """What computes the policy loss here, with "auto" resolved: e.g. "kernel:triton" on a GPU where the Triton
         kernels compile, "kernel:chunked" on CPU, "torch" (Megatron's vocab-parallel cross-entropy + algorithms/),
         "fused_linear" (kernels/fused_linear.py from the final hidden states)."""
-        backend = self.loss_params["backend"]
-        if backend != "kernel":
-            return backend
-        from da3po_megatron.kernels import resolve_backend
-
-        return "kernel:" + resolve_backend(self.loss_params["kernel_backend"], torch.empty(0, device=self.device))
+        return self.loss_backend.describe(self.device)
 
     @property
     def _bare(self) -> torch.nn.Module:
         """This rank's GPTModel stage, without the DDP wrapper."""
         return self._gpt
-
-    # ------------------------------------------------------------------ the Megatron schedule
-    def _run_schedule(self, mbs: list[MicroBatch], loss_builder, forward_only: bool) -> list:
-        from megatron.core.packed_seq_params import PackedSeqParams
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator).to(self.device)
-            kwargs = {}
-            mask = mb.attention_mask
-            if mb.cu_seqlens is not None:
-                kwargs["packed_seq_params"] = PackedSeqParams(
-                    qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
-                    max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
-            elif self.te:
-                mask = None  # TE attention is causal by type; right-padded rows need nothing more
-            with self._final_hidden_states_as_output():
-                output = model(mb.tokens, mb.position_ids, mask, **kwargs)
-            return output, partial(loss_builder, mb)
-
-        fb = get_forward_backward_func()
-        return fb(
-            forward_step_func=forward_step,
-            data_iterator=iter(mbs),
-            model=[self.model],
-            num_microbatches=len(mbs),
-            seq_length=max(mb.tokens.shape[1] for mb in mbs),
-            micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-        )
-
-    @contextmanager
-    def _final_hidden_states_as_output(self) -> Iterator[None]:
-        """With the fused_linear loss, make this forward of the last stage return the final hidden states.
-
-        GPTModel's ``_postprocess`` ends in ``self.output_layer(hidden_states, weight=..., runtime_gather_output=...)``
-        on the final-normed hidden states and returns its output transposed to [B, S, ...]; with the output layer
-        swapped for :class:`_PassThroughOutputLayer` for the duration of the call, that output is the hidden states
-        [B, S, H], laid out like the logits (the same ``token_index`` gathers them), and no logits are computed. The
-        real layer is put back right after, so parameters, checkpoints and export never see the swap. Other stages
-        and backends: nothing changes.
-        """
-        gpt = self._gpt
-        if self.loss_params["backend"] != "fused_linear" or not gpt.post_process:
-            yield
-            return
-        layer = gpt.output_layer
-        gpt.output_layer = _PassThroughOutputLayer(layer.weight)
-        try:
-            yield
-        finally:
-            gpt.output_layer = layer
-
-    def _output_weight(self) -> torch.Tensor:
-        """This rank's output-weight shard [V_local, H], the weight Megatron's output layer would use: with tied
-        embeddings the word-embedding weight (or its last-stage copy when PP > 1), else the output layer's own."""
-        gpt = self._gpt
-        if gpt.share_embeddings_and_output_weights:
-            return gpt.shared_embedding_or_output_weight()
-        return gpt.output_layer.weight
-
-    def _fused_linear_args(self, weight: torch.Tensor) -> dict[str, Any]:
-        """The vocab-parallel arguments of the fused-linear functions for this rank's output-weight shard.
-
-        The hidden states are replicated over the TP group (no sequence parallelism) and each rank's shard sees only
-        its part of their gradient: ``reduce_hidden_grad`` sums it, what the output layer's
-        ``copy_to_tensor_model_parallel_region`` does on the logits path.
-        """
-        return dict(vocab_start=self.tp_rank * weight.shape[0], tp_group=self.tp_group,
-                    temperature=self.loss_params["temperature"], vocab_limit=self.vocab, reduce_hidden_grad=True)
-
-    @staticmethod
-    def _response_hidden(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """``[N, H]`` final hidden states at the positions that score response tokens (fused_linear backend)."""
-        return output.reshape(-1, output.shape[-1]).index_select(0, mb.token_index)
-
-    def _token_logprobs(self, output: torch.Tensor, mb: MicroBatch, entropy: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (differentiable) and entropy (detached) of the response tokens of one micro-batch's output."""
-        if self.loss_params["backend"] != "fused_linear":
-            return self._logprobs(self._response_logits(output, mb), mb.token_targets, entropy)
-        from da3po_megatron.kernels import fused_linear_vocab_parallel_logprobs
-
-        weight = self._output_weight()
-        lp, ent = fused_linear_vocab_parallel_logprobs(self._response_hidden(output, mb), weight, mb.token_targets,
-                                                       compute_entropy=entropy, **self._fused_linear_args(weight))
-        return lp, None if ent is None else ent.detach()
-
-    def _response_logits(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """``[N, V_local]`` logits at the positions that score response tokens, divided by the sampling temperature,
-        padded vocab columns masked.
-
-        Everything after the gather works in place on its fresh tensor, so no second ``[N, V_local]`` tensor is made:
-        under autograd that is exact, because neither the gather, the dtype copy, a division by a constant nor the
-        fill needs its own output for its backward. The torch loss path gets float32 (the copy Megatron's cross
-        entropy would make anyway, made here so that the temperature divides float32 values, as vLLM's sampler
-        does); the kernels get the model's dtype (they never upcast a whole ``[N, V]`` tensor), so with bf16 logits
-        z / T is rounded to bf16 once more. The fill comes after the division: finfo.min / T would overflow to -inf
-        for T < 1, and -inf turns the entropy's 0 * z into NaN.
-        """
-        flat = output.reshape(-1, output.shape[-1]).index_select(0, mb.token_index)
-        if self.loss_params["backend"] == "torch":
-            flat = flat.float()
-        t = self.loss_params["temperature"]
-        if t != 1.0:
-            flat.div_(t)
-        if self.padded_vocab > self.vocab:
-            v_local = output.shape[-1]
-            cols = torch.arange(v_local, device=flat.device) + self.tp_rank * v_local
-            flat.masked_fill_(cols >= self.vocab, torch.finfo(flat.dtype).min)
-        return flat
-
-    def _logprobs(self, logits: torch.Tensor, targets: torch.Tensor, entropy: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Vocab-parallel log-probs (differentiable) and entropy (detached) of ``[N, V_local]`` logits."""
-        if self.loss_params["backend"] == "kernel":
-            from da3po_megatron.kernels import vocab_parallel_logprobs
-
-            lp, ent = vocab_parallel_logprobs(logits, targets, self.tp_rank * logits.shape[-1], self.tp_group,
-                                              compute_entropy=entropy, backend=self.loss_params["kernel_backend"])
-            return lp, None if ent is None else ent.detach()
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        ent = _vocab_parallel_entropy(logits, self.tp_group) if entropy else None
-        # Megatron's cross entropy works in place on float32 logits: ``logits`` is the fresh float32 gather of
-        # ``_response_logits``, not used after
-        lp = -vocab_parallel_cross_entropy(logits, targets)
-        return lp, ent
 
     # ------------------------------------------------------------------ log-probs
     def compute_logprobs(self, batch: PolicyBatch, return_entropy: bool = False, packing: bool | None = None
@@ -418,105 +250,11 @@ class PolicyWorker:
         """
         cpu_compat.apply_if_needed()
         a = self.cfg.actor
-        packing = a.packing if packing is None else packing
-        budget = a.logprob_max_tokens_per_microbatch or 2 * a.max_tokens_per_microbatch
-        offsets = [0]
-        for r in batch.response_ids:
-            offsets.append(offsets[-1] + len(r))
-        total = offsets[-1]
-        out_lp = torch.zeros(total, dtype=torch.float32, device=self.device)
-        out_ent = torch.zeros(total if return_entropy else 0, dtype=torch.float32, device=self.device)
-        shard = balance_across_dp(batch.lengths(), self.dp)[self.dp_rank]
-        thd = self.thd and packing
-        mbs = microbatches(batch, shard, budget, packing=packing, thd=thd, pad_id=self.pad_id,
-                           row_capacity=None if thd else 0) if shard else []
-
-        def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = False):
-            lp, ent = self._token_logprobs(output, mb, return_entropy)
-            if self.tp_rank == 0:
-                dest = torch.tensor([offsets[mb.rows[s]] for s in mb.token_seq.tolist()], dtype=torch.long,
-                                    device=self.device) + mb.token_pos
-                out_lp[dest] = lp.float()
-                if ent is not None:
-                    out_ent[dest] = ent.float()
-            return None
-
-        self.model.eval()
-        with torch.no_grad():
-            if mbs:
-                self._run_schedule(mbs, collect, forward_only=True)
-        # exactly one rank (last stage, TP rank 0 of the owning DP rank) holds each value: the sum is exact
-        packed = torch.cat([out_lp, out_ent])
-        dist.all_reduce(packed)
-        lps = packed[:total].tolist()
-        result = [lps[offsets[i]:offsets[i + 1]] for i in range(len(batch))]
-        if not return_entropy:
-            return result
-        ents = packed[total:].tolist()
-        return result, [ents[offsets[i]:offsets[i + 1]] for i in range(len(batch))]
+        return self.schedule.logprobs(
+            batch, self.loss_backend, max_tokens=a.logprob_max_tokens_per_microbatch or 2 * a.max_tokens_per_microbatch,
+            packing=a.packing if packing is None else packing, return_entropy=return_entropy)
 
     # ------------------------------------------------------------------ training
-    def _loss(self, mb: MicroBatch, output: torch.Tensor, *, num_microbatches: int, global_tokens: torch.Tensor,
-              global_seqs: torch.Tensor):
-        from da3po_megatron.algorithms.losses import policy_loss
-
-        p = self.loss_params
-        entropy = self.loss_params["entropy"]
-        backend = self.loss_params["backend"]
-        n = mb.num_response_tokens
-        old_flat = mb.old_logprobs[mb.token_seq, mb.token_pos]
-        fused = backend != "torch" and p["ratio_level"] == "token" and p["loss_agg_mode"] == "token-mean" and \
-            p["policy_loss_fn"] is None
-        if fused:
-            from da3po_megatron.kernels import daa_policy_loss, fused_linear_daa_policy_loss
-
-            adv_flat = mb.advantages[mb.token_seq]
-            if mb.token_weights is not None:  # w > 0: w min(r A, clip(r) A) = min(r wA, clip(r) wA)
-                adv_flat = adv_flat * mb.token_weights[mb.token_seq, mb.token_pos]
-            common = dict(clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
-                          compute_entropy=entropy)
-            if backend == "fused_linear":
-                weight = self._output_weight()
-                loss_sum, lp, ent, km = fused_linear_daa_policy_loss(
-                    self._response_hidden(output, mb), weight, mb.token_targets, old_flat, adv_flat,
-                    torch.ones_like(old_flat), **common, **self._fused_linear_args(weight))
-            else:
-                logits = self._response_logits(output, mb)
-                loss_sum, lp, ent, km = daa_policy_loss(
-                    logits, mb.token_targets, old_flat, adv_flat, torch.ones_like(old_flat), **common,
-                    vocab_start=self.tp_rank * logits.shape[-1], tp_group=self.tp_group,
-                    backend=self.loss_params["kernel_backend"])
-            loss = loss_sum / global_tokens.clamp_min(1)
-            clip_low, clip_high = km["clip_low_count"], km["clip_high_count"]
-            lp = lp.detach()
-            ent = None if ent is None else ent.detach()
-        else:
-            lp, ent = self._token_logprobs(output, mb, entropy)
-            adv = mb.advantages if mb.token_weights is None else mb.advantages.unsqueeze(1) * mb.token_weights
-            loss, m = (p["policy_loss_fn"] or policy_loss)(
-                logprobs=mb.unflatten(lp), old_logprobs=mb.old_logprobs, advantages=adv, mask=mb.response_mask,
-                clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
-                ratio_level=p["ratio_level"], loss_agg_mode=p["loss_agg_mode"],
-                global_num_tokens=global_tokens, global_num_seqs=global_seqs)
-            clip_low, clip_high = m.get("clipfrac_low", 0.0) * n, m.get("clipfrac_high", 0.0) * n
-            lp = lp.detach()
-        if n == 0:  # no response token: keep the graph connected for Megatron's backward
-            loss = loss + 0.0 * output.sum()
-        with torch.no_grad():
-            log_ratio = (lp.float() - old_flat).clamp(-20.0, 20.0)
-            kl_sum = ((log_ratio.exp() - 1.0) - log_ratio).sum()  # Schulman's k3 estimator of KL(pi_old||pi)
-            stats = torch.stack([
-                loss.detach().float().reshape(()),
-                torch.as_tensor(clip_low, dtype=torch.float32, device=self.device).reshape(()),
-                torch.as_tensor(clip_high, dtype=torch.float32, device=self.device).reshape(()),
-                kl_sum.float(),
-                ent.float().sum() if ent is not None else torch.zeros((), device=self.device),
-                torch.tensor(float(n), device=self.device),
-            ])
-        # Megatron divides a 2-tuple loss by num_microbatches and DDP averages gradients over DP: undo both so the
-        # summed gradient is that of the globally normalised mini-batch loss (losses.py's contract)
-        return loss * num_microbatches * self.dp, {"stats": stats}
-
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
         """One RL update on ``batch`` (mini-batches x epochs optimizer steps); returns metrics (same on all ranks)."""
         cpu_compat.apply_if_needed()
@@ -544,18 +282,18 @@ class PolicyWorker:
         skipped = 0
         for _ in range(b.ppo_epochs):
             for rows in minis:
-                shard = [rows[k] for k in balance_across_dp([lengths[i] for i in rows], self.dp)[self.dp_rank]]
-                mbs = microbatches(batch, shard, b.max_tokens_per_microbatch, packing=b.packing, thd=self.thd,
-                                   pad_id=self.pad_id, row_capacity=None if self.thd else 0)
+                shard = self.schedule.dp_shard(batch, rows)
+                mbs = self.schedule.microbatches(batch, shard, b.max_tokens_per_microbatch, b.packing)
                 counts = torch.tensor(
                     [sum(len(batch.response_ids[i]) for i in shard),
                      sum(1 for i in shard if batch.response_ids[i])], dtype=torch.float32, device=self.device)
                 dist.all_reduce(counts, group=self.dp_group)
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                out = self._run_schedule(mbs, partial(self._loss, num_microbatches=len(mbs),
-                                                      global_tokens=counts[0], global_seqs=counts[1]),
-                                         forward_only=False)
+                loss = partial(microbatch_loss, self.loss_backend, self.loss_params,
+                               entropy=self.loss_params["entropy"], num_microbatches=len(mbs), dp=self.dp,
+                               global_tokens=counts[0], global_seqs=counts[1])
+                out = self.schedule.run(mbs, loss, self.loss_backend, forward_only=False)
                 self.scheduler.step(1)
                 lr = float(self.optimizer.param_groups[0]["lr"])
                 ok, grad_norm, _ = self.optimizer.step()
@@ -624,40 +362,6 @@ class PolicyWorker:
         from da3po_megatron.megatron.runtime import destroy_parallel
 
         destroy_parallel()
-
-
-class _PassThroughOutputLayer(torch.nn.Module):
-    """Stands in for GPTModel's ColumnParallelLinear ``output_layer`` (same call signature, same (output, bias)
-    return): hands the final hidden states through, so that the fused_linear loss gets them instead of logits.
-
-    It exposes the real layer's ``weight``, because ``GPTModel.shared_embedding_or_output_weight()`` reads
-    ``output_layer.weight`` during the forward on a last pipeline stage with tied embeddings (PP > 1).
-    """
-
-    def __init__(self, weight: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
-        return hidden_states, None
-
-
-def _vocab_parallel_entropy(logits: torch.Tensor, tp_group, chunk: int = 4096) -> torch.Tensor:
-    """Entropy of softmax over the TP-split vocabulary, ``[N, V_local]`` -> ``[N]`` (no gradient, chunked)."""
-    out = []
-    with torch.no_grad():
-        for z in logits.split(chunk, dim=0):
-            z = z.float()
-            m = z.max(dim=-1).values
-            if tp_group is not None and dist.get_world_size(tp_group) > 1:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-            e = torch.exp(z - m.unsqueeze(-1))
-            s = torch.stack([e.sum(-1), (e * z).sum(-1)])
-            if tp_group is not None and dist.get_world_size(tp_group) > 1:
-                dist.all_reduce(s, group=tp_group)
-            out.append(torch.log(s[0]) + m - s[1] / s[0])
-    return torch.cat(out) if out else logits.new_zeros((0,), dtype=torch.float32)
 
 
 def _jsonable(obj: Any) -> Any:

@@ -135,12 +135,16 @@ class RolloutClient:
         self._pending_refs: list[Any] = []
         self.restarts = 0
         self.weights_version = 0
+        self.resync: Any = None
+        """Called (no arguments) after a restart when the last sync cannot be replayed from this client (pushed from
+        other processes or through the collective transport): the trainer's ``sync_weights``."""
 
     def __getstate__(self) -> dict:
         # a copy sent to a policy actor pushes buckets; replay refs stay with the driver's client
         state = dict(self.__dict__)
         state["_last_update_refs"] = []
         state["_pending_refs"] = []
+        state["resync"] = None
         return state
 
     # ------------------------------------------------------------------ construction
@@ -251,6 +255,9 @@ class RolloutClient:
         handle = self._start_actor(index)
         self.engines[index] = handle
         self._gather([(index, handle.health.remote())], "restart")
+        if self.weights_version > 0 and not self._last_update_refs and self.resync is not None:
+            self.resync()
+            return
         if self.weights_version > 0 and not self._last_update_refs:
             raise EngineDeadError(index, f"restarted after {type(cause).__name__}, but the new engine holds the "
                                          "initial checkpoint and the last weight sync cannot be replayed (its buckets "
@@ -438,11 +445,10 @@ class RolloutClient:
                 out.append({"engine_index": i, "ok": False, "error": str(e)})
         return out
 
-    def engine_handles(self) -> list[Any]:
-        """The Ray actor handles (for vLLM's ``RayVLLMWeightSyncClient`` in the GPU transports)."""
-        if self.mode != "ray":
-            raise RolloutError("engine_handles needs a Ray client (RolloutClient.ray)")
-        return list(self.engines)
+    def check_transport(self, transport: str) -> None:
+        """Every engine checks that the installed vLLM has what ``transport`` needs (RolloutError naming it)."""
+        self._gather([(i, self._call(i, "check_transport", transport)) for i in range(self.num_engines)],
+                     "transport check")
 
     def shutdown(self) -> None:
         """Stop every engine (kill the actors / free the in-process engines)."""

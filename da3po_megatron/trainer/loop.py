@@ -114,6 +114,8 @@ def train(cfg: Config) -> Run:
                 raise
             prefetch = Prefetch(lambda s=step + 1: collect(run, s)) if (
                 cfg.rollout.staleness == 1 and step < cfg.trainer.total_steps) else None
+            if prefetch is None:
+                run.engines_idle()  # colocated CUDA: engines sleep while the policy trains (woken by the sync)
             groups = rollout.groups
             for phase, seconds in rollout.phase_seconds.items():
                 timer.seconds[phase] = seconds

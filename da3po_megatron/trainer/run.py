@@ -202,6 +202,16 @@ class Run:
               + ", ".join(f"engine {i} on {h}" for i, h in enumerate(engine_hosts)), flush=True)
         print(f"policy loss: {self.policy.info()[0]['loss_backend']} (actor.loss_backend={cfg.actor.loss_backend})",
               flush=True)
+        from da3po_megatron.rollout.weight_sync import choose_transport
+
+        self.weight_transfer = choose_transport(cfg.rollout.weight_transfer, has_cuda=torch.cuda.is_available(),
+                                                colocate=cfg.rollout.colocate, policy_hosts=policy_hosts,
+                                                engine_hosts=engine_hosts)
+        self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
+        self._transport: Any = None
+        self.rollout.resync = self.sync_weights  # an engine restarted after a sync gets the weights again
+        print(f"weight transfer: {self.weight_transfer} (rollout.weight_transfer={cfg.rollout.weight_transfer})",
+              flush=True)
 
         latest = self.ckpt.latest() if cfg.trainer.resume else None
         if latest is not None:
@@ -301,9 +311,29 @@ class Run:
         return replace(batch, old_logprobs=[list(x) for x in policy_lp], token_weights=weights), mismatch
 
     def sync_weights(self) -> dict[str, float]:
+        """Policy -> every engine through the transport chosen at start-up (``rollout.weight_transfer``)."""
         from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
 
-        return sync_policy_group_to_engines(self.policy, self.rollout, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+        r = self.cfg.rollout
+        if self.weight_transfer == "collective":
+            from da3po_megatron.rollout.collective_transport import CollectiveTransport
+
+            if self._transport is None:
+                self._transport = CollectiveTransport(self.policy.run_on_all,
+                                                      self.cfg.parallel.pipeline_model_parallel_size,
+                                                      timeout_s=r.weight_sync_timeout_s)
+            return self._transport.sync(self.rollout, bucket_mb=r.weight_sync_bucket_mb)
+        if self.weight_transfer == "ipc":
+            from da3po_megatron.rollout.ipc import ipc_sync
+
+            return ipc_sync(self.policy, self.rollout, bucket_mb=r.weight_sync_bucket_mb)
+        return sync_policy_group_to_engines(self.policy, self.rollout, bucket_mb=r.weight_sync_bucket_mb)
+
+    def engines_idle(self) -> None:
+        """The step's generation is over. Colocated on CUDA ("ipc"), the engines sleep (level 2: KV cache and weights
+        freed; the next sync rewrites every weight) so the policy has the GPU memory; ``ipc_sync`` wakes them."""
+        if self.weight_transfer == "ipc":
+            self.rollout.sleep(level=2)
 
     def pin_cpus(self) -> None:
         """Placement for overlap: engines on ``ray.engine_cpus``, policy ranks on ``ray.policy_cpus`` (disjoint cores:
@@ -425,6 +455,12 @@ class Run:
         return self._preempt or (self.run_dir / "PREEMPT").exists()
 
     def close(self) -> None:
+        if getattr(self, "_transport", None) is not None:
+            try:
+                self._transport.teardown(self.rollout)
+            except Exception as e:  # noqa: BLE001 - closing must not hide the real error
+                print(f"warning: closing the weight-transfer group failed: {e}", flush=True)
+            self._transport = None
         for part in ("rollout", "policy", "rewards"):
             obj = getattr(self, part, None)
             if obj is not None:

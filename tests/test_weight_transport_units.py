@@ -1,0 +1,63 @@
+"""Weight-transport pieces that need no engine: the transport choice per placement (``rollout.weight_transfer``),
+its config validation, and the flat-bucket packing of the collective / IPC transports (bounded buffers, aligned
+offsets, dtypes including bf16, views that round-trip exactly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from da3po_megatron.config import Config, ConfigError, resolve, validate
+from da3po_megatron.rollout.collective import ALIGN, iter_flat_buckets, unpack_flat
+from da3po_megatron.rollout.weight_sync import choose_transport
+
+
+@pytest.mark.parametrize("setting,cuda,colocate,policy,engines,expected", [
+    ("auto", False, False, ["n1"], ["n1"], "bytes"),              # one CPU node: Ray's shared-memory object store
+    ("auto", False, False, ["n1", "n2"], ["n3"], "collective"),   # an engine on a node without policy ranks
+    ("auto", False, False, ["n1", "n2"], ["n2"], "bytes"),
+    ("auto", True, False, ["n1"], ["n1"], "collective"),          # CUDA, engines on GPUs of their own
+    ("auto", True, True, ["n1"], ["n1"], "ipc"),                  # CUDA, colocated
+    ("collective", False, False, ["n1"], ["n1"], "collective"),
+    ("bytes", True, False, ["n1"], ["n2"], "bytes"),
+])
+def test_transport_choice_follows_the_placement(setting, cuda, colocate, policy, engines, expected):
+    assert choose_transport(setting, has_cuda=cuda, colocate=colocate, policy_hosts=policy,
+                            engine_hosts=engines) == expected
+
+
+def test_transports_the_placement_cannot_run_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="rollout.weight_transfer='ipc' needs CUDA and rollout.colocate"):
+        choose_transport("ipc", has_cuda=False, colocate=True, policy_hosts=["a"], engine_hosts=["a"])
+    with pytest.raises(ValueError, match="NCCL refuses two ranks on one GPU"):
+        choose_transport("collective", has_cuda=True, colocate=True, policy_hosts=["a"], engine_hosts=["a"])
+    cfg = Config()
+    cfg.model.path = "x"
+    resolve(cfg)
+    cfg.rollout.weight_transfer = "ipc"
+    with pytest.raises(ConfigError, match="rollout.weight_transfer"):
+        validate(cfg)
+    cfg.rollout.weight_transfer = "carrier-pigeon"
+    with pytest.raises(ConfigError, match="rollout.weight_transfer"):
+        validate(cfg)
+
+
+def test_flat_buckets_are_bounded_aligned_and_round_trip_every_dtype():
+    g = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(10, 7, generator=g)), ("b", torch.randn(33, generator=g).to(torch.bfloat16)),
+             ("c", torch.arange(5, dtype=torch.int64)), ("big", torch.randn(300, generator=g)),
+             ("d", torch.randn(3, 3, generator=g).t())]  # non-contiguous
+    bucket = 512
+    buckets = list(iter_flat_buckets(iter(named), bucket, torch.device("cpu")))
+    got = {}
+    for buf, meta in buckets:
+        assert buf.dtype == torch.uint8 and (buf.numel() <= bucket or len(meta) == 1)  # "big" (1200 B) alone
+        assert all(off % ALIGN == 0 for _, _, _, off, _ in meta)
+        got.update({k: v.clone() for k, v in unpack_flat(buf, meta).items()})
+    assert list(got) == [n for n, _ in named]
+    for n, t in named:
+        assert got[n].dtype == t.dtype and torch.equal(got[n], t)
+    cast = list(iter_flat_buckets(iter(named[:1]), bucket, torch.device("cpu"), dtype=torch.bfloat16))
+    assert unpack_flat(*cast[0])["a"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="'a' appears twice"):
+        list(iter_flat_buckets(iter([named[0], named[0]]), bucket, torch.device("cpu")))
