@@ -155,6 +155,14 @@ class RolloutConfig:
     colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate.")
     num_cpus_per_engine: float = doc(1, "Ray resources per engine actor.")
     restart_on_failure: bool = doc(False, "Restart an engine that died (else the step fails with a clear error).")
+    mode: Literal["rounds", "streaming"] = doc("rounds", "Dynamic sampling: 'rounds' (the paper's; whole rounds until "
+        "the batch is full) or 'streaming' (groups scored as they finish, the rest aborted; docs/rollout.md).")
+    stream_order: Literal["submission", "completion"] = doc("submission", "Streaming batch = the first kept groups in "
+        "prompt order (unbiased, reproducible) or in finishing order (biased to short responses).")
+    max_inflight_prompts: int = doc(0, "Streaming: prompts in flight across all engines (0 = data.train_batch_size).")
+    stream_steps_per_call: int = doc(8, "Streaming: engine steps per driver round trip (bounds how long aborts wait).")
+    staleness: int = doc(0, "0: the paper's synchronous loop; 1: step t+1 generated while t trains (docs/rollout.md).")
+    ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")
 
 
 @dataclass
@@ -249,7 +257,8 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    kind: Literal["math", "synthetic"] = doc("math", "Verifier: math-verify (boxed / 'Answer:') or the synthetic task.")
+    kind: Literal["math", "synthetic", "coin"] = doc("math", "Verifier: math-verify (boxed / 'Answer:'), the synthetic "
+                                                             "task, or 'coin' (the benchmark's keep-rate task).")
     num_workers: int = doc(4, "Reward processes (math-verify needs its own main thread per process).")
     timeout_s: float = doc(10.0, "Per-item time limit; a timed-out answer scores -1 and is counted.")
 
@@ -276,7 +285,8 @@ class RayConfig:
     num_gpus_per_engine: float = doc(0, "Ray GPUs per vLLM engine (= rollout.tensor_parallel_size on GPU).")
     spread_policy_nodes: bool = doc(False, "Spread policy ranks over nodes (STRICT_SPREAD) -- for the local "
                                            "multi-node tests.")
-
+    engine_cpus: str = doc("", "Cores the engine actors are pinned to, e.g. '0' or '0-3' ('' = no pinning).")
+    policy_cpus: str = doc("", "Cores the policy actors are pinned to; disjoint from engine_cpus for real overlap.")
 
 @dataclass
 class TrainerConfig:

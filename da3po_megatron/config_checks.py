@@ -59,6 +59,10 @@ def validate(cfg: Config) -> None:
     _check(r.temperature > 0, "rollout.temperature", r.temperature, "> 0")
     _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "(0, 1]")
     _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, ">= 1")
+    _check(r.staleness in (0, 1), "rollout.staleness", r.staleness, "0 or 1")
+    _check(r.stream_steps_per_call >= 1, "rollout.stream_steps_per_call", r.stream_steps_per_call, ">= 1")
+    _check(r.mode == "rounds" or a.surplus == "drop", "algorithm.surplus", a.surplus, "'drop' with rollout.mode="
+           "streaming (it aborts the surplus instead of generating it)")
     _check(r.logprob_drift_factor >= 0, "rollout.logprob_drift_factor", r.logprob_drift_factor, ">= 0 (0 = off)")
     _check(0 <= r.logprob_check_fraction <= 1, "rollout.logprob_check_fraction", r.logprob_check_fraction, "[0, 1]")
     _check(r.weight_transfer in ("auto", "bytes", "collective", "ipc"), "rollout.weight_transfer", r.weight_transfer,

@@ -245,3 +245,44 @@ def test_the_installed_vllm_has_what_every_transport_needs_and_ipc_refuses_cpu()
     if not torch.cuda.is_available():
         with pytest.raises(RolloutError, match="'ipc' needs CUDA"):
             require_ipc("test")
+
+
+# ------------------------------------------------------------------------------------------- streaming
+def test_streamed_groups_sample_what_generate_samples_with_the_same_seeds(client):
+    """``stream`` submits each sample as its own request seeded like vLLM's n fan-out, so a streamed group holds the
+    tokens and log-probs ``generate`` returns for that prompt (same engine, same seed)."""
+    s = SamplingConfig(n=3, max_tokens=12, seed=5, temperature=1.0)
+    ref = client.generate(PROMPTS[:3], s)
+    submit = [(f"g{i}", p, i, None) for i, p in enumerate(PROMPTS[:3])]
+    got: dict[str, list[Completion]] = {}
+    pending = [(0, client.stream_start(0, submit, s, max_steps=4))]
+    while pending:
+        pos, res = client.stream_wait(pending)
+        pending.pop(pos)
+        got.update(dict(res["finished"]))
+        if res["running"]:
+            pending.append((0, client.stream_start(0, [], s, max_steps=4)))
+    assert sorted(got) == ["g0", "g1", "g2"]
+    for i, group in enumerate(ref):
+        assert [c.token_ids for c in got[f"g{i}"]] == [c.token_ids for c in group]
+        for a, b in zip(got[f"g{i}"], group):
+            assert a.text == b.text and a.finish_reason == b.finish_reason and a.prompt_index == i
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_aborted_stream_groups_report_their_tokens_and_nothing_is_left_running(client):
+    long = SamplingConfig(n=2, max_tokens=200, seed=1, ignore_eos=True)
+    res = client.stream_start(0, [("long0", PROMPTS[0], 0, None), ("long1", PROMPTS[1], 1, None),
+                                  ("short", PROMPTS[2], 2, 3)], long, max_steps=6)
+    assert [k for k, _ in res["finished"]] == ["short"]  # per-group max_tokens: 3 tokens, done first
+    assert [c.num_tokens for c in res["finished"][0][1]] == [3, 3]
+    assert res["running"] == 2 and res["decoded"] > 0
+    res = client.stream_start(0, [], long, abort=["long0"], max_steps=2)
+    assert res["finished"] == [] and set(res["aborted"]) == {"long0"} and res["aborted"]["long0"] >= 2 * 3
+    assert res["running"] == 1
+    (end,) = client.stream_abort_all()
+    assert set(end["aborted"]) == {"long1"} and end["running"] == 0
+    assert client.health()[0]["stream_running"] == 0
+    # the engine is idle and clean: a later group runs alone and finishes
+    res = client.stream_start(0, [("after", PROMPTS[3], 3, 4)], long, max_steps=10)
+    assert [k for k, _ in res["finished"]] == ["after"] and res["running"] == 0

@@ -125,3 +125,16 @@ def synthetic_reward(response: str, answer: str) -> tuple[float, dict[str, str]]
     """+1 iff ``response`` with all whitespace removed equals ``answer`` exactly, else -1 (with the cleaned text)."""
     got = _WS.sub("", response)
     return (1.0 if got == _WS.sub("", answer) and got else -1.0), {"extracted": got[:64]}
+
+
+def coin_reward(response: str, answer: str) -> tuple[float, dict[str, str]]:
+    """The benchmark task's reward (``reward.kind=coin``): answer ``"coin:p"`` makes ``response`` correct (+1) with
+    probability p, decided by a hash of its text (deterministic; independent across distinct responses), else -1.
+    A prompt with p in {0, 1} is always filtered by dynamic sampling; one with p = 0.5 is kept with probability
+    1 - 2 * 0.5^G, so the mix of prompts sets the keep rate (``tools/bench_rl_step.py``)."""
+
+    if not answer.startswith("coin:"):
+        raise ValueError(f"coin reward: answer {answer!r} is not 'coin:<p>'")
+    p = float(answer[5:])
+    u = int.from_bytes(hashlib.blake2b(response.encode(), digest_size=8).digest(), "big") / 2**64
+    return (1.0 if u < p else -1.0), {"u": f"{u:.4f}"}

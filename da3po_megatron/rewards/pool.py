@@ -50,6 +50,7 @@ __all__ = ["BUILTIN_KINDS", "RewardPool", "RewardPoolError", "ScoreResult", "def
 BUILTIN_KINDS: dict[str, str] = {
     "math": "da3po_megatron.rewards.math_verify:score_math",
     "synthetic": "da3po_megatron.data.synthetic:synthetic_reward",
+    "coin": "da3po_megatron.data.synthetic:coin_reward",
 }
 
 

@@ -269,22 +269,24 @@ class RolloutClient:
             self._gather([(index, handle.finish_bucket_update.remote())], "restart: weight replay")
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[str] | list[list[int]] | list[Any], sampling: SamplingConfig
-                 ) -> list[list[Completion]]:
-        """n completions per prompt, in prompt order; prompts are spread over the engines in contiguous shards."""
+    def generate(self, prompts: list[str] | list[list[int]] | list[Any], sampling: SamplingConfig,
+                 max_tokens: list[int | None] | None = None) -> list[list[Completion]]:
+        """n completions per prompt, in prompt order; prompts are spread over the engines in contiguous shards.
+        ``max_tokens``: a per-prompt cap replacing ``sampling.max_tokens`` where not None (benchmarks)."""
         sampling.validate()
         prompts = list(prompts)
         if not prompts:
             return []
         shards = [s for s in _split(len(prompts), self.num_engines)]
         owner = {i: e for e, s in enumerate(shards) for i in s}
+        extra = (lambda s: (None if max_tokens is None else [max_tokens[i] for i in s],))
         results: list[Completion] = []
         if self.mode == "local":
             for e, s in enumerate(shards):
                 if len(s):
-                    results.extend(self._call(e, "generate", [prompts[i] for i in s], list(s), sampling))
+                    results.extend(self._call(e, "generate", [prompts[i] for i in s], list(s), sampling, *extra(s)))
         else:
-            pending = [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling))
+            pending = [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling, *extra(s)))
                        for e, s in enumerate(shards) if len(s)]
             for e, ref in pending:
                 try:
@@ -295,9 +297,38 @@ class RolloutClient:
                     self._restart(e, err)
                     s = shards[e]
                     results.extend(self._gather(
-                        [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling))],
+                        [(e, self._call(e, "generate", [prompts[i] for i in s], list(s), sampling, *extra(s)))],
                         "generate (after restart)")[0])
         return assemble(results, len(prompts), sampling.n, owner)
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every engine; the results in engine order."""
+        return self._gather([(i, self._call(i, method, *args)) for i in range(self.num_engines)], method)
+
+    # ------------------------------------------------------------------ streaming
+    def stream_start(self, index: int, submit: list[tuple[str, Any, int, int | None]], sampling: SamplingConfig,
+                     abort: list[str] | None = None, max_steps: int = 16) -> Any:
+        """Start one :meth:`VLLMEngine.stream` call on engine ``index`` (add / abort groups, run a few engine steps):
+        a Ray ref in ray mode, the result itself in local mode. Collect it with :meth:`stream_wait`."""
+        return self._call(index, "stream", submit, sampling, abort, max_steps)
+
+    def stream_wait(self, pending: list[tuple[int, Any]]) -> tuple[int, dict[str, Any]]:
+        """The first call of ``pending`` (engine index, ref) to finish: ``(its position in pending, its result)``.
+        Ray mode waits for whichever engine answers first; local mode takes them in order."""
+        if not pending:
+            raise ValueError("stream_wait: nothing pending")
+        if self.mode != "ray":
+            return 0, pending[0][1]
+        import ray
+
+        ready, _ = ray.wait([ref for _, ref in pending], num_returns=1)
+        pos = next(i for i, (_, ref) in enumerate(pending) if ref == ready[0])
+        return pos, self._gather([pending[pos]], "stream")[0]
+
+    def stream_abort_all(self) -> list[dict[str, Any]]:
+        """Abort every streamed group on every engine (none is left running); each engine's ``{"aborted": {key:
+        decoded tokens}, "running": 0}``."""
+        return self._gather([(i, self._call(i, "stream_abort_all")) for i in range(self.num_engines)], "stream abort")
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self) -> None:

@@ -13,7 +13,8 @@ sampled responses per prompt with the log-prob of every sampled token (vLLM ``lo
 
 At start-up the engine checks that the installed vLLM has what its transport needs (:func:`check_vllm_support`).
 After every update the prefix cache is reset (stale prefix KV gives log-prob errors of ~6, see the shared notes).
-Left out on purpose: async/streaming generation and partial rollouts (the paper's loop is synchronous).
+
+Streaming (``stream`` / ``stream_abort_all``, per-request generation with abort): ``rollout/stream.py``, mixed in.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import socket
 import time
 from typing import Any
 
+from da3po_megatron.rollout.stream import StreamingMixin, seed_for
 from da3po_megatron.rollout.types import Completion, EngineConfig, RolloutError, SamplingConfig
 
 WORKER_EXTENSION = "da3po_megatron.rollout.worker_ext.WeightSyncExtension"
@@ -149,12 +151,7 @@ def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
     return kw
 
 
-def seed_for(sampling: SamplingConfig, prompt_index: int) -> int | None:
-    """Request seed of prompt ``prompt_index``: ``seed + i * n`` (vLLM adds the sample index for each of the n)."""
-    return None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
-
-
-class VLLMEngine:
+class VLLMEngine(StreamingMixin):
     """A ``vllm.LLM`` with the trainer's entry points. ``engine_index`` names it in errors and in NCCL rank offsets."""
 
     def __init__(self, config: EngineConfig, engine_index: int = 0):
@@ -182,6 +179,7 @@ class VLLMEngine:
         self.generated_tokens = 0
         self._session_open = False
         self._stale: str | None = None  # set when a weight update was aborted half-way: generation refused
+        self._streams: dict = {}  # streaming: key -> running group (rollout/stream.py)
 
     # ---------------------------------------------------------------- generation
     def prompt_token_ids(self, prompt: Any, apply_chat_template: bool) -> list[int]:
@@ -224,8 +222,10 @@ class VLLMEngine:
             ignore_eos=sampling.ignore_eos,
         )
 
-    def generate(self, prompts: list[Any], prompt_indices: list[int], sampling: SamplingConfig) -> list[Completion]:
-        """Sample ``sampling.n`` responses for each prompt; ``prompt_indices`` are the prompts' global indices."""
+    def generate(self, prompts: list[Any], prompt_indices: list[int], sampling: SamplingConfig,
+                 max_tokens: list[int | None] | None = None) -> list[Completion]:
+        """Sample ``sampling.n`` responses for each prompt; ``prompt_indices`` are the prompts' global indices;
+        ``max_tokens``: per-prompt caps replacing ``sampling.max_tokens`` where not None."""
         sampling.validate()
         if self._stale:
             raise RolloutError(self._stale)
@@ -235,6 +235,9 @@ class VLLMEngine:
             return []
         ids = [self.prompt_token_ids(p, sampling.apply_chat_template) for p in prompts]
         params = [self.sampling_params(sampling, i) for i in prompt_indices]
+        for p, cap in zip(params, max_tokens or []):
+            if cap is not None:
+                p.max_tokens = int(cap)
         outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
         completions: list[Completion] = []
         for gi, pid, out in zip(prompt_indices, ids, outputs):
@@ -355,7 +358,13 @@ class VLLMEngine:
         return {"engine_index": self.engine_index, "pid": os.getpid(), "host": socket.gethostname(), "ok": True,
                 "weights_version": self.weights_version, "generated_tokens": self.generated_tokens,
                 "startup_seconds": self.startup_seconds, "transfer_backend": self.transfer_backend,
-                "stale": self._stale}
+                "stale": self._stale, "stream_running": len(self._streams)}
+
+    def pin_cpus(self, spec: str) -> list[int]:
+        """Pin this engine's process (every thread; in-process engine core included) to the cores of ``spec``."""
+        from da3po_megatron.affinity import pin_process
+
+        return pin_process(spec)
 
     def pid(self) -> int:
         return os.getpid()

@@ -53,6 +53,7 @@ class Group:
     acc: list[float]  # R_acc in {+1, -1}
     rewards: list[float]  # R = R_acc + R_len
     advantages: list[float] = field(default_factory=list)  # filled by compute_advantages (after DAA)
+    weight_step: int = 0  # the policy step whose weights generated these responses (0 = the initial checkpoint)
 
     @property
     def p_hat(self) -> float:

@@ -5,6 +5,7 @@
             sample prompts; generate G responses each                                             # vLLM engines
             score them: R = R_acc (verifier) + R_len (Eq. 8)                                      # reward pool
             keep groups with 0 < p_hat < 1                                                        # DAPO filter
+        [staleness 1: meanwhile the engines already generate the next step's batch]              # overlap
         A = group z-scores of R (Eq. 3); A~ = lambda * A where correct and p_hat < tau (Eq. 14)   # <- DAA is HERE
         pi_old = the policy's log-probs of the sampled tokens (or the engines', if configured)
         mini-batch updates of the clipped surrogate (Eq. 5/9/11) on the Megatron policy
@@ -12,8 +13,11 @@
         log metrics; checkpoint; evaluate
 
 Everything heavy lives elsewhere (``trainer/run.py`` builds and checkpoints the parts, ``trainer/batch.py`` holds the
-batch math); this file is only the schedule. GRPO / DAPO / GSPO differ only through the config's preset:
-no filtering (GRPO/GSPO), the loss aggregation and ratio level (in the policy's loss), and DAA off (all but DA3PO).
+batch math, ``trainer/streaming.py`` the streaming fill and the prefetch thread); this file is only the schedule. The
+dynamic-sampling loop is either the paper's generation rounds (``rollout.mode=rounds``, below) or streaming with abort
+(``rollout.mode=streaming``); ``rollout.staleness=1`` overlaps the next step's generation with this step's training.
+GRPO / DAPO / GSPO differ only through the config's preset: no filtering (GRPO/GSPO), the loss aggregation and ratio
+level (in the policy's loss), and DAA off (all but DA3PO).
 """
 
 from __future__ import annotations
@@ -26,10 +30,16 @@ from da3po_megatron.config import Config
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.faults import fault_point
 from da3po_megatron.trainer.run import Run
+from da3po_megatron.trainer.streaming import Prefetch, StepRollout, stream_batch, token_stats
 
 
 class DynamicSamplingError(RuntimeError):
-    """Dynamic sampling could not fill the batch within algorithm.max_generation_rounds."""
+    """Dynamic sampling could not fill the batch within algorithm.max_generation_rounds; ``stats`` holds the filter's
+    counts and the phase times of the failed step (logged before the run stops)."""
+
+    def __init__(self, message: str, stats: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.stats = dict(stats or {})
 
 
 class PhaseTimer:
@@ -47,9 +57,9 @@ class PhaseTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
-def fill_batch(run: Run, step: int, timer: PhaseTimer) -> tuple[list[B.Group], list[B.Group]]:
-    """Generation rounds until the dynamic-sampling buffer holds the batch; returns (kept batch, all generated)."""
-    cfg, buffer = run.cfg, run.buffer
+def fill_batch(run: Run, step: int) -> StepRollout:
+    """Generation rounds until the dynamic-sampling buffer holds the batch (the paper's dynamic sampling)."""
+    cfg, buffer, timer, weight_step = run.cfg, run.buffer, PhaseTimer(run, step), run.engine_weight_step
     buffer.reset_stats()
     generated: list[B.Group] = []
     t0 = time.perf_counter()
@@ -61,6 +71,8 @@ def fill_batch(run: Run, step: int, timer: PhaseTimer) -> tuple[list[B.Group], l
             completions = run.generate(examples, seed=run.sampling_seed(step, round_))
         with timer("reward"):
             groups = run.score(examples, completions)
+        for g in groups:
+            g.weight_step = weight_step
         generated += groups
         p_hats = [g.p_hat if cfg.algorithm.filter_groups else 0.5 for g in groups]  # 0.5: kept by the filter
         run.totals["kept_groups"] += buffer.add(groups, p_hats)
@@ -77,8 +89,16 @@ def fill_batch(run: Run, step: int, timer: PhaseTimer) -> tuple[list[B.Group], l
             f"{s['dynamic_sampling/generated_groups']:.0f} groups; all-correct "
             f"{s['dynamic_sampling/discarded_all_correct_groups']:.0f}, all-wrong "
             f"{s['dynamic_sampling/discarded_all_wrong_groups']:.0f}). Raise algorithm.max_generation_rounds, lower "
-            "data.train_batch_size, or use easier/harder prompts.")
-    return buffer.take(), generated
+            "data.train_batch_size, or use easier/harder prompts.",
+            {**s, **{f"time/{k}": v for k, v in timer.seconds.items()}})
+    groups = buffer.take()
+    stats = {**buffer.stats(), **token_stats(groups, generated)}
+    return StepRollout(groups, generated, stats, weight_step, timer.seconds)
+
+
+def collect(run: Run, step: int) -> StepRollout:
+    """The batch of ``step``: generation + rewards + dynamic sampling, in rounds or streamed."""
+    return stream_batch(run, step) if run.cfg.rollout.mode == "streaming" else fill_batch(run, step)
 
 
 def train(cfg: Config) -> Run:
@@ -110,14 +130,20 @@ def run_steps(run: Run) -> None:
     for step in range(run.step + 1, cfg.trainer.total_steps + 1):
         t_step, timer = time.perf_counter(), PhaseTimer(run, step)
         with run.stop.abandonable():  # a stop request in phases 1-3 abandons the step (nothing of it is kept)
-            # 1. Generation rounds + rewards + dynamic sampling (DAPO), until the batch is full.
+            # 1. Generation + rewards + dynamic sampling (DAPO) until the batch is full -- or, with staleness 1, the
+            #    batch generated while the previous step trained; then start generating the next one.
             try:
-                groups, generated = fill_batch(run, step, timer)
-            except DynamicSamplingError:  # keep what was measured: the filter's counts say why
-                run.logger.log(step, {**run.buffer.stats(), "dynamic_sampling/failed": 1.0,
-                                      **{f"time/{k}": v for k, v in timer.seconds.items()}})
+                rollout = run.pending.pop(0) if run.pending else collect(run, step)
+            except DynamicSamplingError as e:  # keep what was measured: the filter's counts say why
+                run.logger.log(step, {**e.stats, "dynamic_sampling/failed": 1.0})
                 raise
-            run.engines_idle()  # colocated CUDA: engines sleep while the policy trains (woken by the sync)
+            prefetch = Prefetch(lambda s=step + 1: collect(run, s)) if (
+                cfg.rollout.staleness == 1 and step < cfg.trainer.total_steps) else None
+            if prefetch is None:
+                run.engines_idle()  # colocated CUDA: engines sleep while the policy trains (woken by the sync)
+            groups = rollout.groups
+            for phase, seconds in rollout.phase_seconds.items():
+                timer.seconds[phase] = seconds
 
             # 2. Advantages: group z-scores (Eq. 3), then Direct Advantage Amplification (Eq. 14).
             daa = B.compute_advantages(groups, cfg.algorithm.advantage_eps, cfg.daa.enable, cfg.daa.lambda_,
@@ -127,20 +153,25 @@ def run_steps(run: Run) -> None:
             # 3. pi_old: recomputed by the policy (default) or the engines' sampled-token log-probs.
             batch = B.policy_batch(groups)
             with timer("old_logprobs"):
-                batch, mismatch = run.old_logprobs(batch)
+                batch, mismatch = run.old_logprobs(batch, fresh=rollout.weight_step == step - 1)
 
         # 4. Mini-batch updates with the clipped surrogate on the Megatron policy.
         with timer("train"):
             train_metrics = run.policy.train_step(batch)
         run.check_update(step, train_metrics)  # non-finite loss / gradients: updates skipped; too many in a row: stop
 
-        # 5. New weights into the engines (bucketed stream; prefix cache reset).
+        # 5. New weights into the engines (bucketed stream; prefix cache reset) -- after the next step's
+        #    generation has finished (staleness 1), so weights never change under a running request.
+        if prefetch is not None:
+            next_rollout, timer.seconds["wait_rollout"] = prefetch.join()
+            run.pending.append(next_rollout)
         with timer("weight_sync"):
             sync = run.sync_weights()
+        run.engine_weight_step = step
 
         # 6. Metrics, checkpoint, periodic evaluation.
         run.step_completed(step)
-        metrics = run.step_metrics(groups, generated, daa, mismatch, train_metrics, sync, timer.seconds,
+        metrics = run.step_metrics(rollout, daa, mismatch, train_metrics, sync, timer.seconds,
                                    time.perf_counter() - t_step)
         if run.should_evaluate(step):
             with timer("eval"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import replace
@@ -29,115 +28,17 @@ import torch
 
 from da3po_megatron.algorithms import DynamicSamplingBuffer, tis_weights
 from da3po_megatron.config import Config, to_dict
-from da3po_megatron.data.datasets import Example, PromptDataset, ReadStats, load_prompts
+from da3po_megatron.data.datasets import Example
 from da3po_megatron.data.templates import render_prompt
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.rollout.types import EngineConfig
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.best import BestCheckpoint, save_checkpoint
 from da3po_megatron.trainer.checkpoint import CheckpointManager
-from da3po_megatron.trainer.console import ray_init_kwargs
 from da3po_megatron.trainer.faults import fault_point, poisoned
 from da3po_megatron.trainer.metrics import MetricsLogger
+from da3po_megatron.trainer.prepare import _hostname, _pin, engine_config, init_ray, load_train_data, preflight  # noqa: F401
 from da3po_megatron.trainer.signals import StopSignals
-
-
-def _hostname(_worker: Any = None) -> str:
-    import socket
-
-    return socket.gethostname()
-
-
-def init_ray(cfg: Config) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    if cfg.ray.address == "local":
-        tmp = Path(os.environ.get("DA3PO_RAY_TMP", "/tmp/da3po_ray"))
-        tmp.mkdir(parents=True, exist_ok=True)
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=str(tmp),
-                 num_cpus=max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
-                 **ray_init_kwargs())
-    else:
-        ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
-
-
-def engine_config(cfg: Config) -> EngineConfig:
-    """The training engines' :class:`~da3po_megatron.rollout.EngineConfig`. They return the log-probs of the
-    distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
-    renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
-    ``megatron.policy.loss_setup``)."""
-    r = cfg.rollout
-    return EngineConfig(
-        model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
-        dtype=cfg.model.params_dtype if r.dtype == "auto" else r.dtype,
-        max_model_len=r.max_prompt_length + r.max_response_length,
-        kv_cache_memory_bytes=None if torch.cuda.is_available() else r.kv_cache_memory_bytes,
-        gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed, enable_sleep_mode=r.colocate,
-        logprobs_mode="processed_logprobs")
-
-
-def load_train_data(cfg: Config) -> PromptDataset:
-    d = cfg.data
-    if d.format == "synthetic":
-        from da3po_megatron.data.synthetic import make_synthetic_dataset
-
-        s = d.synthetic
-        return make_synthetic_dataset(s.train_per_bucket, "train", cfg.trainer.seed,
-                                      buckets=range(s.min_digits, s.max_digits + 1))
-    missing = [f for f in d.train_files if not Path(f).exists()]
-    if missing:
-        hint = ""
-        if any(Path(f).name.lower() == "dapo-math-17k.parquet" for f in missing):
-            hint = ("; no downloads happen at run time: fetch it first on a machine with internet, e.g. "
-                    "`huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k --local-dir .` "
-                    "(writes data/dapo-math-17k.parquet), or set data.train_files")
-        raise FileNotFoundError(f"data.train_files: not found: {', '.join(missing)}{hint}")
-    from da3po_megatron.data.datasets import BadRowError
-    from da3po_megatron.trainer.inputs import InputError
-
-    try:
-        if d.format == "dapo":
-            parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row, dedup=d.dedup) for f in d.train_files]
-        else:
-            parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                  on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem,
-                                  dedup=d.dedup)
-                     for f in d.train_files]
-    except BadRowError:
-        raise
-    except (ValueError, OSError) as e:  # an unreadable file (not parquet, not JSON, unsupported suffix)
-        raise InputError(f"data.train_files: {e}") from None
-    for f, part in zip(d.train_files, parts):
-        s = part.stats
-        print(f"data: {f}: {s.rows} rows, {s.kept} prompts"
-              + (f", {s.duplicates} repeated rows dropped (data.dedup)" if s.duplicates else "")
-              + (f", {s.skipped} malformed rows skipped (data.on_bad_row=skip)" if s.skipped else ""), flush=True)
-    if len(parts) == 1:
-        return parts[0]
-    stats = ReadStats(path="+".join(d.train_files), rows=sum(p.stats.rows for p in parts),
-                      kept=sum(p.stats.kept for p in parts), skipped=sum(p.stats.skipped for p in parts),
-                      duplicates=sum(p.stats.duplicates for p in parts))
-    return PromptDataset([ex for p in parts for ex in p], stats, name="+".join(p.name for p in parts))
-
-
-def preflight(cfg: Config) -> None:
-    """Checks that need the model's config.json, before the run writes or starts anything: the parallel sizes divide
-    the model (heads, KV heads, MLP, layers), and the policy's estimated peak memory per rank fits the device
-    (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch`` in ``cfg``)."""
-    from da3po_megatron.megatron.memory import check_policy_memory
-    from da3po_megatron.megatron.model import check_parallel_sizes, load_hf_config
-
-    if not (Path(cfg.model.path) / "config.json").exists():
-        return  # reported with its fix by Run below
-    hf = load_hf_config(cfg.model.path)
-    p = cfg.parallel
-    try:
-        check_parallel_sizes(hf, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
-    except ValueError as e:
-        raise ValueError(f"parallel: {e} ({cfg.model.path}/config.json)") from None
-    cfg.actor.max_tokens_per_microbatch = check_policy_memory(cfg, hf, log=lambda m: print(m, flush=True))
+from da3po_megatron.trainer.streaming import rollout_from_dict, rollout_to_dict
 
 
 class Run:
@@ -156,6 +57,8 @@ class Run:
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
+        self.engine_weight_step = 0  # the policy step whose weights the engines hold (tags every generated group)
+        self.pending: list[Any] = []  # staleness 1: the next step's batch, generated during this step (checkpointed)
         self.totals = {"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
                        "reward_errors": 0, "skipped_updates": 0, "consecutive_skipped_updates": 0}
         from da3po_megatron.rollout.consistency import DRIFT_FLOOR, DriftMonitor
@@ -193,6 +96,7 @@ class Run:
                                          restart_on_failure=cfg.rollout.restart_on_failure)
         print(f"policy ({cfg.policy_world_size} ranks) and {cfg.rollout.num_engines} engine(s) ready in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
+        self.pin_cpus()
         policy_hosts = self.policy.run_on_all(_hostname)
         engine_hosts = [h.get("host", "?") for h in self.rollout.health()]
         print("placement: " + ", ".join(f"policy rank {i} on {h}" for i, h in enumerate(policy_hosts)) + "; "
@@ -235,23 +139,33 @@ class Run:
         exactly what an uninterrupted one would."""
         return (self.cfg.trainer.seed * 1_000_003 + step * 1_009 + round_) % (2**31 - 1)
 
-    def generate(self, examples: list[Example], seed: int) -> list[list[Any]]:
+    def sampling_config(self, seed: int) -> Any:
         from da3po_megatron.rollout import SamplingConfig
+
+        r = self.cfg.rollout
+        return SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length,
+                              seed=seed, apply_chat_template=False, ignore_eos=r.ignore_eos)
+
+    def render_prompts(self, examples: list[Example]) -> list[Any]:
+        return [render_prompt(self.tokenizer, ex.prompt, self.cfg.data.apply_chat_template) for ex in examples]
+
+    def generate(self, examples: list[Example], seed: int) -> list[list[Any]]:
+        """G responses per prompt in one round (an example's ``meta["max_tokens"]`` caps its own responses)."""
         from da3po_megatron.rollout.types import EngineDeadError
 
         r = self.cfg.rollout
-        sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length,
-                                  seed=seed, apply_chat_template=False)
-        prompts = [render_prompt(self.tokenizer, ex.prompt, self.cfg.data.apply_chat_template) for ex in examples]
+        lengths = [ex.meta.get("max_tokens") for ex in examples]
+        prompts, sampling = self.render_prompts(examples), self.sampling_config(seed)
+        max_tokens = lengths if any(x is not None for x in lengths) else None
         try:
-            out = self.rollout.generate(prompts, sampling)
+            out = self.rollout.generate(prompts, sampling, max_tokens=max_tokens)
         except EngineDeadError as e:  # the client restarted the engine but cannot replay weights the policy pushed
-            if not self.cfg.rollout.restart_on_failure:
+            if not r.restart_on_failure:
                 raise
             print(f"warning: {e}; syncing the policy's weights into the restarted engine and generating again",
                   flush=True)
             self.sync_weights()
-            out = self.rollout.generate(prompts, sampling)
+            out = self.rollout.generate(prompts, sampling, max_tokens=max_tokens)
         for ex, comps in zip(examples, out, strict=True):
             if len(comps[0].prompt_token_ids) > r.max_prompt_length:
                 raise ValueError(f"prompt {ex.uid} has {len(comps[0].prompt_token_ids)} tokens, more than "
@@ -259,6 +173,11 @@ class Run:
         return out
 
     def score(self, examples: list[Example], completions: list[list[Any]]) -> list[B.Group]:
+        r = self.cfg.rollout
+        for ex, comps in zip(examples, completions, strict=True):
+            if len(comps[0].prompt_token_ids) > r.max_prompt_length:
+                raise ValueError(f"prompt {ex.uid} has {len(comps[0].prompt_token_ids)} tokens, more than "
+                                 f"rollout.max_prompt_length={r.max_prompt_length}")
         texts = [c.text for cs in completions for c in cs]
         answers = [ex.answer for ex, cs in zip(examples, completions) for _ in cs]
         scored = self.rewards.score_batch(texts, answers, kind=self.cfg.reward.kind)
@@ -274,12 +193,14 @@ class Run:
         return groups
 
     # ------------------------------------------------------------------------------------------------ training
-    def old_logprobs(self, batch: PolicyBatch) -> tuple[PolicyBatch, dict[str, float]]:
+    def old_logprobs(self, batch: PolicyBatch, fresh: bool = True) -> tuple[PolicyBatch, dict[str, float]]:
         """pi_old for the ratio, and the rollout-vs-policy log-prob mismatch of the sampled tokens (logged every step:
         the trainer/engine mismatch problem). With ``actor.use_rollout_logprobs`` only a ``rollout.
         logprob_check_fraction`` sample of responses is recomputed, for the mismatch metric alone. With
         ``algorithm.rollout_correction=tis`` the batch also gets the per-token TIS weights
-        min(pi_old / pi_rollout, tis_cap) that correct for the mismatch, and their ``tis/*`` statistics."""
+        min(pi_old / pi_rollout, tis_cap) that correct for the mismatch, and their ``tis/*`` statistics. ``fresh``:
+        the batch was generated by the policy's current weights (not one step off, ``rollout.staleness=1``); only
+        then does the mismatch measure the sync, and feed the drift alert."""
         import random as _random
 
         from da3po_megatron.rollout.consistency import logprob_diff_metrics
@@ -293,10 +214,10 @@ class Run:
                 return batch, {}
             sub = PolicyBatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx])
             mismatch = logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
-            return batch, {**mismatch, **self.drift.update(self.step + 1, mismatch)}
+            return batch, {**mismatch, **(self.drift.update(self.step + 1, mismatch) if fresh else {})}
         policy_lp = poisoned(self.policy.compute_logprobs(batch), self.step + 1)  # (a no-op outside fault tests)
         mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
-        mismatch.update(self.drift.update(self.step + 1, mismatch))
+        mismatch.update(self.drift.update(self.step + 1, mismatch) if fresh else {})
         weights = None
         if self.cfg.algorithm.rollout_correction == "tis":
             def flat(rows: list[list[float]]) -> torch.Tensor:
@@ -356,17 +277,36 @@ class Run:
         if self.weight_transfer == "ipc":
             self.rollout.sleep(level=2)
 
+    def pin_cpus(self) -> None:
+        """Placement for overlap: engines on ``ray.engine_cpus``, policy ranks on ``ray.policy_cpus`` (disjoint cores:
+        generation and training never compete for one). Prints the resulting affinity."""
+        r = self.cfg.ray
+        for name, spec in (("policy_cpus", r.policy_cpus), ("engine_cpus", r.engine_cpus)):
+            try:
+                if name == "policy_cpus":
+                    cores = self.policy.run_on_all(_pin, spec) if spec else []
+                else:
+                    cores = self.rollout.call_all("pin_cpus", spec) if spec else []
+            except Exception as e:  # noqa: BLE001 - name the field
+                raise ValueError(f"ray.{name}={spec!r}: {e}") from e
+            if spec:
+                print(f"placement: {name.split('_')[0]} processes pinned to cores {cores}", flush=True)
+
     # ------------------------------------------------------------------------------------------------ metrics
-    def step_metrics(self, groups, generated, daa, mismatch, train_metrics, sync, phase_seconds, step_seconds
+    def step_metrics(self, rollout, daa, mismatch, train_metrics, sync, phase_seconds, step_seconds
                      ) -> dict[str, float]:
         cfg = self.cfg
+        groups, generated = rollout.groups, rollout.generated
         m: dict[str, float] = {}
         m.update(B.group_stats(generated, cfg.rollout.max_response_length, "gen"))
         m.update(B.group_stats(groups, cfg.rollout.max_response_length, "batch"))
         m["acc/mean"] = m.get("gen/acc", 0.0)
         m["reward/mean"] = m.get("gen/reward", 0.0)
-        s = self.buffer.stats()
+        s = rollout.stats
         m.update(s)
+        versions = [g.weight_step for g in groups]
+        m["rollout/weight_step_min"], m["rollout/weight_step_max"] = float(min(versions)), float(max(versions))
+        m["rollout/staleness"] = float(self.step - 1 - min(versions))  # policy step trained from - generating step
         m["gen/rounds"] = s["dynamic_sampling/rounds"]
         m["gen/groups"] = s["dynamic_sampling/generated_groups"]
         m["filter/kept_groups"] = s["dynamic_sampling/kept_groups"]
@@ -417,6 +357,8 @@ class Run:
             "buffer": {**buffer, "groups": [B.group_to_dict(g) for g in buffer["groups"]]},
             "totals": dict(self.totals),
             "drift_baseline": self.drift.baseline,  # the fresh-sync mismatch level, so a resumed run compares alike
+            "engine_weight_step": self.engine_weight_step,
+            "pending": [rollout_to_dict(r) for r in self.pending],
             "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()},
             "config": to_dict(self.cfg),
         }
@@ -462,10 +404,14 @@ class Run:
             B.group_from_dict(g) if isinstance(g, dict) else g for g in groups]})
         self.totals = {**self.totals, **state["totals"]}
         self.drift.baseline = state.get("drift_baseline", self.drift.baseline)
+        # staleness 1: the next step's batch was complete when this checkpoint was written (the loop joins the
+        # prefetch before the weight sync and the checkpoint); it is saved and trained on as is after a resume
+        self.pending = [rollout_from_dict(r) for r in state.get("pending", [])]
         random.setstate(tuple(state["rng"]["python"]))
         set_numpy_rng_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         self.sync_weights()  # the engines start from the HF weights; give them the checkpoint's
+        self.engine_weight_step = self.step
         print(f"resumed from {path} at step {self.step} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     # ------------------------------------------------------------------------------------------------ preemption

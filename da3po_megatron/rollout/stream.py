@@ -1,0 +1,146 @@
+"""Per-request streaming with abort on one engine: the ``stream`` / ``stream_abort_all`` methods of
+:class:`~da3po_megatron.rollout.engine.VLLMEngine` (mixed in), used by streaming dynamic sampling
+(``rollout.mode=streaming``, driven by ``trainer/streaming.py``).
+
+It runs vLLM's own request-level engine loop (``LLMEngine.add_request`` / ``step`` / ``abort_request``, what
+``LLM.generate`` runs inside) for a bounded number of engine steps per call, so the driver adds and aborts requests
+between calls while the engine batches continuously. Why not ``AsyncLLM``: in vLLM 0.32 it always runs its engine core
+in another process (``AsyncMPClient``; ~20 s start-up on CPU against ~3 s in-process) and its batches depend on
+request arrival times, so seeded sampling would no longer be reproducible; here an engine's batches depend only on the
+sequence of calls it receives. The asynchrony lives across engines (one Ray actor each) and between the driver and its
+engines. Each sample of a group is its own request with seed ``seed_for(prompt) + j``, the seed vLLM's ``n`` fan-out
+gives sample j, so a group samples what ``generate`` samples. Left out on purpose: partial rollouts (aborted requests
+are thrown away, never resumed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from da3po_megatron.rollout.types import Completion, RolloutError, SamplingConfig
+
+
+def seed_for(sampling: SamplingConfig, prompt_index: int) -> int | None:
+    """Request seed of prompt ``prompt_index``: ``seed + i * n`` (vLLM adds the sample index for each of the n)."""
+    return None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
+
+
+def _delta_kind():
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.DELTA
+
+
+class _StreamGroup:
+    """The n requests of one streamed group: tokens, log-probs and text accumulated from vLLM's delta outputs."""
+
+    def __init__(self, index: int, prompt_ids: list[int], n: int) -> None:
+        self.index, self.prompt_ids, self.n = index, prompt_ids, n
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.reasons = [""] * n
+        self.finished = [False] * n
+        self.decoded = 0
+
+    def extend(self, j: int, sample: Any, finished: bool, logprobs: bool) -> int:
+        new = list(sample.token_ids)
+        self.tokens[j] += new
+        if logprobs and sample.logprobs:
+            self.logprobs[j] += [float(step[t].logprob) for t, step in zip(new, sample.logprobs)]
+        self.texts[j].append(sample.text)
+        if finished:
+            self.finished[j], self.reasons[j] = True, str(sample.finish_reason)
+        self.decoded += len(new)
+        return len(new)
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+
+class StreamingMixin:
+    """``stream`` / ``stream_abort_all`` for an engine holding ``self.llm`` (a ``vllm.LLM``), ``self._streams``,
+    ``self._stale``, ``self.engine_index``, ``self.generated_tokens`` and ``prompt_token_ids`` / ``sampling_params``."""
+
+    def stream(self, submit: list[tuple[str, Any, int, int | None]], sampling: SamplingConfig,
+               abort: list[str] | None = None, max_steps: int = 16) -> dict[str, Any]:
+        """Add groups, abort groups, then run engine steps until a group finishes or ``max_steps`` steps ran.
+
+        ``submit``: ``(key, prompt, prompt_index, max_tokens or None)`` per group; its ``sampling.n`` samples are
+        requests ``key/j`` seeded ``seed_for(sampling, prompt_index) + j``. ``abort``: group keys to drop (their decoded
+        tokens are reported, their samples never). Returns ``{"finished": [(key, [Completion] * n)], "aborted":
+        {key: decoded tokens}, "running": groups still unfinished, "decoded": tokens decoded by this call}``.
+        """
+        sampling.validate()
+        if self._stale:
+            raise RolloutError(self._stale)
+        eng = self.llm.llm_engine
+        aborted = self._stream_abort(abort or [])
+        for key, prompt, index, max_tokens in submit:
+            if key in self._streams:
+                raise RolloutError(f"engine {self.engine_index}: stream group {key!r} is already running")
+            ids = self.prompt_token_ids(prompt, sampling.apply_chat_template)
+            group = self._streams[key] = _StreamGroup(index, ids, sampling.n)
+            base = seed_for(sampling, index)
+            for j in range(sampling.n):
+                params = self.sampling_params(replace(sampling, n=1), index)
+                params.seed = None if base is None else base + j
+                params.output_kind = _delta_kind()
+                if max_tokens is not None:
+                    params.max_tokens = int(max_tokens)
+                eng.add_request(f"{key}/{j}", {"prompt_token_ids": ids}, params)
+            del group
+        finished: list[tuple[str, list[Completion]]] = []
+        decoded = steps = 0
+        while not finished and steps < max_steps and eng.has_unfinished_requests():
+            steps += 1
+            for out in eng.step():
+                key, _, j = out.request_id.rpartition("/")
+                group = self._streams.get(key)
+                if group is None:  # a request aborted in this call may still report its last tokens
+                    continue
+                decoded += group.extend(int(j), out.outputs[0], out.finished, sampling.logprobs)
+                if group.done:
+                    finished.append((key, self._stream_completions(key, self._streams.pop(key), sampling)))
+        self.generated_tokens += decoded
+        return {"finished": finished, "aborted": aborted, "running": len(self._streams), "decoded": decoded}
+
+    def stream_abort_all(self) -> dict[str, Any]:
+        """Abort every running stream group; ``{"aborted": {key: decoded tokens}, "running": 0}`` (the engine is idle
+        afterwards: RolloutError if vLLM still holds requests)."""
+        aborted = self._stream_abort(list(self._streams))
+        eng = self.llm.llm_engine
+        steps = 0
+        while eng.has_unfinished_requests() and steps < 4:  # let the engine core drop the aborted requests
+            eng.step()
+            steps += 1
+        left = eng.get_num_unfinished_requests()
+        if left:
+            raise RolloutError(f"engine {self.engine_index}: {left} requests still running after abort")
+        return {"aborted": aborted, "running": len(self._streams)}
+
+    def _stream_abort(self, keys: list[str]) -> dict[str, int]:
+        out, ids = {}, []
+        for key in keys:
+            group = self._streams.pop(key, None)
+            if group is None:
+                continue
+            out[key] = group.decoded
+            ids += [f"{key}/{j}" for j in range(group.n) if not group.finished[j]]
+        if ids:
+            self.llm.llm_engine.abort_request(ids)
+        return out
+
+    def _stream_completions(self, key: str, group: _StreamGroup, sampling: SamplingConfig) -> list[Completion]:
+        comps = []
+        for j in range(group.n):
+            tokens, lps = group.tokens[j], group.logprobs[j]
+            if sampling.logprobs and len(lps) != len(tokens):
+                raise RolloutError(f"engine {self.engine_index}: stream group {key!r} sample {j}: log-probs missing "
+                                   f"for some of its {len(tokens)} tokens")
+            comps.append(Completion(prompt_index=group.index, sample_index=j, prompt_token_ids=list(group.prompt_ids),
+                                    token_ids=tokens, text="".join(group.texts[j]), logprobs=lps,
+                                    finish_reason=group.reasons[j], num_tokens=len(tokens)))
+        return comps

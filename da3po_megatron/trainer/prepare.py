@@ -1,0 +1,119 @@
+"""Building a run's parts before the :class:`~da3po_megatron.trainer.run.Run` exists: Ray start-up, the engine
+config, the training data (read and checked before any actor starts) and the memory/parallel-size preflight."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from da3po_megatron.config import Config
+from da3po_megatron.data.datasets import PromptDataset, ReadStats, load_prompts
+from da3po_megatron.rollout.types import EngineConfig
+from da3po_megatron.trainer.console import ray_init_kwargs
+
+
+def _pin(_worker: Any, spec: str) -> list[int]:
+    from da3po_megatron.affinity import pin_process
+
+    return pin_process(spec)
+
+
+def _hostname(_worker: Any = None) -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cfg.ray.address == "local":
+        tmp = Path(os.environ.get("DA3PO_RAY_TMP", "/tmp/da3po_ray"))
+        tmp.mkdir(parents=True, exist_ok=True)
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=str(tmp),
+                 num_cpus=max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
+                 **ray_init_kwargs())
+    else:
+        ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
+
+
+def engine_config(cfg: Config) -> EngineConfig:
+    """The training engines' :class:`~da3po_megatron.rollout.EngineConfig`. They return the log-probs of the
+    distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
+    renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
+    ``megatron.policy.loss_setup``)."""
+    r = cfg.rollout
+    return EngineConfig(
+        model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
+        dtype=cfg.model.params_dtype if r.dtype == "auto" else r.dtype,
+        max_model_len=r.max_prompt_length + r.max_response_length,
+        kv_cache_memory_bytes=None if torch.cuda.is_available() else r.kv_cache_memory_bytes,
+        gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed, enable_sleep_mode=r.colocate,
+        logprobs_mode="processed_logprobs")
+
+
+def load_train_data(cfg: Config) -> PromptDataset:
+    d = cfg.data
+    if d.format == "synthetic":
+        from da3po_megatron.data.synthetic import make_synthetic_dataset
+
+        s = d.synthetic
+        return make_synthetic_dataset(s.train_per_bucket, "train", cfg.trainer.seed,
+                                      buckets=range(s.min_digits, s.max_digits + 1))
+    missing = [f for f in d.train_files if not Path(f).exists()]
+    if missing:
+        hint = ""
+        if any(Path(f).name.lower() == "dapo-math-17k.parquet" for f in missing):
+            hint = ("; no downloads happen at run time: fetch it first on a machine with internet, e.g. "
+                    "`huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k --local-dir .` "
+                    "(writes data/dapo-math-17k.parquet), or set data.train_files")
+        raise FileNotFoundError(f"data.train_files: not found: {', '.join(missing)}{hint}")
+    from da3po_megatron.data.datasets import BadRowError
+    from da3po_megatron.trainer.inputs import InputError
+
+    try:
+        if d.format == "dapo":
+            parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row, dedup=d.dedup) for f in d.train_files]
+        else:
+            parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                  on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem,
+                                  dedup=d.dedup)
+                     for f in d.train_files]
+    except BadRowError:
+        raise
+    except (ValueError, OSError) as e:  # an unreadable file (not parquet, not JSON, unsupported suffix)
+        raise InputError(f"data.train_files: {e}") from None
+    for f, part in zip(d.train_files, parts):
+        s = part.stats
+        print(f"data: {f}: {s.rows} rows, {s.kept} prompts"
+              + (f", {s.duplicates} repeated rows dropped (data.dedup)" if s.duplicates else "")
+              + (f", {s.skipped} malformed rows skipped (data.on_bad_row=skip)" if s.skipped else ""), flush=True)
+    if len(parts) == 1:
+        return parts[0]
+    stats = ReadStats(path="+".join(d.train_files), rows=sum(p.stats.rows for p in parts),
+                      kept=sum(p.stats.kept for p in parts), skipped=sum(p.stats.skipped for p in parts),
+                      duplicates=sum(p.stats.duplicates for p in parts))
+    return PromptDataset([ex for p in parts for ex in p], stats, name="+".join(p.name for p in parts))
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that need the model's config.json, before the run writes or starts anything: the parallel sizes divide
+    the model (heads, KV heads, MLP, layers), and the policy's estimated peak memory per rank fits the device
+    (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch`` in ``cfg``)."""
+    from da3po_megatron.megatron.memory import check_policy_memory
+    from da3po_megatron.megatron.model import check_parallel_sizes, load_hf_config
+
+    if not (Path(cfg.model.path) / "config.json").exists():
+        return  # reported with its fix by Run below
+    hf = load_hf_config(cfg.model.path)
+    p = cfg.parallel
+    try:
+        check_parallel_sizes(hf, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    except ValueError as e:
+        raise ValueError(f"parallel: {e} ({cfg.model.path}/config.json)") from None
+    cfg.actor.max_tokens_per_microbatch = check_policy_memory(cfg, hf, log=lambda m: print(m, flush=True))
