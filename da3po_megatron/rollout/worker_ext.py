@@ -9,7 +9,8 @@ One update is a session, the same one vLLM's own weight-transfer engines run (``
 1. :meth:`da3po_begin_weight_update` -- ``initialize_layerwise_reload``: each layer's kernel tensors are remembered
    and its weight loaders wrapped, so a layer is (re)processed once all of its checkpoint tensors arrived. Layers
    that hold only non-persistent buffers (RoPE's ``cos_sin_cache``: derived from the config, never in a checkpoint)
-   expect nothing (see :func:`_expect_nothing_from_derived_layers`);
+   expect nothing (see :func:`_expect_nothing_from_derived_layers`), and so does a tied output head, which receives
+   no tensor of its own (:func:`tied_followers`);
 2. :meth:`da3po_load_bucket` -- ``model.load_weights`` on the tensors of one bucket (any number of buckets; a layer
    whose tensors straddle two buckets waits for the second);
 3. :meth:`da3po_finish_weight_update` -- ``finalize_layerwise_reload``, the tied layers refreshed
@@ -85,6 +86,31 @@ def _expect_nothing_from_derived_layers(model) -> int:
     return n
 
 
+def tied_followers(model) -> list:
+    """The layers whose every parameter is a Parameter another layer owns under its canonical name (a tied model's
+    output head: ``named_parameters`` lists the shared embedding weight once, under the embedding). Called before a
+    reload session starts, while the layers still share the Parameter objects."""
+    canonical = {id(p) for _, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    followers = []
+    for mname, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        if own and all(id(p) in canonical and names[id(p)] != f"{mname}.{n}" for n, p in own):
+            followers.append(module)
+    return followers
+
+
+def _expect_nothing_from_tied_followers(followers: list) -> None:
+    """A tied head receives no tensor (the checkpoint's ``lm_head.weight`` is skipped; the embedding's tensor lands in
+    the shared Parameter), so its layer would wait for a load that never comes and finalize would log
+    "ParallelLMHead: Failed to load weights". With nothing expected, finalize puts its kernel tensors (the shared
+    Parameter) back without the warning; :func:`refresh_tied_layers` then re-derives what it computed from them."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    for layer in followers:
+        get_layerwise_info(layer).load_numel_total = 0
+
+
 def refresh_tied_layers(model, loaded: set[str]) -> list[str]:
     """Re-run ``quant_method.process_weights_after_loading`` on layers that share a Parameter with another layer and
     had none of their own names in ``loaded`` (the tied output head); returns the refreshed layers' names."""
@@ -118,9 +144,11 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
         if getattr(self, "_da3po_session", None) is not None:
             raise RuntimeError("a weight update session is already open on this worker (begin called twice)")
         model = self._da3po_model()
+        followers = tied_followers(model)
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         _expect_nothing_from_derived_layers(model)
+        _expect_nothing_from_tied_followers(followers)
         self._da3po_session = {"loaded": set(), "bytes": 0, "t0": time.perf_counter()}
 
     def da3po_load_bucket(self, payload) -> dict:
