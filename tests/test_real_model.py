@@ -130,7 +130,7 @@ def test_short_rl_run_keeps_the_rollout_policy_mismatch_at_the_fresh_sync_level(
            "rollout.max_prompt_length=96", "rollout.max_response_length=20", "algorithm.overlong.enable=false",
            "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "actor.max_tokens_per_microbatch=512",
            "optim.lr=1e-5", "algorithm.max_generation_rounds=4", "eval.every=0", "trainer.tensorboard=false",
-           "trainer.total_steps=3", "trainer.save_every=0",
+           "trainer.total_steps=2", "trainer.save_every=0",
            "rollout.weight_sync_bucket_mb=128"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "DA3PO_RAY_LOG_TO_DRIVER": "0"}
@@ -139,12 +139,13 @@ def test_short_rl_run_keeps_the_rollout_policy_mismatch_at_the_fresh_sync_level(
     assert p.returncode == 0, p.stderr[-4000:]
     assert "memory: policy peak memory per rank ~" in p.stdout  # the estimate is printed before anything starts
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert [r["step"] for r in recs] == [1, 2]
     diffs = [r["rollout/logprob_diff_mean"] for r in recs]
     print("pass rates", [r["gen/acc"] for r in recs], "mismatch mean", diffs,
           "max", [r["rollout/logprob_diff_max"] for r in recs])
-    # step 1 samples from the engine's own load of the checkpoint: the fresh level (fp32: ~1e-6..1e-5); steps 2-3
-    # sample after in-memory syncs of a tied model, which must stay there (the tied-sync bug: 1e-5 -> 1.5e-4 -> 2.4e-4)
+    # step 1 samples from the engine's own load of the checkpoint: the fresh level (fp32: ~1e-6..1e-5); step 2
+    # samples after an in-memory sync of a tied model, which must stay there (the tied-sync bug: 1e-5 -> 1.5e-4 at
+    # step 2 -> 2.4e-4 at step 3)
     assert diffs[0] < 1e-4
     assert all(d <= max(3 * diffs[0], 2e-5) for d in diffs[1:]), diffs
     assert all(r["dynamic_sampling/kept_groups"] >= 2 for r in recs)

@@ -112,6 +112,11 @@ def reference(model, tmp_path_factory):
     assert p.returncode == 0, tail(p)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # DA3PO at work (this is the suite's, and CI's, DA3PO run): dynamic sampling fills the 4-group batch, over
+    # several rounds when groups are filtered, and DAA fires
+    assert all(r["dynamic_sampling/kept_groups"] >= 4 for r in rows)
+    assert any(r["dynamic_sampling/rounds"] >= 2 for r in rows) or any(r["filter/frac_filtered"] > 0 for r in rows)
+    assert any(r["daa/activation_frac"] > 0 for r in rows)
     print(f"reference run: {seconds:.1f} s")
     return rows
 

@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from da3po_megatron.rollout.engine import VLLMEngine, engine_env
-from da3po_megatron.rollout.types import Completion, EngineConfig, EngineDeadError, RolloutError, SamplingConfig
+from da3po_megatron.rollout.types import (
+    Completion,
+    EngineConfig,
+    EngineDeadError,
+    RolloutError,
+    SamplingConfig,
+    checked_weights,
+)
 
 MiB = 2**20
 
@@ -44,16 +51,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     storages: set[int] = set()
-    seen: set[str] = set()
-    for name, tensor in named_tensors:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if name in seen:
-            raise ValueError(f"weight {name!r} appears twice in one update")
-        seen.add(name)
-        t = tensor.detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
+    for name, t in checked_weights(named_tensors, dtype):
         t = t.to("cpu").contiguous()
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:

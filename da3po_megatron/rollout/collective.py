@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from da3po_megatron.rollout.types import checked_weights
+
 ALIGN = 64
 _HEADER_BUCKET, _HEADER_END = 1, 0
 
@@ -128,16 +130,7 @@ def iter_flat_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_
     buf: torch.Tensor | None = None
     meta: list[list] = []
     off = 0
-    seen: set[str] = set()
-    for name, tensor in named_tensors:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if name in seen:
-            raise ValueError(f"weight {name!r} appears twice in one update")
-        seen.add(name)
-        t = tensor.detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
+    for name, t in checked_weights(named_tensors, dtype):
         nb = t.numel() * t.element_size()
         if buf is not None and off + nb > buf.numel():
             yield buf[:off], meta

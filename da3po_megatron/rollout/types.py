@@ -167,3 +167,20 @@ class Completion:
     """"stop" (EOS or a stop string) or "length" (hit max_tokens: DAPO's overlong case)."""
     num_tokens: int
     """len(token_ids)."""
+
+
+def checked_weights(named_tensors, dtype=None):
+    """The (name, tensor) pairs of one weight update, detached and cast to ``dtype`` (floating tensors, when given);
+    raises naming the weight on a non-tensor or a repeated name. Every transport packs this stream (bytes buckets,
+    collective and IPC flat buffers)."""
+    import torch
+
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if name in seen:
+            raise ValueError(f"weight {name!r} appears twice in one update")
+        seen.add(name)
+        t = tensor.detach()
+        yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() else t)
