@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from _policy_job import ADVANTAGES, small_policy
+from _policy_job import ADVANTAGES, finish, small_policy
 
 from da3po_megatron.bridge.export import export_policy
 from da3po_megatron.megatron.batching import PolicyBatch
@@ -51,11 +49,7 @@ def main() -> int:
         if i + 1 < len(args.hf):
             del w
             gc.collect()
-    if dist.get_rank() == 0:
-        (out / "result.json").write_text(json.dumps(res))
-    dist.barrier()
-    w.shutdown()
-    return 0
+    return finish(w, res, str(out / "result.json"))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,12 @@ Only for small models: exports are written as whole tensors with ``--export``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _policy_job import finish
 
 from da3po_megatron.config import algorithm_config, standalone_policy_config
 from da3po_megatron.megatron.batching import PolicyBatch
@@ -83,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         f"actor.max_tokens_per_microbatch={args.max_tokens}", "actor.ppo_mini_batch_size=512",
         "data.train_batch_size=512", "trainer.seed=1234"])
     w = PolicyWorker(cfg)
-    rank = dist.get_rank()
     res: dict = {"info": w.info(), "hf_loaded": bool(args.load_hf and load_policy_hf(w, args.hf))}
     if args.load_hf and not res["hf_loaded"]:
         raise RuntimeError(f"--load-hf: the HF weights in {args.hf} were not loaded")
@@ -147,11 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         w.set_loss(algorithm_config(algorithm))
         w.load_model(args.base)
         res["algorithms"][algorithm] = w.train_step(train)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
-    w.shutdown()
-    return 0
+    return finish(w, res, args.out)
 
 
 if __name__ == "__main__":

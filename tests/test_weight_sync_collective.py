@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from _weight_sync import hf_max_diff, policy_group, train_on
 
 from da3po_megatron.rollout import EngineConfig, RolloutClient, RolloutError, SamplingConfig
 from da3po_megatron.rollout.collective_transport import CollectiveTransport, StreamSender
@@ -44,39 +45,9 @@ def client(ray_session, dirs):
     c.shutdown()
 
 
-def policy_group(hf_dir: str, tp: int = 1, pp: int = 1):
-    from da3po_megatron.bridge.export import load_policy_hf
-    from da3po_megatron.config import standalone_policy_config
-    from da3po_megatron.megatron.actor_group import PolicyGroup
-
-    cfg = standalone_policy_config(hf_dir, ["model.params_dtype=float32", f"parallel.tensor_model_parallel_size={tp}",
-                                            f"parallel.pipeline_model_parallel_size={pp}",
-                                            "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10",
-                                            "actor.ppo_mini_batch_size=512", "data.train_batch_size=512",
-                                            "actor.loss_backend=torch", "trainer.seed=1234"])
-    group = PolicyGroup(cfg, world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
-    assert all(group.run_on_all(load_policy_hf, hf_dir))  # the HF weights, through the bridge
-    return group
-
-
-def hf_max_diff(hf_dir: str, groups) -> float:
-    """Max |engine log-prob - transformers teacher-forced log-prob| under the checkpoint in ``hf_dir``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    worst = 0.0
-    for group in groups:
-        for c in group:
-            with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([c.prompt_token_ids + c.token_ids])).logits[0], -1)
-            p = len(c.prompt_token_ids)
-            ref = logp[p - 1:-1].gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
 
 
 def test_pp2_policy_collective_sync_matches_megatron_then_follows_a_train_step(client, dirs):
-    from da3po_megatron.megatron.batching import PolicyBatch
 
     group = policy_group(dirs[1], pp=2)
     transport = CollectiveTransport(group.run_on_all, num_stages=2, timeout_s=120)
@@ -91,10 +62,7 @@ def test_pp2_policy_collective_sync_matches_megatron_then_follows_a_train_step(c
         assert m["rollout/logprob_diff_max"] < TOL and m["rollout/logprob_diff_responses"] == 2 * len(PROMPTS)
         assert hf_max_diff(dirs[1], out) < TOL  # tied head included: equal to the checkpoint the policy loaded
 
-        flat = [c for g in out for c in g]
-        group.train_step(PolicyBatch(prompt_ids=[c.prompt_token_ids for c in flat],
-                                     response_ids=[c.token_ids for c in flat], old_logprobs=[c.logprobs for c in flat],
-                                     advantages=[1.0 if c.sample_index == 0 else -1.0 for c in flat]))
+        train_on(group, out)
         assert check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"] > 1e-3
         generation = transport.generation
         stats = transport.sync(client, bucket_mb=0.05)
