@@ -47,7 +47,7 @@ class PolicyGroup:
     def __init__(self, cfg: Config, world_size: int, *, num_cpus_per_rank: float = 1,
                  num_gpus_per_rank: float | None = None, placement: str | None = None,
                  env: dict[str, str] | None = None, name_prefix: str | None = None,
-                 start_timeout_s: float = 600.0) -> None:
+                 start_timeout_s: float = 600.0, wait: bool = True) -> None:
         import ray
 
         from da3po_megatron.megatron.policy import validate_config
@@ -87,23 +87,35 @@ class PolicyGroup:
                 o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=rank)
             self.actors.append(actor_cls.options(**o).remote())
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
+        self.infos: list[dict] = []
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> PolicyGroup:
+        """Rendezvous and initialise every rank (process groups, model, optimizer); blocks until all are ready.
+        With ``wait=False`` the constructor only schedules the actors -- their resources are requested in order --
+        so the caller can start the engines while the ranks import megatron-core and build the model."""
+        if self.infos:
+            return self
         addr, port = self._gather([(0, self.actors[0].rendezvous_address.remote())], "rendezvous")[0]
         self.master_addr, self.master_port = addr, port
         self.infos = self._gather(
-            [(r, a.init.remote(cfg, rank=r, world_size=world_size, master_addr=addr, master_port=port))
+            [(r, a.init.remote(self.cfg, rank=r, world_size=self.world_size, master_addr=addr, master_port=port))
              for r, a in enumerate(self.actors)], "init")
-        self.start_seconds = time.perf_counter() - t0
+        self.start_seconds = time.perf_counter() - self._t0
+        return self
 
     # ------------------------------------------------------------------ construction from the run config
     @classmethod
-    def from_config(cls, cfg: Any) -> PolicyGroup:
-        """Build from the run config, with its ``ray`` section's resources and placement."""
+    def from_config(cls, cfg: Any, wait: bool = True) -> PolicyGroup:
+        """Build from the run config, with its ``ray`` section's resources and placement (``wait``: see
+        :meth:`wait_ready`)."""
         return cls(cfg, cfg.policy_world_size,
                    num_cpus_per_rank=cfg.ray.num_cpus_per_policy_rank,
                    num_gpus_per_rank=cfg.ray.num_gpus_per_policy_rank,
                    placement="strict_spread" if cfg.ray.spread_policy_nodes else None,
-                   name_prefix=None)
+                   name_prefix=None, wait=wait)
 
     # ------------------------------------------------------------------ plumbing
     def _gather(self, pending: list[tuple[int, Any]], method: str) -> list[Any]:

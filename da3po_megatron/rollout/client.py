@@ -157,12 +157,13 @@ class RolloutClient:
     def ray(cls, config: EngineConfig, num_engines: int = 1, *, num_cpus_per_engine: float = 1,
             num_gpus_per_engine: float | None = None, placement_group: Any = None,
             placement_bundle_offset: int = 0, restart_on_failure: bool = False, name_prefix: str | None = None,
-            env: dict[str, str] | None = None) -> RolloutClient:
+            env: dict[str, str] | None = None, wait: bool = True) -> RolloutClient:
         """One Ray actor per engine. Ray must already be initialised (``ray.init``).
 
         ``num_gpus_per_engine`` defaults to ``tensor_parallel_size`` with CUDA and 0 without. With a
         ``placement_group``, engine i takes bundle ``placement_bundle_offset + i``. ``restart_on_failure``: restart a
-        dead engine, replay the last synced weights into it and retry its prompts once.
+        dead engine, replay the last synced weights into it and retry its prompts once. ``wait=False``: return once
+        the actors are scheduled (they start in the background); :meth:`wait_ready` blocks until every engine answers.
         """
         import ray
 
@@ -177,11 +178,14 @@ class RolloutClient:
                        placement_group=placement_group, bundle_offset=placement_bundle_offset,
                        name_prefix=name_prefix, env=dict(env or {}))
         client = cls(config, [], mode="ray", restart_on_failure=restart_on_failure, actor_options=options)
-        handles = [client._start_actor(i) for i in range(num_engines)]
-        client.engines = handles
-        # wait until every engine answers (surfaces start-up failures with the engine's name)
-        client._gather([(i, h.health.remote()) for i, h in enumerate(handles)], "start-up")
-        return client
+        client.engines = [client._start_actor(i) for i in range(num_engines)]
+        return client.wait_ready() if wait else client
+
+    def wait_ready(self) -> RolloutClient:
+        """Block until every engine answers (start-up failures surface with the engine's name)."""
+        if self.mode == "ray":
+            self._gather([(i, h.health.remote()) for i, h in enumerate(self.engines)], "start-up")
+        return self
 
     def _start_actor(self, index: int):
         import ray

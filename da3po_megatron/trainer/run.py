@@ -86,14 +86,18 @@ class Run:
         init_ray(cfg)
         self.stop.install()  # after ray.init, which replaces the SIGTERM handler with one that exits at once
         t0 = time.perf_counter()
-        self.policy = PolicyGroup.from_config(cfg)
-        if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
-            print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
-                  flush=True)
+        # policy ranks and engines start side by side: the ranks' resources are requested first, then the engines',
+        # and each side's start-up (imports, process groups, model build / vLLM's load) overlaps the other's
+        self.policy = PolicyGroup.from_config(cfg, wait=False)
         self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                          num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
-                                         restart_on_failure=cfg.rollout.restart_on_failure)
+                                         restart_on_failure=cfg.rollout.restart_on_failure, wait=False)
+        self.policy.wait_ready()
+        if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
+            print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
+                  flush=True)
+        self.rollout.wait_ready()
         print(f"policy ({cfg.policy_world_size} ranks) and {cfg.rollout.num_engines} engine(s) ready in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         self.pin_cpus()
