@@ -128,3 +128,12 @@ def test_custom_functions_are_checked_at_load_with_a_clear_error(tmp_path, monke
                        ("logprobs", "old_logprobs", "advantages", "mask", "clip_ratio_low", "clip_ratio_high",
                         "ratio_level", "loss_agg_mode", "global_num_tokens", "global_num_seqs"))
     assert fn.__name__ == "policy_loss"
+
+
+def test_the_baseline_of_an_algorithm_is_the_registered_one_with_the_same_preset_but_no_daa():
+    from da3po_megatron.algorithms.registry import baseline_of
+    from da3po_megatron.studies.compare.grid import parse_method
+
+    assert baseline_of("da3po") == "dapo"
+    assert [baseline_of(n) for n in ("grpo", "dapo", "gspo")] == ["grpo", "dapo", "gspo"]
+    assert parse_method("da3po:1.5").baseline == "dapo" and parse_method("grpo:2").baseline == "grpo"

@@ -102,6 +102,17 @@ def get_algorithm(name: str) -> Algorithm:
         raise ValueError(f"unknown algorithm {name!r}; known: {list(ALGORITHMS)}") from None
 
 
+def baseline_of(name: str) -> str:
+    """The registered algorithm that is ``name`` without DAA: the one whose preset equals ``name``'s in every field but
+    ``daa`` (da3po -> dapo); ``name`` itself when it has no DAA or no such algorithm is registered."""
+    a = get_algorithm(name)
+    if not a.daa:
+        return name
+    same = [b.name for b in ALGORITHM_REGISTRY.values()
+            if not b.daa and all(getattr(b, f) == getattr(a, f) for f in PRESET_FIELDS if f != "daa")]
+    return same[0] if same else name
+
+
 def preset_values(name: str) -> dict[str, Any]:
     """``{dotted config field: value}`` of every field the preset of ``name`` decides."""
     a = get_algorithm(name)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from da3po_megatron.algorithms.registry import ALGORITHMS, get_algorithm, preset_override_args
+from da3po_megatron.algorithms.registry import ALGORITHMS, baseline_of, get_algorithm, preset_override_args
 from da3po_megatron.eval.curves import read_metrics
 
 DONE_MARKER = "DONE"
@@ -52,8 +52,8 @@ class Method:
 
     @property
     def baseline(self) -> str:
-        """Label of the same algorithm without DAA (da3po -> dapo)."""
-        return "dapo" if self.algorithm == "da3po" else self.algorithm
+        """Label of the same algorithm without DAA (da3po -> dapo; from the registry's presets)."""
+        return baseline_of(self.algorithm)
 
 
 def parse_method(spec: str) -> Method:
