@@ -96,6 +96,19 @@ def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+MAX_MODEL_LEN = 256  # the bench generates a few short probes: a small KV cache leaves the memory to the weights
+
+
+def kv_cache_bytes(model: str, args) -> int:
+    """``--kv-cache-mb``, raised to what one MAX_MODEL_LEN sequence of ``model`` needs (x2 for vLLM's rounding):
+    a 28-layer Qwen3-0.6B shape needs ~59 MB in float32, more than the tiny model's 32 MiB default."""
+    cfg = json.loads(open(os.path.join(model, "config.json")).read())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+    need = 2 * per_token * MAX_MODEL_LEN * (2 if args.dtype in ("bfloat16", "float16") else 4)
+    return max(args.kv_cache_mb * 2**20, need)
+
+
 def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[dict]:
     import torch
 
@@ -104,8 +117,8 @@ def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[d
     from da3po_megatron.rollout.collective_transport import CollectiveTransport, StreamSender
     from da3po_megatron.rollout.weight_sync import hf_state_tensors, save_and_reload, sync_policy_group_to_engines
 
-    client = RolloutClient.ray(EngineConfig(model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_mb * 2**20,
-                                            enable_prefix_caching=False, max_model_len=256), n_engines)
+    client = RolloutClient.ray(EngineConfig(model, dtype=args.dtype, kv_cache_memory_bytes=kv_cache_bytes(model, args),
+                                            enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN), n_engines)
     group = hf = None
     rows: list[dict] = []
     try:
