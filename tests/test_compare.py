@@ -401,6 +401,25 @@ def test_report_on_math_benchmark_keys_has_per_benchmark_columns_hard_benchmarks
         assert (tmp_path / "rep/figures" / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
 
 
+def test_compare_variants_puts_each_variant_beside_the_reference_at_equal_steps_and_samples(tmp_path, capsys):
+    """tools/compare_variants.py: one method run several ways; the second variant is 0.1 better at every eval and
+    generates twice the samples per step, so at equal steps it is better and at the common sample budget it is
+    compared where the reference reached it."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import compare_variants
+
+    for k, jitter in enumerate((0.0, 0.01, -0.01)):
+        write_run(tmp_path / "sync" / f"seed{k}", 8, 10, lambda s, j=jitter: 0.5 + 0.01 * s + j, lambda s: 0.5)
+        write_run(tmp_path / "fast" / f"seed{k}", 8, 20, lambda s, j=jitter: 0.6 + 0.01 * s + j, lambda s: 0.5)
+    assert compare_variants.main([f"sync={tmp_path / 'sync'}", f"fast={tmp_path / 'fast'}"]) == 0
+    out = capsys.readouterr().out
+    assert "the 1 hard ones" in out  # bucket 4 starts below 0.5 (bucket 3 at it)
+    assert "| sync | 3 | step 8 | 58.0 +- 1.0 | - |" in out
+    assert "| fast | 3 | step 8 | 68.0 +- 1.0 | +10.0 (SE 0.8): better |" in out
+    # the common budget is 80 samples: the reference's step 8 and the fast variant's step 4
+    assert "| fast | 3 | 80 samples | 64.0 +- 1.0 | +6.0 (SE 0.8): better |" in out
+
+
 # ---------------------------------------------------------------------------------------------------- real trainer
 
 
