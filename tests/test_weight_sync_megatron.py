@@ -48,7 +48,9 @@ def policy_group(hf_dir: str, tp: int, pp: int = 1):
                                             "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10",
                                             "actor.ppo_mini_batch_size=512", "data.train_batch_size=512",
                                             "actor.loss_backend=torch", "trainer.seed=1234"])
-    group = PolicyGroup(cfg, world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    from da3po_megatron.bridge.hf_config import gpt_arch
+
+    group = PolicyGroup(cfg, gpt_arch(hf_dir), world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
     assert all(group.run_on_all(load_policy_hf, hf_dir))  # the HF weights, through the bridge
     return group
 

@@ -53,7 +53,7 @@ class Run:
         # first: bad inputs fail (InputError / BadRowError, exit 2) before anything is written or started
         dataset = load_train_data(cfg)
         self.tokenizer = load_tokenizer(cfg)  # the model directory's config.json and tokenizer
-        preflight(cfg)  # parallel sizes and memory
+        arch = preflight(cfg)  # the model in Megatron terms (through the bridge); parallel sizes and memory
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
@@ -86,7 +86,7 @@ class Run:
         init_ray(cfg)
         self.stop.install()  # after ray.init, which replaces the SIGTERM handler with one that exits at once
         t0 = time.perf_counter()
-        self.policy = PolicyGroup.from_config(cfg)
+        self.policy = PolicyGroup.from_config(cfg, arch)
         if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
             print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
                   flush=True)
