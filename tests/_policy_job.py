@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from da3po_megatron.bridge.export import load_policy_hf
+from da3po_megatron.bridge.hf_config import gpt_arch
 from da3po_megatron.config import Config, standalone_policy_config
 from da3po_megatron.megatron.policy import PolicyWorker
 
@@ -38,7 +39,7 @@ def small_policy(hf: str, tp: int = 1, pp: int = 1, *, padded_vocab: bool = True
     """The real PolicyWorker on ``hf`` at TP x PP (the rest of WORLD_SIZE: data parallel), lr 1e-4, micro-batches
     of 24 tokens. ``padded_vocab``: make_vocab_size_divisible_by=48 (128 -> 144 columns at TP=1, 192 at TP=2, where
     TP rank 1 holds 32 real and 64 padding columns). ``overrides``: more run-config overrides."""
-    w = PolicyWorker(small_policy_config(hf, tp, pp, padded_vocab=padded_vocab, overrides=overrides))
+    w = PolicyWorker(small_policy_config(hf, tp, pp, padded_vocab=padded_vocab, overrides=overrides), gpt_arch(hf))
     if not load_policy_hf(w, hf):
         raise RuntimeError(f"the HF weights in {hf} were not loaded")
     return w

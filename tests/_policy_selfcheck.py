@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # HF weights in and out through the bridge (a test harness, on its way to tests/: issue 14 item 5)
     from da3po_megatron.bridge.export import export_policy_state, load_policy_hf
+    from da3po_megatron.bridge.hf_config import gpt_arch
 
     backend = "chunked" if args.loss_backend == "kernel" else args.loss_backend
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         f"algorithm.name={args.algorithm}", f"actor.loss_backend={backend}",
         f"actor.max_tokens_per_microbatch={args.max_tokens}", "actor.ppo_mini_batch_size=512",
         "data.train_batch_size=512", "trainer.seed=1234"])
-    w = PolicyWorker(cfg)
+    w = PolicyWorker(cfg, gpt_arch(args.hf))
     res: dict = {"info": w.info(), "hf_loaded": bool(args.load_hf and load_policy_hf(w, args.hf))}
     if args.load_hf and not res["hf_loaded"]:
         raise RuntimeError(f"--load-hf: the HF weights in {args.hf} were not loaded")

@@ -9,6 +9,7 @@ import torch
 def policy_group(hf_dir: str, tp: int = 1, pp: int = 1):
     """A float32 PolicyGroup of tp x pp Ray ranks holding ``hf_dir``'s weights (loaded through the bridge)."""
     from da3po_megatron.bridge.export import load_policy_hf
+    from da3po_megatron.bridge.hf_config import gpt_arch
     from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.actor_group import PolicyGroup
 
@@ -17,7 +18,7 @@ def policy_group(hf_dir: str, tp: int = 1, pp: int = 1):
                                             "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10",
                                             "actor.ppo_mini_batch_size=512", "data.train_batch_size=512",
                                             "actor.loss_backend=torch", "trainer.seed=1234"])
-    group = PolicyGroup(cfg, world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    group = PolicyGroup(cfg, gpt_arch(hf_dir), world_size=tp * pp, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
     assert all(group.run_on_all(load_policy_hf, hf_dir))
     return group
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from da3po_megatron import tiny
 from da3po_megatron.bridge import mapping
+from da3po_megatron.bridge.hf_config import gpt_arch, load_hf_config, rope_theta
 from da3po_megatron.bridge.hf_io import SafetensorsReader, ShardedSafetensorsWriter
-from da3po_megatron.megatron.model import load_hf_config
 
 FAMILIES = [("qwen3", False), ("qwen3", True), ("qwen2", False), ("llama", False)]
 
@@ -39,6 +39,57 @@ def _megatron_names(hf: dict) -> list[str]:
     return names
 
 
+# ----------------------------------------------------------------------------------------- HF config -> GPTArch
+
+
+@pytest.mark.parametrize("family,tied", FAMILIES)
+def test_gpt_arch_reads_each_family_from_its_hf_config_and_survives_json(models, family, tied):
+    from da3po_megatron.megatron.arch import GPTArch
+
+    hf = load_hf_config(models[(family, tied)])
+    a = gpt_arch(models[(family, tied)])
+    assert a == gpt_arch(hf) == gpt_arch(a)
+    assert (a.add_qkv_bias, a.qk_layernorm, a.share_embeddings_and_output_weights) == \
+        (family == "qwen2", family == "qwen3", tied)
+    assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.vocab_size, a.kv_channels) == \
+        (hf["num_hidden_layers"], hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], 32)
+    assert a.num_query_groups == hf["num_key_value_heads"] and a.rotary_base == int(rope_theta(hf))
+    assert GPTArch.from_dict(json.loads(json.dumps(a.to_dict()))) == a  # what travels into checkpoint metadata
+    with pytest.raises(ValueError, match="unknown GPTArch fields"):
+        GPTArch.from_dict({**a.to_dict(), "num_hidden_layers": 2})
+
+
+def test_the_hf_config_reader_names_the_file_and_the_unsupported_feature(models, tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{tmp_path}/config.json: not valid JSON"):
+        gpt_arch(tmp_path)
+    hf = load_hf_config(models[("llama", False)])
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        gpt_arch({**hf, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
+        gpt_arch({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert gpt_arch({**hf, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}).rope_scaling_factor == 8.0
+
+
+def test_the_megatron_package_never_imports_the_bridge_nor_reads_hf_config_keys():
+    """The dependency runs one way (bridge -> megatron): the policy knows a GPTArch, never an HF config."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "da3po_megatron" / "megatron"
+    hf_keys = {"num_hidden_layers", "num_key_value_heads", "intermediate_size", "rms_norm_eps", "tie_word_embeddings",
+               "rope_theta", "rope_scaling", "architectures", "attention_bias", "initializer_range", "head_dim",
+               "max_position_embeddings", "hidden_act", "pad_token_id"}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n.startswith("da3po_megatron.bridge") for n in names), f"{path.name} imports {names}"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert node.value not in hf_keys, f"{path.name} reads the HF config key {node.value!r}"
+
+
 # ----------------------------------------------------------------------------------------- pure mapping
 
 
@@ -48,7 +99,7 @@ def _qkv_hf(heads=8, groups=2, hd=4, hidden=3):
     v = 2000 + torch.arange(groups * hd * hidden, dtype=torch.float32).reshape(groups * hd, hidden)
     cfg = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": hidden, "intermediate_size": 6,
            "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": hd, "vocab_size": 10,
-           "num_hidden_layers": 1}
+           "num_hidden_layers": 1, "rope_theta": 1e6}
     a = "model.layers.0.self_attn."
     return cfg, {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
 
@@ -217,7 +268,7 @@ def test_megatron_logits_equal_transformers_logits_and_export_reproduces_hf(mode
     d = models[(family, tied)]
     hf = load_hf_config(d)
     # make_vocab_size_divisible_by=3 pads 128 -> 129 rows: padding must not change the real logits
-    model = build_gpt_model(d, ModelConfig(params_dtype="float32", make_vocab_size_divisible_by=3)).eval()
+    model = build_gpt_model(gpt_arch(d), ModelConfig(params_dtype="float32", make_vocab_size_divisible_by=3)).eval()
     assert load_hf_weights(model, d) == sum(1 for _ in model.parameters())
     assert model.vocab_size == 129 and not model.embedding.word_embeddings.weight[128:].any()
     ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -241,6 +292,6 @@ def test_loading_into_a_model_of_another_config_names_the_tensor(models, megatro
 
     hf = load_hf_config(models[("qwen3", False)])
     # the HF files hold intermediate_size 128
-    model = build_gpt_model({**hf, "intermediate_size": 96}, ModelConfig(params_dtype="float32"))
+    model = build_gpt_model(gpt_arch({**hf, "intermediate_size": 96}), ModelConfig(params_dtype="float32"))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight.*\(128, 64\).*\(96, 64\)"):
         load_hf_weights(model, models[("qwen3", False)], {**hf, "intermediate_size": 96})

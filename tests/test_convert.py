@@ -98,7 +98,7 @@ def test_unsupported_architecture_fails_before_spawning_with_its_name(tied_qwen3
 
 def test_parallel_sizes_that_do_not_divide_the_model_fail_before_anything_is_written(tied_qwen3, tmp_path, capsys):
     # tied_qwen3: 4 heads, 2 KV heads, 4 layers -> TP=3 and PP=3 cannot work; nothing may be spawned or written
-    for flags, field in ((["--tp", "3"], "num_attention_heads (4)"), (["--pp", "3"], "num_hidden_layers (4)")):
+    for flags, field in ((["--tp", "3"], "num_attention_heads (4)"), (["--pp", "3"], "num_layers (4)")):
         out = tmp_path / f"o{flags[1]}{flags[0]}"
         assert convert.main(["hf-to-megatron", "--hf", str(tied_qwen3), "--out", str(out), *flags]) == 2
         err = capsys.readouterr().err
@@ -106,17 +106,18 @@ def test_parallel_sizes_that_do_not_divide_the_model_fail_before_anything_is_wri
 
 
 def test_check_parallel_sizes_names_the_field_and_the_sizes_that_work():
-    from da3po_megatron.megatron.model import check_parallel_sizes
+    from da3po_megatron.megatron.arch import GPTArch
 
-    smollm2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "num_hidden_layers": 30}
-    check_parallel_sizes(smollm2, 3, 2)
+    smollm2 = GPTArch(num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
+                      num_query_groups=3, kv_channels=64, vocab_size=49152)
+    smollm2.check_parallel_sizes(3, 2)
     with pytest.raises(ValueError, match=r"num_attention_heads \(9\) is not divisible by tensor_model_parallel_size "
                                          r"\(2\); sizes that divide this model: \[1, 3\]"):
-        check_parallel_sizes(smollm2, 2, 1)
-    with pytest.raises(ValueError, match=r"num_key_value_heads \(3\).*\(9\)"):
-        check_parallel_sizes(smollm2, 9, 1)
-    with pytest.raises(ValueError, match=r"num_hidden_layers \(30\) is not divisible by pipeline_model_parallel_size"):
-        check_parallel_sizes(smollm2, 1, 4)
+        smollm2.check_parallel_sizes(2, 1)
+    with pytest.raises(ValueError, match=r"num_query_groups \(3\).*\(9\)"):
+        smollm2.check_parallel_sizes(9, 1)
+    with pytest.raises(ValueError, match=r"num_layers \(30\) is not divisible by pipeline_model_parallel_size"):
+        smollm2.check_parallel_sizes(1, 4)
 
 
 def test_verify_tolerance_scales_with_the_logits_depth_and_dtype():

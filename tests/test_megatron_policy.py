@@ -23,6 +23,7 @@ from _policy_job import ADVANTAGES, small_policy_config
 from _policy_selfcheck import fixed_batch, perturbed
 from _ray import local_ray
 
+from da3po_megatron.bridge.hf_config import gpt_arch
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.policy import PolicyWorker, validate_config
 from da3po_megatron.megatron.runtime import free_port
@@ -182,7 +183,7 @@ def test_ray_policy_group_dp2_matches_single_rank_and_loads_other_layouts(runs, 
 
     with local_ray(num_cpus=2):
         cfg = small_policy_config(str(runs["hf"]), world_size=2, padded_vocab=False)
-        group = PolicyGroup(cfg, 2, num_cpus_per_rank=1, placement="pack")
+        group = PolicyGroup(cfg, gpt_arch(runs["hf"]), 2, num_cpus_per_rank=1, placement="pack")
         assert [i["dp_rank"] for i in group.info()] == [0, 1]
         group.load_model(str(runs["base"]))
         prompts, responses = fixed_batch()
@@ -246,17 +247,17 @@ def tiny_hf(tmp_path_factory) -> Path:
         (3, 2, 1, r"world size 3 is not divisible by tensor_model_parallel_size \(2\) x pipeline_model_parallel_size "
                   r"\(1\)"),
         (8, 8, 1, r"num_attention_heads \(4\) is not divisible by tensor_model_parallel_size \(8\)"),
-        (4, 4, 1, r"num_key_value_heads \(2\) is not divisible by tensor_model_parallel_size \(4\)"),
-        (3, 1, 3, r"num_hidden_layers \(2\) is not divisible by pipeline_model_parallel_size \(3\)"),
+        (4, 4, 1, r"num_query_groups \(2\) is not divisible by tensor_model_parallel_size \(4\)"),
+        (3, 1, 3, r"num_layers \(2\) is not divisible by pipeline_model_parallel_size \(3\)"),
     ],
 )
 def test_wrong_parallel_settings_fail_at_start_naming_the_numbers(tiny_hf, world, tp, pp, message):
     import torch.distributed as dist
 
     with pytest.raises(ValueError, match=message):
-        validate_config(_cfg(tiny_hf, tp, pp), world)
+        validate_config(_cfg(tiny_hf, tp, pp), gpt_arch(tiny_hf), world)
     with pytest.raises(ValueError, match=message):  # the worker checks before joining any process group
-        PolicyWorker().init(_cfg(tiny_hf, tp, pp), rank=0, world_size=world, master_port=free_port())
+        PolicyWorker().init(_cfg(tiny_hf, tp, pp), gpt_arch(tiny_hf), rank=0, world_size=world, master_port=free_port())
     assert not dist.is_initialized()
 
 
@@ -461,8 +462,8 @@ def test_fused_linear_with_sequence_parallel_is_refused_at_validation(tiny_hf, m
 
     monkeypatch.setattr(policy, "transformer_config", sequence_parallel)
     with pytest.raises(ValueError, match="fused_linear.*sequence_parallel"):
-        validate_config(_cfg(tiny_hf, overrides=("actor.loss_backend=fused_linear",)), 1)
-    validate_config(_cfg(tiny_hf, overrides=("actor.loss_backend=chunked",)), 1)
+        validate_config(_cfg(tiny_hf, overrides=("actor.loss_backend=fused_linear",)), gpt_arch(tiny_hf), 1)
+    validate_config(_cfg(tiny_hf, overrides=("actor.loss_backend=chunked",)), gpt_arch(tiny_hf), 1)
 
 
 def test_actor_loss_backend_fused_linear_reaches_the_policy():
@@ -514,5 +515,5 @@ def test_loss_backends_are_registered_by_name_and_a_new_one_is_chosen_without_ed
 
 def test_the_policy_world_must_be_the_configured_one(tiny_hf):
     with pytest.raises(ValueError, match=r"world size 2 != .*data_parallel_size \(1\) = 1"):
-        validate_config(_cfg(tiny_hf), 2)
-    validate_config(_cfg(tiny_hf, dp=2), 2)
+        validate_config(_cfg(tiny_hf), gpt_arch(tiny_hf), 2)
+    validate_config(_cfg(tiny_hf, dp=2), gpt_arch(tiny_hf), 2)

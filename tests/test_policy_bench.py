@@ -15,11 +15,13 @@ import bench_train_step  # noqa: E402
 
 
 def test_model_flops_is_6NT_plus_causal_attention():
-    hf = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 128}
+    from da3po_megatron.megatron.arch import GPTArch
+
+    arch = GPTArch(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                   kv_channels=32, vocab_size=128)
     attn = 64 * 32 * (4 + 4) + 4 * 32 * 64
     n = 2 * (attn + 3 * 64 * 128) + 128 * 64
-    assert bench_train_step.model_flops(hf, [10, 20]) == 6 * n * 30 + 6 * 2 * 4 * 32 * (100 + 400)
+    assert bench_train_step.model_flops(arch, [10, 20]) == 6 * n * 30 + 6 * 2 * 4 * 32 * (100 + 400)
 
 
 def test_bench_runs_one_train_step_on_a_tiny_model(tmp_path):

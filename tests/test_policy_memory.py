@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from da3po_megatron.bridge.hf_config import gpt_arch
 from da3po_megatron.config import load_config
 from da3po_megatron.megatron.memory import (
     GiB,
@@ -17,13 +18,14 @@ from da3po_megatron.megatron.memory import (
 
 SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
            "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30, "head_dim": 64,
-           "vocab_size": 49152, "tie_word_embeddings": True}
+           "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0}
+ARCH = gpt_arch(SMOLLM2)  # what the memory estimate reads: the model in Megatron terms
 
 
 def est(**kw):
     args = dict(max_tokens_per_microbatch=1024, max_seq_len=384)
     args.update(kw)
-    return estimate_policy_memory(SMOLLM2, **args)
+    return estimate_policy_memory(ARCH, **args)
 
 
 def test_static_memory_is_weights_grads_and_adam_of_the_rank_shard():
@@ -78,18 +80,18 @@ def test_train_check_prints_refuses_or_lowers_the_budget(tmp_path):
     lines = []
     cfg = _cfg(tmp_path)
     need = est(max_tokens_per_microbatch=4096, loss_backend="kernel").total
-    assert check_policy_memory(cfg, SMOLLM2, available=need * 4, where="test", log=lines.append) == 4096
+    assert check_policy_memory(cfg, ARCH, available=need * 4, where="test", log=lines.append) == 4096
     assert lines[0].startswith("memory: policy peak memory per rank ~")
     with pytest.raises(MemoryBudgetError, match=r"actor.max_tokens_per_microbatch<=\d+ .*actor.memory_check=fit"):
-        check_policy_memory(cfg, SMOLLM2, available=6 * GiB, where="test", log=lines.append)
+        check_policy_memory(cfg, ARCH, available=6 * GiB, where="test", log=lines.append)
     cfg.actor.memory_check = "fit"
-    t = check_policy_memory(cfg, SMOLLM2, available=6 * GiB, where="test", log=lines.append)
+    t = check_policy_memory(cfg, ARCH, available=6 * GiB, where="test", log=lines.append)
     assert 384 <= t < 4096 and "lowering actor.max_tokens_per_microbatch 4096 -> " in lines[-1]
     cfg.actor.memory_check = "warn"
-    assert check_policy_memory(cfg, SMOLLM2, available=GiB, where="test", log=lines.append) == 4096
+    assert check_policy_memory(cfg, ARCH, available=GiB, where="test", log=lines.append) == 4096
     cfg.actor.memory_check = "refuse"
     with pytest.raises(MemoryBudgetError, match="no micro-batch of one longest sequence fits"):
-        check_policy_memory(cfg, SMOLLM2, available=GiB, where="test", log=lines.append)
+        check_policy_memory(cfg, ARCH, available=GiB, where="test", log=lines.append)
 
 
 def test_train_preflight_rejects_parallel_sizes_that_do_not_divide_the_model(tmp_path):

@@ -59,14 +59,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def model_flops(hf: dict, lengths: list[int]) -> float:
-    """6 N T + causal attention FLOPs (forward + backward) of one pass over sequences of the given lengths."""
-    h, layers, inter = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"]
-    heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
-    hd = hf.get("head_dim") or h // heads
+def model_flops(arch, lengths: list[int]) -> float:
+    """6 N T + causal attention FLOPs (forward + backward) of one pass over sequences of the given lengths
+    (``arch``: the model's ``megatron.arch.GPTArch``)."""
+    h, layers, inter = arch.hidden_size, arch.num_layers, arch.ffn_hidden_size
+    heads, groups, hd = arch.num_attention_heads, arch.num_query_groups, arch.kv_channels
     attn = h * hd * (heads + 2 * groups) + heads * hd * h
     mlp = 3 * h * inter
-    n = layers * (attn + mlp) + hf["vocab_size"] * h  # the output layer; the input embedding is a lookup
+    n = layers * (attn + mlp) + arch.vocab_size * h  # the output layer; the input embedding is a lookup
     tokens = sum(lengths)
     return 6.0 * n * tokens + 6.0 * layers * heads * hd * sum(x * x for x in lengths)
 
@@ -76,9 +76,9 @@ def run(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from da3po_megatron.bridge.export import load_policy_hf
+    from da3po_megatron.bridge.hf_config import gpt_arch
     from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.batching import PolicyBatch
-    from da3po_megatron.megatron.model import load_hf_config
     from da3po_megatron.megatron.policy import PolicyWorker
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -97,12 +97,12 @@ def run(args: argparse.Namespace) -> dict:
         f"actor.max_tokens_per_microbatch={args.max_tokens}", "rollout.n=2",
         f"actor.ppo_mini_batch_size={prompts_per_update}", f"data.train_batch_size={prompts_per_update}"])
     t0 = time.perf_counter()
-    w = PolicyWorker(cfg)
+    arch = gpt_arch(args.hf)
+    w = PolicyWorker(cfg, arch)
     load_policy_hf(w, args.hf)
     start_s = time.perf_counter() - t0
-    hf = load_hf_config(args.hf)
     rng = random.Random(0)
-    vocab = min(int(hf["vocab_size"]), 32000)
+    vocab = min(arch.vocab_size, 32000)
     prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     responses = [[rng.randrange(10, vocab) for _ in range(args.response_len)] for _ in range(args.batch)]
     batch = PolicyBatch(prompts, responses)
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
     }
     if cuda:
-        result["mfu"] = round(model_flops(hf, lengths) / (step_s * world * args.peak_tflops * 1e12), 4)
+        result["mfu"] = round(model_flops(arch, lengths) / (step_s * world * args.peak_tflops * 1e12), 4)
     w.shutdown()
     return result
 

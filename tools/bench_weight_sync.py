@@ -136,12 +136,13 @@ def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[d
                         p.add_(1e-3 * (r + 1))
         else:
             from da3po_megatron.bridge.export import load_policy_hf
+            from da3po_megatron.bridge.hf_config import gpt_arch
             from da3po_megatron.config import standalone_policy_config
             from da3po_megatron.megatron.actor_group import PolicyGroup
 
             pcfg = standalone_policy_config(model, ["model.params_dtype=float32",
                                                     f"parallel.tensor_model_parallel_size={args.policy_tp}"])
-            group = PolicyGroup(pcfg, world_size=args.policy_tp, num_cpus_per_rank=1)
+            group = PolicyGroup(pcfg, gpt_arch(model), world_size=args.policy_tp, num_cpus_per_rank=1)
             group.run_on_all(load_policy_hf, model)
             transport = CollectiveTransport(group.run_on_all, num_stages=1)
             n_bytes = 0

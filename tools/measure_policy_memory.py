@@ -30,17 +30,17 @@ def _rss() -> int:
 def _one(args: argparse.Namespace, tokens: int) -> dict:
     import torch
 
+    from da3po_megatron.bridge.hf_config import gpt_arch
     from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.cpu_compat import apply_if_needed
     from da3po_megatron.megatron.memory import estimate_policy_memory
-    from da3po_megatron.megatron.model import load_hf_config
     from da3po_megatron.megatron.policy import PolicyBatch, PolicyWorker
     from da3po_megatron.megatron.runtime import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     apply_if_needed()
-    hf = load_hf_config(args.hf)
+    arch = gpt_arch(args.hf)
     backend = args.loss_backend if args.loss_backend in ("torch", "fused_linear") else "kernel"
     overrides = ["model.params_dtype=float32", f"actor.loss_backend={args.loss_backend}",
                  f"actor.max_tokens_per_microbatch={tokens}", f"actor.logprob_max_tokens_per_microbatch={tokens}",
@@ -51,18 +51,18 @@ def _one(args: argparse.Namespace, tokens: int) -> dict:
         overrides += ["model.recompute_method=uniform", "model.recompute_num_layers=1"]
     cfg = standalone_policy_config(args.hf, overrides)
     base = _rss()
-    w = PolicyWorker(cfg)
+    w = PolicyWorker(cfg, arch)
     after_build = _rss()
     n_seq = max(1, tokens // args.seq_len)
     prompt = args.seq_len // 4
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, int(hf["vocab_size"]), (n_seq, args.seq_len), generator=g).tolist()
+    ids = torch.randint(0, arch.vocab_size, (n_seq, args.seq_len), generator=g).tolist()
     batch = PolicyBatch(prompt_ids=[r[:prompt] for r in ids], response_ids=[r[prompt:] for r in ids])
     batch.old_logprobs = w.compute_logprobs(batch)
     batch.advantages = [(-1.0) ** i for i in range(n_seq)]
     w.train_step(batch)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    est = estimate_policy_memory(hf, max_tokens_per_microbatch=tokens, max_seq_len=args.seq_len,
+    est = estimate_policy_memory(arch, max_tokens_per_microbatch=tokens, max_seq_len=args.seq_len,
                                  recompute_granularity=args.recompute, loss_backend=backend,
                                  temperature_scaled=args.temperature != 1.0, logprob_max_tokens_per_microbatch=tokens)
     measured = peak - base

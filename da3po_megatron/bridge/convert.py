@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from da3po_megatron.bridge import mapping
+from da3po_megatron.bridge.hf_config import gpt_arch, load_hf_config, model_family
 from da3po_megatron.bridge.hf_io import ShardedSafetensorsWriter, copy_side_files, parse_size
-from da3po_megatron.megatron.model import check_parallel_sizes, load_hf_config, model_family, vocab_sizes
 
 FORMAT = "da3po-megatron/1"  # same as da3po_megatron.megatron.checkpoint.FORMAT
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,17 +113,15 @@ def check_hf_checkpoint(hf_dir: str | Path, hf: dict[str, Any] | None = None) ->
     """
     from da3po_megatron.bridge.hf_io import SafetensorsReader
 
-    hf = hf or load_hf_config(hf_dir)
-    model_family(hf)
+    d = gpt_arch(hf or hf_dir)  # unsupported architecture -> ValueError
     reader = SafetensorsReader(hf_dir)
     used: set[str] = set()
-    d = mapping.Dims.of(hf)
-    for rule in mapping.rules(hf):
-        if rule.megatron == "output_layer.weight" and d.tied:
+    for rule in mapping.rules(d):
+        if rule.megatron == "output_layer.weight" and d.share_embeddings_and_output_weights:
             continue
-        for layer in range(d.layers) if rule.per_layer else [None]:
+        for layer in range(d.num_layers) if rule.per_layer else [None]:
             names = mapping.hf_names(rule, layer)
-            mapping._check_hf_shapes(rule, names, reader, hf)
+            mapping._check_hf_shapes(rule, names, reader, d)
             used.update(names)
     return sorted(set(reader.names()) - used)
 
@@ -158,9 +156,9 @@ def _verify_rank(model, task: dict[str, Any]) -> None:
     """On the last stage: compare Megatron logits with transformers' on ``task['hf_dir']``; TP rank 0 writes JSON."""
     from megatron.core import parallel_state as ps
 
-    hf = load_hf_config(task["hf_dir"])
+    vocab = gpt_arch(task["hf_dir"]).vocab_size
     gen = torch.Generator().manual_seed(task.get("seed", 0))
-    tokens = torch.randint(0, int(hf["vocab_size"]), (task.get("batch", 3), task.get("seq_len", 24)), generator=gen)
+    tokens = torch.randint(0, vocab, (task.get("batch", 3), task.get("seq_len", 24)), generator=gen)
     logits = _forward_logits(model, tokens)
     if logits is None or ps.get_tensor_model_parallel_rank() != 0:
         return
@@ -210,7 +208,8 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
         # Verification always computes in float32 (see below); only the conversion builds in the saved dtype.
         options = ModelConfig(params_dtype=task["params_dtype"] if task["mode"] == "hf-to-megatron" else "float32",
                               make_vocab_size_divisible_by=task["make_vocab_size_divisible_by"])
-        model = build_gpt_model(task["config_dir"], options)
+        arch = gpt_arch(task["config_dir"])
+        model = build_gpt_model(arch, options)
         model.eval()
         t0 = time.perf_counter()
         if task["mode"] == "hf-to-megatron":
@@ -225,7 +224,7 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
             # checkpoint is compared with transformers on the same bf16-rounded weights, both computing in float32.
             if options.params_dtype != "float32":
                 del model
-                model = build_gpt_model(task["config_dir"], replace(options, params_dtype="float32")).eval()
+                model = build_gpt_model(arch, replace(options, params_dtype="float32")).eval()
             with torch.no_grad():
                 for p in model.parameters():
                     p.zero_()
@@ -292,8 +291,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     t0 = time.perf_counter()
     hf_dir, out = resolve_hf_dir(hf_dir), Path(out)
     hf = load_hf_config(hf_dir)
-    family = model_family(hf)
-    check_parallel_sizes(hf, tp, pp)  # before anything is written or spawned
+    family, arch = model_family(hf), gpt_arch(hf)
+    arch.check_parallel_sizes(tp, pp)  # before anything is written or spawned
     dropped = check_hf_checkpoint(hf_dir, hf)
     if dropped:
         _say(f"note: {len(dropped)} HF tensors are not used by the mapping and are dropped: {dropped[:4]}")
@@ -302,15 +301,15 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         raise ConversionError(f"--params-dtype must be float32 or bfloat16, got {dtype!r}")
     _prepare_out(out, force, [hf_dir])
     copied = copy_side_files(hf_dir, out / "hf")
-    _say(f"{hf.get('architectures', [family])[0]} ({family}): {hf['num_hidden_layers']} layers, hidden "
-         f"{hf['hidden_size']} -> {out} at TP={tp} PP={pp}, params {dtype}; copied {len(copied)} HF side files")
+    _say(f"{hf.get('architectures', [family])[0]} ({family}): {arch.num_layers} layers, hidden "
+         f"{arch.hidden_size} -> {out} at TP={tp} PP={pp}, params {dtype}; copied {len(copied)} HF side files")
     with tempfile.TemporaryDirectory() as tmp:
         task = dict(mode="hf-to-megatron", tp=tp, pp=pp, hf_dir=str(hf_dir), config_dir=str(out / "hf"),
                     model_dir=str(out / "model"), params_dtype=dtype,
                     make_vocab_size_divisible_by=make_vocab_size_divisible_by, verify=verify,
                     result=str(Path(tmp) / "verify.json"))
         _spawn(task)
-        vocab, padded = vocab_sizes(hf, tp, make_vocab_size_divisible_by)
+        vocab, padded = arch.vocab_sizes(tp, make_vocab_size_divisible_by)
         meta = {
             "format": FORMAT,
             "step": 0,
@@ -318,6 +317,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                        "context_parallel_size": 1, "data_parallel_size": 1, "world_size": tp * pp},
             "converted_from": str(hf_dir.resolve()),
             "architecture": hf.get("architectures", [family])[0],
+            "arch": arch.to_dict(),  # the model in Megatron terms (megatron.arch.GPTArch)
             "params_dtype": dtype,
             "vocab_size": vocab,
             "padded_vocab_size": padded,
@@ -325,7 +325,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
             "has_optimizer": False,
         }
         if verify:
-            meta["verify"] = _check_verify(Path(task["result"]), verify_tol, int(hf["num_hidden_layers"]))
+            meta["verify"] = _check_verify(Path(task["result"]), verify_tol, arch.num_layers)
             exports = [json.loads(p.read_text()) for p in Path(tmp).glob("export_*.json")]
             checked, bad = sum(e["checked"] for e in exports), [b for e in exports for b in e["mismatched"]]
             _say(f"verify: export stream (TP gather + mapping) reproduced {checked - len(bad)}/{checked} HF "
@@ -356,13 +356,13 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
                               f"directory of the model")
     reader = CheckpointReader(ckpt / "model")
     hf = load_hf_config(hf_side)
-    model_family(hf)
+    arch = gpt_arch(hf)  # unsupported architecture -> ValueError
     saved_dtype = reader.tensors["embedding.word_embeddings.weight"][1]
     want = hf_dtype_name(hf) if dtype == "auto" else dtype
     out_dtype = DTYPES.get(want or "", saved_dtype)
     padded = reader.tensors["embedding.word_embeddings.weight"][0][0]
     if verify:  # a layout --verify cannot build must fail before the output is written, not after
-        check_parallel_sizes(hf, verify_tp, verify_pp)
+        arch.check_parallel_sizes(verify_tp, verify_pp)
         if padded % verify_tp:
             raise ConversionError(f"padded vocabulary {padded} is not divisible by --verify-tp {verify_tp}")
     _prepare_out(out, force, [ckpt])
@@ -372,17 +372,17 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
         cfg["dtype"] = dtype
         cfg.pop("torch_dtype", None)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    _say(f"{ckpt} -> {out}: {hf['num_hidden_layers']} layers, saved {str(saved_dtype).replace('torch.', '')} -> "
+    _say(f"{ckpt} -> {out}: {arch.num_layers} layers, saved {str(saved_dtype).replace('torch.', '')} -> "
          f"{str(out_dtype).replace('torch.', '')}, shards <= {max_shard_size}")
     writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size), out_dtype, progress=_say)
     n = 0
-    for hf_name, t in export_checkpoint(ckpt / "model", hf, progress=_say):  # the weight sync's stream, from disk
+    for hf_name, t in export_checkpoint(ckpt / "model", arch, progress=_say):  # the weight sync's stream, from disk
         writer.add(hf_name, t)
         n += 1
     files = writer.close()
-    expected = {n for r in mapping.rules(hf) for n in (mapping.hf_names(r, None) if not r.per_layer else
-                [h for i in range(int(hf["num_hidden_layers"])) for h in mapping.hf_names(r, i)])}
-    if mapping.Dims.of(hf).tied:
+    expected = {n for r in mapping.rules(arch) for n in (mapping.hf_names(r, None) if not r.per_layer else
+                [h for i in range(arch.num_layers) for h in mapping.hf_names(r, i)])}
+    if arch.share_embeddings_and_output_weights:
         expected.discard("lm_head.weight")
     missing = sorted(expected - writer.seen)
     if missing:
@@ -398,7 +398,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
                         make_vocab_size_divisible_by=padded // verify_tp)
             _say(f"verify: loading {ckpt / 'model'} at TP={verify_tp} PP={verify_pp}")
             _spawn(task)
-            result["verify"] = _check_verify(Path(task["result"]), verify_tol, int(hf["num_hidden_layers"]))
+            result["verify"] = _check_verify(Path(task["result"]), verify_tol, arch.num_layers)
     return result
 
 

@@ -30,48 +30,42 @@ from typing import Any
 import torch
 
 from da3po_megatron.bridge import mapping
+from da3po_megatron.bridge.hf_config import HFSpec, gpt_arch
 from da3po_megatron.bridge.megatron_io import iter_checkpoint, iter_model, load_hf_weights, unwrap
-from da3po_megatron.megatron.model import load_hf_config
 
 log = logging.getLogger(__name__)
 
 HFStream = Iterator[tuple[str, torch.Tensor]]
 
 
-def to_hf(megatron_stream: Iterable[tuple[str, torch.Tensor]], hf_config: dict[str, Any] | str | Path) -> HFStream:
+def to_hf(megatron_stream: Iterable[tuple[str, torch.Tensor]], arch: HFSpec) -> HFStream:
     """Map ``(global Megatron name, full tensor)`` items to ``(hf_name, tensor)`` with the mapping table.
 
-    ``hf_config``: the HF config dict or the directory holding its config.json. A tensor the table does not know, or
-    of the wrong shape, raises ValueError naming it."""
-    hf = load_hf_config(hf_config)
+    ``arch``: the model's :class:`~da3po_megatron.megatron.arch.GPTArch`, or its HF config (a dict or the directory
+    holding its config.json). A tensor the table does not know, or of the wrong shape, raises ValueError naming it."""
+    arch = gpt_arch(arch)
     for name, tensor in megatron_stream:
         try:
-            pairs = mapping.megatron_to_hf(name, tensor, hf)
+            pairs = mapping.megatron_to_hf(name, tensor, arch)
         except (KeyError, ValueError) as e:
             raise ValueError(f"cannot map Megatron tensor {name!r} {tuple(tensor.shape)} to HF: {e}") from e
         yield from pairs
 
 
-def export_model(model: torch.nn.Module, hf_config: dict[str, Any] | str | Path) -> HFStream:
+def export_model(model: torch.nn.Module, arch: HFSpec) -> HFStream:
     """The HF stream of a live GPTModel stage (bare or DDP-wrapped). Collective over the stage's TP group: every rank
     iterates it to the end; items come out on TP rank 0 only (of every PP stage and DP replica)."""
-    hf = load_hf_config(hf_config)
-    return to_hf(iter_model(model, hf), hf)
+    arch = gpt_arch(arch)
+    return to_hf(iter_model(model, arch), arch)
 
 
-def export_checkpoint(model_dir: str | Path, hf_config: dict[str, Any] | str | Path,
-                      progress: Callable[[str], None] | None = None) -> HFStream:
+def export_checkpoint(model_dir: str | Path, arch: HFSpec, progress: Callable[[str], None] | None = None) -> HFStream:
     """The HF stream of a Megatron dist checkpoint (``CKPT/model``) saved at any TP x PP; one process, no model."""
-    hf = load_hf_config(hf_config)
-    return to_hf(iter_checkpoint(model_dir, hf, progress=progress), hf)
+    arch = gpt_arch(arch)
+    return to_hf(iter_checkpoint(model_dir, arch, progress=progress), arch)
 
 
 # --------------------------------------------------------------------------------------------- policy workers
-
-
-def policy_hf_config(worker: Any) -> dict[str, Any]:
-    """The HF config of the model a :class:`PolicyWorker` was built from."""
-    return load_hf_config(worker.hf)
 
 
 def load_policy_hf(worker: Any, hf_dir: str | Path) -> bool:
@@ -91,7 +85,7 @@ def load_policy_hf(worker: Any, hf_dir: str | Path) -> bool:
 def export_policy(worker: Any) -> HFStream:
     """The HF stream of a policy rank (collective like :func:`export_model`; items on TP rank 0 of every stage and
     DP replica -- replicas yield identical tensors, use DP rank 0's)."""
-    return export_model(worker.model, policy_hf_config(worker))
+    return export_model(worker.model, worker.arch)  # the GPTArch the worker was built from
 
 
 def export_policy_state(worker: Any) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
 """The HF <-> Megatron parameter mapping, written once: names, QKV / gate-up layouts, TP shards, vocabulary padding.
 
-One declarative table (:func:`rules`) lists, for a Hugging Face config of a supported family (Qwen3, Qwen2/2.5,
-Llama 3), every Megatron ``GPTModel`` parameter with the HF tensors it is made of, how they are combined (``kind``)
-and how the result is split across tensor-parallel ranks (``tp_dim``). Every use goes through it:
+One declarative table (:func:`rules`) lists, for a model of a supported family (Qwen3, Qwen2/2.5, Llama 3; given as
+its :class:`~da3po_megatron.megatron.arch.GPTArch` or its Hugging Face config), every Megatron ``GPTModel``
+parameter with the HF tensors it is made of, how they are combined (``kind``) and how the result is split across
+tensor-parallel ranks (``tp_dim``). Every use goes through it:
 
 * import, shard-aware (:func:`hf_to_megatron_shard`): the TP slice of one Megatron parameter built from *slices* of HF
   tensors read lazily (``safe_open(...).get_slice``), so a rank reads only what it holds;
@@ -41,11 +42,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from da3po_megatron.megatron.model import head_dim, model_family
+from da3po_megatron.bridge.hf_config import HFSpec, gpt_arch
 
 # Both layer-spec spellings of the two pre-norms, normalised to the local-spec name used in the table.
 _TE_ALIASES = {
@@ -75,49 +75,17 @@ class Rule:
     per_layer: bool = True
 
 
-@dataclass(frozen=True)
-class Dims:
-    """The sizes the layouts depend on, read from the HF config."""
-
-    hidden: int
-    ffn: int
-    heads: int
-    groups: int
-    head_dim: int
-    vocab: int
-    layers: int
-    tied: bool
-    qkv_bias: bool
-    qk_norm: bool
-
-    @classmethod
-    def of(cls, hf: dict[str, Any]) -> Dims:
-        family = model_family(hf)  # raises for unsupported architectures
-        heads = int(hf["num_attention_heads"])
-        return cls(
-            hidden=int(hf["hidden_size"]),
-            ffn=int(hf["intermediate_size"]),
-            heads=heads,
-            groups=int(hf.get("num_key_value_heads") or heads),
-            head_dim=head_dim(hf),
-            vocab=int(hf["vocab_size"]),
-            layers=int(hf["num_hidden_layers"]),
-            tied=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
-        )
-
-
-def rules(hf: dict[str, Any]) -> list[Rule]:
-    """The mapping table for this HF config (which rules exist depends on QKV bias, QK-norm, tying)."""
-    d = Dims.of(hf)
+def rules(arch: HFSpec) -> list[Rule]:
+    """The mapping table for this model (which rules exist depends on QKV bias, QK-norm, tying). ``arch``: a
+    :class:`GPTArch` or an HF config (dict / directory), as everywhere in this module."""
+    d = gpt_arch(arch)
     a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
     table = [
         Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0, per_layer=False),
         Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None, per_layer=False),
         # Tied: the last stage's copy of the embedding (exists only when PP > 1); never exported.
-        Rule("output_layer.weight", ("model.embed_tokens.weight",) if d.tied else ("lm_head.weight",), "vocab", 0,
-             per_layer=False),
+        Rule("output_layer.weight", ("model.embed_tokens.weight",) if d.share_embeddings_and_output_weights
+             else ("lm_head.weight",), "vocab", 0, per_layer=False),
         Rule("input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "copy", None),
         Rule("self_attention.linear_qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
              "qkv", 0),
@@ -126,34 +94,34 @@ def rules(hf: dict[str, Any]) -> list[Rule]:
         Rule("mlp.linear_fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up", 0),
         Rule("mlp.linear_fc2.weight", (m + "down_proj.weight",), "copy", 1),
     ]
-    if d.qkv_bias:
+    if d.add_qkv_bias:
         table.append(Rule("self_attention.linear_qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
                           "qkv", 0))
-    if d.qk_norm:
+    if d.qk_layernorm:
         table += [Rule("self_attention.q_layernorm.weight", (a + "q_norm.weight",), "copy", None),
                   Rule("self_attention.k_layernorm.weight", (a + "k_norm.weight",), "copy", None)]
     return table
 
 
-def _rule_index(hf: dict[str, Any]) -> dict[str, Rule]:
-    return {r.megatron: r for r in rules(hf)}
+def _rule_index(arch: HFSpec) -> dict[str, Rule]:
+    return {r.megatron: r for r in rules(arch)}
 
 
-def resolve(name: str, hf: dict[str, Any]) -> tuple[Rule, int | None]:
+def resolve(name: str, arch: HFSpec) -> tuple[Rule, int | None]:
     """(rule, global layer number or None) for a global Megatron parameter name of either layer spec."""
-    index = _rule_index(hf)
+    d = gpt_arch(arch)
+    index = _rule_index(d)
     layer = None
     key = name
     mt = _LAYER_RE.match(name)
     if mt:
         layer, key = int(mt.group(1)), _TE_ALIASES.get(mt.group(2), mt.group(2))
-        n = int(hf["num_hidden_layers"])
-        if layer >= n:
-            raise ValueError(f"Megatron tensor {name!r}: layer {layer} out of range (the HF config has {n} layers)")
+        if layer >= d.num_layers:
+            raise ValueError(f"Megatron tensor {name!r}: layer {layer} out of range (the model has {d.num_layers} "
+                             "layers)")
     rule = index.get(key)
     if rule is None or rule.per_layer != (layer is not None):
-        raise ValueError(f"no HF mapping for Megatron tensor {name!r} ({hf.get('architectures')}); known: "
-                         f"{sorted(index)}")
+        raise ValueError(f"no HF mapping for Megatron tensor {name!r}; known: {sorted(index)}")
     return rule, layer
 
 
@@ -161,34 +129,34 @@ def hf_names(rule: Rule, layer: int | None) -> list[str]:
     return [h.format(i=layer) for h in rule.hf]
 
 
-def expected_hf_shapes(rule: Rule, hf: dict[str, Any]) -> list[tuple[int, ...]]:
-    """The shapes the HF tensors of ``rule`` must have, from the config (for clear shape errors)."""
-    d = Dims.of(hf)
-    q, kv = d.heads * d.head_dim, d.groups * d.head_dim
+def expected_hf_shapes(rule: Rule, arch: HFSpec) -> list[tuple[int, ...]]:
+    """The shapes the HF tensors of ``rule`` must have, from the architecture (for clear shape errors)."""
+    d = gpt_arch(arch)
+    q, kv = d.num_attention_heads * d.kv_channels, d.num_query_groups * d.kv_channels
     weight = rule.megatron.endswith("weight")
     if rule.kind == "vocab":
-        return [(d.vocab, d.hidden)]
+        return [(d.vocab_size, d.hidden_size)]
     if rule.kind == "qkv":
-        return [(q, d.hidden), (kv, d.hidden), (kv, d.hidden)] if weight else [(q,), (kv,), (kv,)]
+        return [(q, d.hidden_size), (kv, d.hidden_size), (kv, d.hidden_size)] if weight else [(q,), (kv,), (kv,)]
     if rule.kind == "gate_up":
-        return [(d.ffn, d.hidden)] * 2
+        return [(d.ffn_hidden_size, d.hidden_size)] * 2
     return [{
-        "decoder.final_layernorm.weight": (d.hidden,),
-        "input_layernorm.weight": (d.hidden,),
-        "pre_mlp_layernorm.weight": (d.hidden,),
-        "self_attention.linear_proj.weight": (d.hidden, q),
-        "mlp.linear_fc2.weight": (d.hidden, d.ffn),
-        "self_attention.q_layernorm.weight": (d.head_dim,),
-        "self_attention.k_layernorm.weight": (d.head_dim,),
+        "decoder.final_layernorm.weight": (d.hidden_size,),
+        "input_layernorm.weight": (d.hidden_size,),
+        "pre_mlp_layernorm.weight": (d.hidden_size,),
+        "self_attention.linear_proj.weight": (d.hidden_size, q),
+        "mlp.linear_fc2.weight": (d.hidden_size, d.ffn_hidden_size),
+        "self_attention.q_layernorm.weight": (d.kv_channels,),
+        "self_attention.k_layernorm.weight": (d.kv_channels,),
     }[rule.megatron]]
 
 
-def full_megatron_shape(rule: Rule, hf: dict[str, Any], padded_vocab: int | None = None) -> tuple[int, ...]:
+def full_megatron_shape(rule: Rule, arch: HFSpec, padded_vocab: int | None = None) -> tuple[int, ...]:
     """Shape of the full (TP-gathered) Megatron tensor of ``rule``."""
-    d = Dims.of(hf)
-    shapes = expected_hf_shapes(rule, hf)
+    d = gpt_arch(arch)
+    shapes = expected_hf_shapes(rule, d)
     if rule.kind == "vocab":
-        return (padded_vocab or d.vocab, d.hidden)
+        return (padded_vocab or d.vocab_size, d.hidden_size)
     if rule.kind in ("qkv", "gate_up"):
         return (sum(s[0] for s in shapes), *shapes[0][1:])
     return shapes[0]
@@ -231,50 +199,51 @@ class DictReader(Reader):
         return t if dim is None else t.narrow(dim, start, (t.shape[dim] if stop is None else stop) - start)
 
 
-def _check_hf_shapes(rule: Rule, names: list[str], reader: Reader, hf: dict[str, Any]) -> None:
-    for name, want in zip(names, expected_hf_shapes(rule, hf)):
+def _check_hf_shapes(rule: Rule, names: list[str], reader: Reader, arch: HFSpec) -> None:
+    for name, want in zip(names, expected_hf_shapes(rule, arch)):
         got = reader.shape(name)
         if tuple(got) != tuple(want):
             raise ValueError(f"HF tensor {name!r} in {reader.where(name)} has shape {tuple(got)}, expected "
                              f"{tuple(want)} from the config (hidden_size / heads / head_dim / vocab_size)")
 
 
-def hf_to_megatron_shard(name: str, reader: Reader, hf: dict[str, Any], tp_rank: int = 0, tp_size: int = 1,
+def hf_to_megatron_shard(name: str, reader: Reader, arch: HFSpec, tp_rank: int = 0, tp_size: int = 1,
                          padded_vocab: int | None = None) -> torch.Tensor:
     """The TP-rank-``tp_rank`` shard of Megatron parameter ``name`` (global layer number), reading only the HF rows /
     columns that shard needs. ``padded_vocab`` defaults to the unpadded vocabulary."""
-    rule, layer = resolve(name, hf)
+    d = gpt_arch(arch)
+    rule, layer = resolve(name, d)
     names = hf_names(rule, layer)
-    _check_hf_shapes(rule, names, reader, hf)
-    d = Dims.of(hf)
+    _check_hf_shapes(rule, names, reader, d)
+    hd = d.kv_channels
     if rule.kind == "vocab":
-        padded = padded_vocab or d.vocab
-        if padded < d.vocab or padded % tp_size:
-            raise ValueError(f"{name}: padded vocabulary {padded} must be >= vocab_size {d.vocab} and a multiple "
-                             f"of TP={tp_size}")
+        padded = padded_vocab or d.vocab_size
+        if padded < d.vocab_size or padded % tp_size:
+            raise ValueError(f"{name}: padded vocabulary {padded} must be >= vocab_size {d.vocab_size} and a "
+                             f"multiple of TP={tp_size}")
         rows = padded // tp_size
         lo, hi = tp_rank * rows, (tp_rank + 1) * rows
-        real = reader.read(names[0], 0, min(lo, d.vocab), min(hi, d.vocab))
+        real = reader.read(names[0], 0, min(lo, d.vocab_size), min(hi, d.vocab_size))
         if real.shape[0] == rows:
             return real
-        pad = torch.zeros(rows - real.shape[0], d.hidden, dtype=real.dtype)
+        pad = torch.zeros(rows - real.shape[0], d.hidden_size, dtype=real.dtype)
         return torch.cat([real, pad], 0)
     if rule.kind == "qkv":
-        if d.groups % tp_size or d.heads % d.groups:
-            raise ValueError(f"{name}: {d.groups} query groups / {d.heads} heads cannot be split over TP={tp_size}")
-        g = d.groups // tp_size
-        nq = d.heads // d.groups * d.head_dim
+        if d.num_query_groups % tp_size or d.num_attention_heads % d.num_query_groups:
+            raise ValueError(f"{name}: {d.num_query_groups} query groups / {d.num_attention_heads} heads cannot be "
+                             f"split over TP={tp_size}")
+        g = d.num_query_groups // tp_size
+        nq = d.num_attention_heads // d.num_query_groups * hd
         q = reader.read(names[0], 0, tp_rank * g * nq, (tp_rank + 1) * g * nq)
-        k = reader.read(names[1], 0, tp_rank * g * d.head_dim, (tp_rank + 1) * g * d.head_dim)
-        v = reader.read(names[2], 0, tp_rank * g * d.head_dim, (tp_rank + 1) * g * d.head_dim)
+        k = reader.read(names[1], 0, tp_rank * g * hd, (tp_rank + 1) * g * hd)
+        v = reader.read(names[2], 0, tp_rank * g * hd, (tp_rank + 1) * g * hd)
         rest = tuple(q.shape[1:])
-        out = torch.cat([q.reshape(g, nq, *rest), k.reshape(g, d.head_dim, *rest),
-                         v.reshape(g, d.head_dim, *rest)], 1)
-        return out.reshape(g * (nq + 2 * d.head_dim), *rest)
+        out = torch.cat([q.reshape(g, nq, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], 1)
+        return out.reshape(g * (nq + 2 * hd), *rest)
     if rule.kind == "gate_up":
-        if d.ffn % tp_size:
-            raise ValueError(f"{name}: intermediate_size {d.ffn} is not divisible by TP={tp_size}")
-        f = d.ffn // tp_size
+        if d.ffn_hidden_size % tp_size:
+            raise ValueError(f"{name}: ffn_hidden_size {d.ffn_hidden_size} is not divisible by TP={tp_size}")
+        f = d.ffn_hidden_size // tp_size
         return torch.cat([reader.read(n, 0, tp_rank * f, (tp_rank + 1) * f) for n in names], 0)
     if rule.tp_dim is None:
         return reader.read(names[0])
@@ -285,50 +254,52 @@ def hf_to_megatron_shard(name: str, reader: Reader, hf: dict[str, Any], tp_rank:
     return reader.read(names[0], rule.tp_dim, tp_rank * part, (tp_rank + 1) * part)
 
 
-def hf_to_megatron(name: str, hf_state: dict[str, torch.Tensor] | Reader, hf: dict[str, Any],
+def hf_to_megatron(name: str, hf_state: dict[str, torch.Tensor] | Reader, arch: HFSpec,
                    padded_vocab: int | None = None) -> torch.Tensor:
     """The full (unsharded) Megatron tensor ``name`` from HF tensors."""
     reader = hf_state if isinstance(hf_state, Reader) else DictReader(hf_state)
-    return hf_to_megatron_shard(name, reader, hf, 0, 1, padded_vocab)
+    return hf_to_megatron_shard(name, reader, arch, 0, 1, padded_vocab)
 
 
 # --------------------------------------------------------------------------------------------------- export
 
 
-def megatron_to_hf(name: str, tensor: torch.Tensor, hf: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+def megatron_to_hf(name: str, tensor: torch.Tensor, arch: HFSpec) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors of one full (TP-gathered, global layer number) Megatron tensor; ``[]`` for the last stage's
     copy of tied embeddings. Vocabulary padding is stripped. Returned tensors are views of ``tensor`` where possible
     (callers that keep them beyond ``tensor``'s lifetime should ``clone()``)."""
-    rule, layer = resolve(name, hf)
-    d = Dims.of(hf)
+    d = gpt_arch(arch)
+    rule, layer = resolve(name, d)
     names = hf_names(rule, layer)
-    want = full_megatron_shape(rule, hf, tensor.shape[0] if rule.kind == "vocab" else None)
+    want = full_megatron_shape(rule, d, tensor.shape[0] if rule.kind == "vocab" else None)
     if tuple(tensor.shape) != tuple(want):
         raise ValueError(f"Megatron tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)} for "
-                         f"the HF config (a TP shard instead of the full tensor?)")
+                         f"the model (a TP shard instead of the full tensor?)")
     if rule.kind == "vocab":
-        if name == "output_layer.weight" and d.tied:
+        if name == "output_layer.weight" and d.share_embeddings_and_output_weights:
             return []
-        if tensor.shape[0] < d.vocab:
-            raise ValueError(f"Megatron tensor {name!r} has {tensor.shape[0]} rows < vocab_size {d.vocab}")
-        return [(names[0], tensor[: d.vocab])]
+        if tensor.shape[0] < d.vocab_size:
+            raise ValueError(f"Megatron tensor {name!r} has {tensor.shape[0]} rows < vocab_size {d.vocab_size}")
+        return [(names[0], tensor[: d.vocab_size])]
     if rule.kind == "qkv":
-        nq = d.heads // d.groups * d.head_dim
+        hd, groups = d.kv_channels, d.num_query_groups
+        nq = d.num_attention_heads // groups * hd
         rest = tuple(tensor.shape[1:])
-        q, k, v = tensor.reshape(d.groups, nq + 2 * d.head_dim, *rest).split([nq, d.head_dim, d.head_dim], 1)
-        return [(names[0], q.reshape(d.heads * d.head_dim, *rest)),
-                (names[1], k.reshape(d.groups * d.head_dim, *rest)),
-                (names[2], v.reshape(d.groups * d.head_dim, *rest))]
+        q, k, v = tensor.reshape(groups, nq + 2 * hd, *rest).split([nq, hd, hd], 1)
+        return [(names[0], q.reshape(d.num_attention_heads * hd, *rest)),
+                (names[1], k.reshape(groups * hd, *rest)),
+                (names[2], v.reshape(groups * hd, *rest))]
     if rule.kind == "gate_up":
         gate, up = tensor.chunk(2, 0)
         return [(names[0], gate), (names[1], up)]
     return [(names[0], tensor)]
 
 
-def hf_names_for(name: str, hf: dict[str, Any]) -> list[str]:
+def hf_names_for(name: str, arch: HFSpec) -> list[str]:
     """The HF names Megatron tensor ``name`` maps to (no tensor needed)."""
-    rule, layer = resolve(name, hf)
-    if rule.megatron == "output_layer.weight" and Dims.of(hf).tied:
+    d = gpt_arch(arch)
+    rule, layer = resolve(name, d)
+    if rule.megatron == "output_layer.weight" and d.share_embeddings_and_output_weights:
         return []
     return hf_names(rule, layer)
 
@@ -336,9 +307,9 @@ def hf_names_for(name: str, hf: dict[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------------------------------- TP layout
 
 
-def full_from_tp_shards(name: str, shards: list[torch.Tensor], hf: dict[str, Any]) -> torch.Tensor:
+def full_from_tp_shards(name: str, shards: list[torch.Tensor], arch: HFSpec) -> torch.Tensor:
     """Join the TP shards (rank order) of Megatron parameter ``name`` into the full tensor of this module's layout."""
-    rule, _ = resolve(name, hf)
+    rule, _ = resolve(name, arch)
     if rule.tp_dim is None or len(shards) == 1:
         return shards[0]
     if rule.kind == "gate_up":
@@ -347,9 +318,9 @@ def full_from_tp_shards(name: str, shards: list[torch.Tensor], hf: dict[str, Any
     return torch.cat(shards, rule.tp_dim)
 
 
-def tp_shard_of_full(name: str, full: torch.Tensor, hf: dict[str, Any], tp_rank: int, tp_size: int) -> torch.Tensor:
+def tp_shard_of_full(name: str, full: torch.Tensor, arch: HFSpec, tp_rank: int, tp_size: int) -> torch.Tensor:
     """The inverse of :func:`full_from_tp_shards` for one rank."""
-    rule, _ = resolve(name, hf)
+    rule, _ = resolve(name, arch)
     if rule.tp_dim is None:
         return full
     if rule.kind == "gate_up":

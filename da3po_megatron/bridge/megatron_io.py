@@ -22,11 +22,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from da3po_megatron.bridge import mapping
+from da3po_megatron.bridge.hf_config import HFSpec, gpt_arch
 from da3po_megatron.bridge.hf_io import SafetensorsReader
 
 
@@ -58,17 +58,15 @@ def padded_vocab_of(model: torch.nn.Module) -> int:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, hf_config: dict[str, Any] | None = None) -> int:
+def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, arch: HFSpec | None = None) -> int:
     """Fill this rank's GPTModel shard from an HF checkpoint directory; returns the number of parameters set.
 
-    Every parameter of the model must have a mapping (a clear error names the one that does not); shapes are checked
-    against the config and against the Megatron parameter, naming the tensor on mismatch.
+    ``arch``: the model's architecture (default: from ``hf_dir``'s config.json). Every parameter of the model must
+    have a mapping (a clear error names the one that does not); shapes are checked against the architecture and
+    against the Megatron parameter, naming the tensor on mismatch.
     """
-    from da3po_megatron.megatron.model import load_hf_config
-
     bare = unwrap(model)
-    hf = hf_config if hf_config is not None else load_hf_config(hf_dir)
-    mapping.Dims.of(hf)  # unsupported architecture -> ValueError before any reading
+    arch = gpt_arch(hf_dir if arch is None else arch)  # unsupported architecture -> ValueError before any reading
     reader = SafetensorsReader(hf_dir)
     tp_rank, tp_size = _tp()
     to_global = global_layer_fn(bare)
@@ -76,10 +74,10 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, hf_config: dict[
     n = 0
     for local_name, param in bare.named_parameters():
         name = mapping.layer_name(local_name, to_global)
-        shard = mapping.hf_to_megatron_shard(name, reader, hf, tp_rank, tp_size, padded)
+        shard = mapping.hf_to_megatron_shard(name, reader, arch, tp_rank, tp_size, padded)
         if tuple(shard.shape) != tuple(param.shape):
             raise ValueError(f"Megatron parameter {name!r} (TP rank {tp_rank}/{tp_size}) has shape "
-                             f"{tuple(param.shape)} but the HF tensors {mapping.hf_names_for(name, hf)} give "
+                             f"{tuple(param.shape)} but the HF tensors {mapping.hf_names_for(name, arch)} give "
                              f"{tuple(shard.shape)}")
         param.data.copy_(shard)
         n += 1
@@ -87,7 +85,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, hf_config: dict[
 
 
 @torch.no_grad()
-def iter_model(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_model(model: torch.nn.Module, arch: HFSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective generator of ``(global_megatron_name, full_tensor)`` for this rank's pipeline stage (``model``: the
     GPTModel stage, bare or DDP-wrapped), in ``named_parameters()`` order, one gathered tensor at a time.
 
@@ -98,6 +96,7 @@ def iter_model(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iterator[tu
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    arch = gpt_arch(arch)
     bare = unwrap(model)
     to_global = global_layer_fn(bare)
     tp_rank, tp_size = _tp()
@@ -105,10 +104,10 @@ def iter_model(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iterator[tu
     dst = ps.get_tensor_model_parallel_src_rank() if tp_size > 1 else 0
     for local_name, param in bare.named_parameters():
         name = mapping.layer_name(local_name, to_global)
-        if not mapping.hf_names_for(name, hf_config):  # tied output layer: no HF tensor, no gather
+        if not mapping.hf_names_for(name, arch):  # tied output layer: no HF tensor, no gather
             continue
         # split or replicated per the mapping table, not per parameter attributes (TE's fused layers differ there)
-        if tp_size == 1 or mapping.resolve(name, hf_config)[0].tp_dim is None:
+        if tp_size == 1 or mapping.resolve(name, arch)[0].tp_dim is None:
             if tp_rank == 0:
                 yield name, param.detach()
             continue
@@ -116,7 +115,7 @@ def iter_model(model: torch.nn.Module, hf_config: dict[str, Any]) -> Iterator[tu
         shards = [torch.empty_like(shard) for _ in range(tp_size)] if tp_rank == 0 else None
         dist.gather(shard, shards, dst=dst, group=group)
         if tp_rank == 0:
-            full = mapping.full_from_tp_shards(name, shards, hf_config)
+            full = mapping.full_from_tp_shards(name, shards, arch)
             del shards  # one full tensor alive while the consumer holds the item
             yield name, full
 
@@ -176,20 +175,21 @@ class CheckpointReader:
         return max(stacked) if stacked else 0
 
 
-def iter_checkpoint(model_dir: str | Path, hf_config: dict[str, Any],
+def iter_checkpoint(model_dir: str | Path, arch: HFSpec,
                     progress: Callable[[str], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(global_megatron_name, full_tensor)`` of every model tensor of a dist checkpoint, layer by layer."""
+    arch = gpt_arch(arch)
     ck = CheckpointReader(model_dir)
-    layers = int(hf_config["num_hidden_layers"])
+    layers = arch.num_layers
     top = [k for k in ck.tensors if not k.startswith("decoder.layers.")]
     per_layer = [k for k in ck.tensors if k.startswith("decoder.layers.")]
     for key in per_layer:
         if ck.tensors[key][0][0] != layers:
-            raise ValueError(f"checkpoint {model_dir}: {key} has {ck.tensors[key][0][0]} layers, the HF config "
+            raise ValueError(f"checkpoint {model_dir}: {key} has {ck.tensors[key][0][0]} layers, the model "
                              f"{layers}")
     for key in top + per_layer:  # unknown tensors fail here, before any reading
         mapping.resolve(key.replace("decoder.layers.", "decoder.layers.0.", 1) if key in per_layer else key,
-                        hf_config)
+                        arch)
     for key in (k for k in top if k.startswith("embedding.")):
         yield key, ck.load({key: ((0,) * len(ck.tensors[key][0]), ck.tensors[key][0])})[key]
     for i in range(layers):

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from da3po_megatron.config import Config
+from da3po_megatron.megatron.arch import GPTArch
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.policy import PolicyWorker
 
@@ -34,6 +35,7 @@ class PolicyGroup:
 
     Args:
         cfg: the run config (:class:`da3po_megatron.config.Config`, resolved); every rank gets it whole.
+        arch: the model's architecture in Megatron terms (from the bridge: ``bridge.hf_config.gpt_arch(model_path)``).
         world_size: number of ranks (TP x PP x CP x DP); must equal ``cfg.policy_world_size``.
         num_cpus_per_rank / num_gpus_per_rank: Ray resources per actor (GPU default: 1 when the Ray cluster has at
             least ``world_size`` GPUs, else 0).
@@ -44,7 +46,7 @@ class PolicyGroup:
         start_timeout_s: how long to wait for resources / the placement group.
     """
 
-    def __init__(self, cfg: Config, world_size: int, *, num_cpus_per_rank: float = 1,
+    def __init__(self, cfg: Config, arch: GPTArch, world_size: int, *, num_cpus_per_rank: float = 1,
                  num_gpus_per_rank: float | None = None, placement: str | None = None,
                  env: dict[str, str] | None = None, name_prefix: str | None = None,
                  start_timeout_s: float = 600.0, wait: bool = True) -> None:
@@ -56,8 +58,8 @@ class PolicyGroup:
             raise RuntimeError("PolicyGroup needs ray.init() first")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        validate_config(cfg, world_size)  # fail in the driver, before any actor starts
-        self.cfg = cfg
+        validate_config(cfg, arch, world_size)  # fail in the driver, before any actor starts
+        self.cfg, self.arch = cfg, arch
         self.world_size = world_size
         self.actors: list[Any] = []
         self._pg = None
@@ -101,17 +103,18 @@ class PolicyGroup:
         addr, port = self._gather([(0, self.actors[0].rendezvous_address.remote())], "rendezvous")[0]
         self.master_addr, self.master_port = addr, port
         self.infos = self._gather(
-            [(r, a.init.remote(self.cfg, rank=r, world_size=self.world_size, master_addr=addr, master_port=port))
+            [(r, a.init.remote(self.cfg, self.arch, rank=r, world_size=self.world_size, master_addr=addr,
+                               master_port=port))
              for r, a in enumerate(self.actors)], "init")
         self.start_seconds = time.perf_counter() - self._t0
         return self
 
     # ------------------------------------------------------------------ construction from the run config
     @classmethod
-    def from_config(cls, cfg: Any, wait: bool = True) -> PolicyGroup:
+    def from_config(cls, cfg: Any, arch: GPTArch, wait: bool = True) -> PolicyGroup:
         """Build from the run config, with its ``ray`` section's resources and placement (``wait``: see
         :meth:`wait_ready`)."""
-        return cls(cfg, cfg.policy_world_size,
+        return cls(cfg, arch, cfg.policy_world_size,
                    num_cpus_per_rank=cfg.ray.num_cpus_per_policy_rank,
                    num_gpus_per_rank=cfg.ray.num_gpus_per_policy_rank,
                    placement="strict_spread" if cfg.ray.spread_policy_nodes else None,

@@ -5,7 +5,7 @@ On-disk layout (a contract with the bridge's converter, which writes the same ``
     DIR/model/          dist_checkpointing.save(gpt_model.sharded_state_dict(), DIR/"model")   (torch_dist format)
     DIR/optimizer/      the distributed optimizer's sharded state ("dp_reshardable": same TP x PP, any DP)
     DIR/rng/rank_R.pt   python / numpy / torch / Megatron-tracker RNG states of global rank R
-    DIR/meta.json       format, parallel layout, step, scheduler state, sharding type
+    DIR/meta.json       format, parallel layout, step, scheduler state, sharding type (+ the policy's "arch")
     DIR/hf/             the HF config + tokenizer files of the model (for Megatron -> HF conversion)
 
 The model part uses Megatron's sharded state dict, whose keys are global (layer numbers offset by the pipeline stage,

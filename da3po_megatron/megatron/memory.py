@@ -39,6 +39,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from da3po_megatron.megatron.arch import GPTArch
+
 __all__ = ["MemoryBudgetError", "MemoryEstimate", "check_policy_memory", "device_memory_bytes",
            "estimate_for_config", "estimate_policy_memory", "fit_microbatch_tokens"]
 
@@ -73,12 +75,10 @@ class MemoryEstimate:
                 f"{self.inputs.get('recompute_granularity') or 'off'}, loss {self.inputs.get('loss_backend')})")
 
 
-def _shape(hf: dict[str, Any]) -> dict[str, int]:
-    heads = int(hf["num_attention_heads"])
-    return {"h": int(hf["hidden_size"]), "f": int(hf["intermediate_size"]), "a": heads,
-            "g": int(hf.get("num_key_value_heads") or heads), "L": int(hf["num_hidden_layers"]),
-            "d": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads), "V": int(hf["vocab_size"]),
-            "tied": int(bool(hf.get("tie_word_embeddings", False)))}
+def _shape(arch: GPTArch) -> dict[str, int]:
+    return {"h": arch.hidden_size, "f": arch.ffn_hidden_size, "a": arch.num_attention_heads,
+            "g": arch.num_query_groups, "L": arch.num_layers, "d": arch.kv_channels, "V": arch.vocab_size,
+            "tied": int(arch.share_embeddings_and_output_weights)}
 
 
 def _layer_params(s: dict[str, int], tp: int, qk_norm: bool, qkv_bias: bool) -> float:
@@ -92,7 +92,7 @@ def _layer_params(s: dict[str, int], tp: int, qk_norm: bool, qkv_bias: bool) -> 
 
 
 def estimate_policy_memory(
-    hf: dict[str, Any],
+    arch: GPTArch,
     *,
     max_tokens_per_microbatch: int,
     max_seq_len: int,
@@ -110,7 +110,7 @@ def estimate_policy_memory(
 ) -> MemoryEstimate:
     """Estimated peak bytes of one policy rank in a train step (see the module doc for every term).
 
-    ``hf``: the model's HF config dict. ``max_seq_len``: the longest prompt + response (the packed rows' length S).
+    ``arch``: the model's architecture. ``max_seq_len``: the longest prompt + response (the packed rows' length S).
     ``layer_spec``: "local" (Megatron's local spec: dense attention, the CPU path) or "te" (Transformer-Engine).
     ``loss_backend``: "torch" | "kernel" | "fused_linear" (a kernel name such as "chunked" counts as "kernel").
     ``logprob_max_tokens_per_microbatch``: the forward-only pi_old pass's budget (the policy's default: 2 x the train
@@ -124,15 +124,14 @@ def estimate_policy_memory(
     if recompute_granularity not in (None, "selective", "full"):
         raise ValueError(f"recompute_granularity must be None, 'selective' or 'full', got {recompute_granularity!r}")
     backend = loss_backend if loss_backend in _LOGIT_COPIES else "kernel"
-    s = _shape(hf)
+    s = _shape(arch)
     h, f, a, g, d, L = s["h"], s["f"], s["a"], s["g"], s["d"], s["L"]
-    family = "".join(hf.get("architectures") or [""]).lower()
     pbytes = _DTYPE_BYTES.get(params_dtype, 4)
     T = int(max_tokens_per_microbatch)
     S = min(int(max_seq_len), T)
     vocab = math.ceil(s["V"] / tp) * tp
     layers = L // pp
-    per_layer = _layer_params(s, tp, qk_norm="qwen3" in family, qkv_bias="qwen2" in family)
+    per_layer = _layer_params(s, tp, qk_norm=arch.qk_layernorm, qkv_bias=arch.add_qkv_bias)
     # static bytes per parameter: weight + fp32 grad buffer + (Adam moments + fp32 master for 16-bit) / DP
     opt_bytes = 8 + (4 if pbytes < 4 else 0)
     static_per_param = pbytes + 4 + opt_bytes / (dp if distributed_optimizer else 1)
@@ -187,7 +186,7 @@ def estimate_policy_memory(
     return best
 
 
-def estimate_for_config(cfg: Any, hf: dict[str, Any], max_tokens_per_microbatch: int | None = None,
+def estimate_for_config(cfg: Any, arch: GPTArch, max_tokens_per_microbatch: int | None = None,
                         device: str | None = None) -> MemoryEstimate:
     """:func:`estimate_policy_memory` for a run config (``da3po_megatron.config.Config``)."""
     import torch
@@ -199,7 +198,7 @@ def estimate_for_config(cfg: Any, hf: dict[str, Any], max_tokens_per_microbatch:
     p, a = cfg.parallel, cfg.actor
     backend = a.loss_backend if a.loss_backend in ("torch", "fused_linear") else "kernel"
     return estimate_policy_memory(
-        hf, max_tokens_per_microbatch=max_tokens_per_microbatch or a.max_tokens_per_microbatch,
+        arch, max_tokens_per_microbatch=max_tokens_per_microbatch or a.max_tokens_per_microbatch,
         max_seq_len=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
         params_dtype=cfg.model.params_dtype if device == "cuda" else "float32",
@@ -240,7 +239,7 @@ def fit_microbatch_tokens(estimate_at: Any, budget_bytes: int, start: int, minim
     return lo
 
 
-def check_policy_memory(cfg: Any, hf: dict[str, Any], available: int | None = None, where: str = "",
+def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, where: str = "",
                         log: Any = print) -> int:
     """Estimate the policy's peak per rank for the run config, print it, and compare it with the device.
 
@@ -263,7 +262,7 @@ def check_policy_memory(cfg: Any, hf: dict[str, Any], available: int | None = No
         available, where = device_memory_bytes(device)
     world = int(cfg.policy_world_size)
     if device == "cpu":
-        s = _shape(hf)
+        s = _shape(arch)
         params = s["L"] * _layer_params(s, 1, False, False) + s["V"] * s["h"] * (2 - s["tied"])
         engines = int(cfg.rollout.num_engines) * (4 * params + int(cfg.rollout.kv_cache_memory_bytes))
         local_ranks = world if cfg.ray.address == "local" else 1
@@ -274,15 +273,15 @@ def check_policy_memory(cfg: Any, hf: dict[str, Any], available: int | None = No
         budget = int(available * (1 - cfg.rollout.gpu_memory_utilization if cfg.rollout.colocate else 1))
         share = f"{where}" + (f" x (1 - gpu_memory_utilization {cfg.rollout.gpu_memory_utilization})"
                               if cfg.rollout.colocate else "")
-    est = estimate_for_config(cfg, hf, tokens, device)
+    est = estimate_for_config(cfg, arch, tokens, device)
     log(f"memory: {est.summary()}; budget per rank {budget / GiB:.2f} GiB ({share})")
     if est.total <= budget or mode == "warn":
         return tokens
     longest = int(cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
-    fit = fit_microbatch_tokens(lambda t: estimate_for_config(cfg, hf, t, device), budget, tokens, longest)
+    fit = fit_microbatch_tokens(lambda t: estimate_for_config(cfg, arch, t, device), budget, tokens, longest)
     if mode == "fit" and fit is not None:
         log(f"memory: lowering actor.max_tokens_per_microbatch {tokens} -> {fit} (estimate "
-            f"{estimate_for_config(cfg, hf, fit, device).total / GiB:.2f} GiB; actor.memory_check=fit)")
+            f"{estimate_for_config(cfg, arch, fit, device).total / GiB:.2f} GiB; actor.memory_check=fit)")
         return fit
     hint = (f"set actor.max_tokens_per_microbatch<={fit} (or actor.memory_check=fit to do so automatically)"
             if fit is not None else "no micro-batch of one longest sequence fits: use more ranks (TP/PP)")

@@ -7,8 +7,9 @@ driver reads rank 0's. It is configured by the run config's own sections (:class
 
 One concern per module (paper equations as in DESIGN.md):
 
-- set-up (here): process groups (:mod:`.runtime`), the GPTModel stage (:mod:`.model`; randomly initialised, the HF
-  weights come through the bridge), then Megatron DDP + distributed Adam + the LR schedule (:mod:`.optimizer`);
+- set-up (here): process groups (:mod:`.runtime`), the GPTModel stage of the caller's :class:`~.arch.GPTArch`
+  (:mod:`.model`; randomly initialised, the HF weights come through the bridge), then Megatron DDP + distributed
+  Adam + the LR schedule (:mod:`.optimizer`);
 - the forward schedule (:mod:`.schedule`): this rank's DP shard (token-balanced) in micro-batches by token budget
   (packed sequences, :mod:`.batching`) through Megatron's pipeline schedule; ``compute_logprobs``: log pi(o_t | q,
   o_<t) of every response token, forward-only, vocab-parallel, gathered back in batch order;
@@ -26,7 +27,8 @@ One concern per module (paper equations as in DESIGN.md):
   so the gradient does not depend on how the mini-batch is split (the contract in ``losses.py``; verl's
   ``global_batch_info``, NeMo-RL's ``global_valid_toks``);
 - ``save`` / ``load``: :mod:`.checkpoint` (model resharding-safe across TP/PP; optimizer at the same TP x PP).
-- No HF names here: HF weights go in and out through the bridge (``da3po_megatron.bridge.export``: ``load_policy_hf``,
+- No HF names and no HF config here: the architecture comes in as a ``GPTArch`` (the bridge reads config.json), and
+  HF weights go in and out through the bridge (``da3po_megatron.bridge.export``: ``load_policy_hf``,
   ``export_policy``), which the trainer, the weight sync and tests run on every rank with :meth:`PolicyWorker.execute`.
 
 Left out: context parallelism (refused by config validation: sequences are not split across CP ranks), virtual
@@ -49,6 +51,7 @@ import torch.distributed as dist
 from da3po_megatron.config import AlgorithmConfig, Config, to_dict
 from da3po_megatron.kernels import BACKENDS as KERNEL_BACKENDS
 from da3po_megatron.megatron import cpu_compat
+from da3po_megatron.megatron.arch import GPTArch
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.loss_backends import (
     LOSS_BACKENDS,
@@ -57,13 +60,7 @@ from da3po_megatron.megatron.loss_backends import (
     make_loss_backend,
     microbatch_loss,
 )
-from da3po_megatron.megatron.model import (
-    build_gpt_model,
-    load_hf_config,
-    transformer_config,
-    use_te,
-    vocab_sizes,
-)
+from da3po_megatron.megatron.model import build_gpt_model, transformer_config, use_te
 from da3po_megatron.megatron.nonfinite import check_finite_weights, nonfinite_update
 from da3po_megatron.megatron.optimizer import build_ddp_optimizer
 from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_parallel, node_ip
@@ -109,16 +106,18 @@ def layout_of(cfg: Config) -> ParallelLayout:
     return ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size)
 
 
-def validate_config(cfg: Config, world_size: int) -> None:
-    """Check the run config against the world and the model before any process group exists.
+def validate_config(cfg: Config, arch: GPTArch, world_size: int) -> None:
+    """Check the run config against the world and the model (``arch``) before any process group exists.
 
     Raises ValueError naming the numbers: a world that is not ``cfg.policy_world_size``; world not divisible by
-    TP x PP (x CP), heads / KV heads not divisible by TP, layers not divisible by PP; an invalid loss set-up.
+    TP x PP (x CP), heads / query groups not divisible by TP, layers not divisible by PP; an invalid loss set-up.
     """
+    if not isinstance(arch, GPTArch):
+        raise TypeError(f"the policy is built from a megatron.arch.GPTArch (the bridge's gpt_arch(model_path) gives "
+                        f"it), got {type(arch).__name__}")
     layout = layout_of(cfg)
     layout.validate(world_size)
-    hf = load_hf_config(cfg.model.path)
-    tconf = transformer_config(hf, cfg.model, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+    tconf = transformer_config(arch, cfg.model, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                layout.context_parallel_size)
     if world_size != cfg.policy_world_size:
         p = cfg.parallel
@@ -135,17 +134,18 @@ def validate_config(cfg: Config, world_size: int) -> None:
 class PolicyWorker:
     """One rank of the policy world, configured by the run config's own sections (``da3po_megatron.config.Config``):
     ``model``, ``parallel``, ``optim``, ``actor``, the resolved ``algorithm`` fields, ``rollout.temperature`` /
-    ``rollout.n`` and ``trainer.seed``. Use ``PolicyWorker().init(cfg, rank=..., ...)`` or
-    ``PolicyWorker(cfg, ...)``."""
+    ``rollout.n`` and ``trainer.seed``, and the model's architecture (a :class:`~.arch.GPTArch`, which the caller
+    gets from the bridge: ``da3po_megatron.bridge.hf_config.gpt_arch(cfg.model.path)``). Use
+    ``PolicyWorker().init(cfg, arch, rank=..., ...)`` or ``PolicyWorker(cfg, arch, ...)``."""
 
-    def __init__(self, cfg: Config | None = None, **init_kwargs: Any) -> None:
+    def __init__(self, cfg: Config | None = None, arch: GPTArch | None = None, **init_kwargs: Any) -> None:
         from da3po_megatron.megatron.runtime import ignore_job_sigterm
 
         ignore_job_sigterm()  # under Slurm: outlive the job-wide SIGTERM until the driver has checkpointed
         self.cfg: Config | None = None
         self.step = 0
         if cfg is not None:
-            self.init(cfg, **init_kwargs)
+            self.init(cfg, arch, **init_kwargs)
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -153,21 +153,20 @@ class PolicyWorker:
         """(address, port) for the world's rendezvous, as seen from other nodes; called on rank 0's host."""
         return node_ip(), free_port()
 
-    def init(self, cfg: Config, *, rank: int | None = None, world_size: int | None = None,
+    def init(self, cfg: Config, arch: GPTArch, *, rank: int | None = None, world_size: int | None = None,
              master_addr: str | None = None, master_port: int | None = None) -> dict[str, Any]:
-        """Join the world, build the model stage (randomly initialised: the HF weights come through the bridge's
-        ``load_policy_hf``), wrap in DDP, build optimizer and LR schedule."""
+        """Join the world, build the model stage of ``arch`` (randomly initialised: the HF weights come through the
+        bridge's ``load_policy_hf``), wrap in DDP, build optimizer and LR schedule."""
         import os
 
         from megatron.core import parallel_state as ps
 
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-        validate_config(cfg, world_size)
-        self.cfg = cfg
+        validate_config(cfg, arch, world_size)
+        self.cfg, self.arch = cfg, arch
         self.loss_params = loss_setup(cfg)
         init_parallel(layout_of(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
                       master_port=master_port, seed=cfg.trainer.seed)
-        self.hf = load_hf_config(cfg.model.path)
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.dp = ps.get_data_parallel_world_size()
@@ -179,13 +178,12 @@ class PolicyWorker:
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
-        self.vocab, self.padded_vocab = vocab_sizes(self.hf, self.tp, cfg.model.make_vocab_size_divisible_by)
+        self.vocab, self.padded_vocab = arch.vocab_sizes(self.tp, cfg.model.make_vocab_size_divisible_by)
         self.te = use_te(cfg.model)
         self.thd = self.te and cfg.actor.packing
-        pad = self.hf.get("pad_token_id")
-        self.pad_id = int(pad) if isinstance(pad, int) else 0
+        self.pad_id = arch.pad_token_id
 
-        model = self._gpt = build_gpt_model(self.hf, cfg.model)
+        model = self._gpt = build_gpt_model(arch, cfg.model)
         self.model, self.optimizer, self.scheduler = build_ddp_optimizer(
             model, cfg.optim, total_steps=cfg.optimizer_steps, lr_decay_style=cfg.optim.lr_schedule)
         self.schedule = ForwardSchedule(self.model, self.device, self.te, self.thd, self.pad_id, self.dp,
@@ -344,8 +342,8 @@ class PolicyWorker:
         from da3po_megatron.megatron.checkpoint import save_policy
 
         save_policy(path, self.model, self.optimizer, self.scheduler, step=self.step, hf_dir=self.cfg.model.path,
-                    extra={"run_config": _jsonable(to_dict(self.cfg)), "vocab_size": self.vocab,
-                           "padded_vocab_size": self.padded_vocab},
+                    extra={"run_config": _jsonable(to_dict(self.cfg)), "arch": self.arch.to_dict(),
+                           "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab},
                     fully_parallel=fully_parallel)
 
     def load(self, path: str | Path, load_optimizer: bool | None = None, fully_parallel: bool = False

@@ -11,6 +11,7 @@ import torch
 
 from da3po_megatron.config import Config
 from da3po_megatron.data.datasets import PromptDataset, ReadStats, load_prompts
+from da3po_megatron.megatron.arch import GPTArch
 from da3po_megatron.rollout.types import EngineConfig
 from da3po_megatron.trainer.console import ray_init_kwargs
 
@@ -101,19 +102,25 @@ def load_train_data(cfg: Config) -> PromptDataset:
     return PromptDataset([ex for p in parts for ex in p], stats, name="+".join(p.name for p in parts))
 
 
-def preflight(cfg: Config) -> None:
-    """Checks that need the model's config.json, before the run writes or starts anything: the parallel sizes divide
-    the model (heads, KV heads, MLP, layers), and the policy's estimated peak memory per rank fits the device
-    (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch`` in ``cfg``)."""
+def preflight(cfg: Config) -> GPTArch:
+    """The policy's architecture, read through the bridge from the model's config.json, and the checks that need it,
+    before the run writes or starts anything: the parallel sizes divide the model (heads, query groups, MLP, layers),
+    and the policy's estimated peak memory per rank fits the device (``actor.memory_check``; "fit" lowers
+    ``actor.max_tokens_per_microbatch`` in ``cfg``). A config the bridge cannot read as a ``GPTArch`` is an
+    ``InputError`` (exit 2), like a damaged one."""
+    from da3po_megatron.bridge.hf_config import gpt_arch
     from da3po_megatron.megatron.memory import check_policy_memory
-    from da3po_megatron.megatron.model import check_parallel_sizes, load_hf_config
+    from da3po_megatron.trainer.inputs import InputError
 
-    if not (Path(cfg.model.path) / "config.json").exists():
-        return  # reported with its fix by Run below
-    hf = load_hf_config(cfg.model.path)
+    config = Path(cfg.model.path) / "config.json"
+    try:  # trainer.inputs.load_tokenizer has checked that the file is there and parses
+        arch = gpt_arch(cfg.model.path)
+    except (ValueError, KeyError) as e:  # an unsupported family / activation / RoPE scaling, a missing field
+        raise InputError(f"{config}: not a model this recipe builds ({type(e).__name__}: {e})") from None
     p = cfg.parallel
     try:
-        check_parallel_sizes(hf, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        arch.check_parallel_sizes(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     except ValueError as e:
-        raise ValueError(f"parallel: {e} ({cfg.model.path}/config.json)") from None
-    cfg.actor.max_tokens_per_microbatch = check_policy_memory(cfg, hf, log=lambda m: print(m, flush=True))
+        raise ValueError(f"parallel: {e} ({config})") from None
+    cfg.actor.max_tokens_per_microbatch = check_policy_memory(cfg, arch, log=lambda m: print(m, flush=True))
+    return arch

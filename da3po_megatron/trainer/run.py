@@ -53,7 +53,7 @@ class Run:
         # first: bad inputs fail (InputError / BadRowError, exit 2) before anything is written or started
         dataset = load_train_data(cfg)
         self.tokenizer = load_tokenizer(cfg)  # the model directory's config.json and tokenizer
-        preflight(cfg)  # parallel sizes and memory
+        arch = preflight(cfg)  # the model in Megatron terms (through the bridge); parallel sizes and memory
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
@@ -88,7 +88,7 @@ class Run:
         t0 = time.perf_counter()
         # policy ranks and engines start side by side: the ranks' resources are requested first, then the engines',
         # and each side's start-up (imports, process groups, model build / vLLM's load) overlaps the other's
-        self.policy = PolicyGroup.from_config(cfg, wait=False)
+        self.policy = PolicyGroup.from_config(cfg, arch, wait=False)
         self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                          num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
