@@ -102,9 +102,10 @@ MAX_MODEL_LEN = 256  # the bench generates a few short probes: a small KV cache 
 def kv_cache_bytes(model: str, args) -> int:
     """``--kv-cache-mb``, raised to what one MAX_MODEL_LEN sequence of ``model`` needs (x2 for vLLM's rounding):
     a 28-layer Qwen3-0.6B shape needs ~59 MB in float32, more than the tiny model's 32 MiB default."""
-    cfg = json.loads(open(os.path.join(model, "config.json")).read())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+    from da3po_megatron.bridge.hf_config import gpt_arch
+
+    arch = gpt_arch(model)  # the bridge reads the HF config (head_dim, KV heads)
+    per_token = 2 * arch.num_layers * arch.num_query_groups * arch.kv_channels  # K and V
     need = 2 * per_token * MAX_MODEL_LEN * (2 if args.dtype in ("bfloat16", "float16") else 4)
     return max(args.kv_cache_mb * 2**20, need)
 

@@ -90,12 +90,11 @@ def tied_followers(model) -> list:
     """The layers whose every parameter is a Parameter another layer owns under its canonical name (a tied model's
     output head: ``named_parameters`` lists the shared embedding weight once, under the embedding). Called before a
     reload session starts, while the layers still share the Parameter objects."""
-    canonical = {id(p) for _, p in model.named_parameters()}
-    names = {id(p): n for n, p in model.named_parameters()}
+    canonical = {id(p): n for n, p in model.named_parameters()}  # a shared Parameter: listed once, first owner
     followers = []
     for mname, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
-        if own and all(id(p) in canonical and names[id(p)] != f"{mname}.{n}" for n, p in own):
+        if own and all(canonical.get(id(p)) not in (None, f"{mname}.{n}") for n, p in own):
             followers.append(module)
     return followers
 
