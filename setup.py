@@ -54,5 +54,5 @@ setup(
     packages=find_packages(include=["da3po_megatron", "da3po_megatron.*"]),
     install_requires=COMMON,
     extras_require={"cpu": CPU, "gpu": GPU, "test": TEST, "wandb": ["wandb>=0.17"]},
-    entry_points={"console_scripts": ["da3po=da3po_megatron.cli:main"]},
+    entry_points={"console_scripts": ["da3po=da3po_megatron.cli:run"]},
 )
