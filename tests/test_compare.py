@@ -426,16 +426,21 @@ def test_compare_variants_puts_each_variant_beside_the_reference_at_equal_steps_
 @pytest.mark.slow
 def test_smoke_grid_runs_through_the_real_trainer_and_skips_finished_runs_when_rerun(tmp_path, warm_model):
     out, runs = tmp_path / "rep", tmp_path / "runs"
-    cmd = [sys.executable, "tools/compare_algorithms.py", "--smoke", "--out", str(out), "--runs-dir", str(runs),
-           "--warmup-dir", str(warm_model)]  # the session's short warm-up (conftest), not the demo's 700-step one
+    # GSPO in place of the smoke grid's GRPO: GRPO's real-trainer run is in test_trainer_e2e.py, GSPO's is this one
+    cmd = [sys.executable, "tools/compare_algorithms.py", "--smoke", "--methods", "gspo,da3po:2", "--out", str(out),
+           "--runs-dir", str(runs), "--warmup-dir", str(warm_model)]  # the session's short warm-up (conftest)
     ray_tmp = tempfile.mkdtemp(prefix="cmp", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DA3PO_RAY_TMP": ray_tmp}
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     logs = "\n".join(p.read_text()[-3000:] for p in runs.glob("*/seed0/train.log"))
     assert r.returncode == 0, r.stdout + r.stderr + logs
-    for slug in ("grpo", "da3po_2"):
+    for slug in ("gspo", "da3po_2"):
         assert C.run_status(runs / slug / "seed0", 2) == "done"
         assert (out / "logs" / slug / "seed0.jsonl").exists()
+    gspo = [r for r in map(json.loads, (runs / "gspo/seed0/metrics.jsonl").read_text().splitlines())
+            if "train/response_tokens" in r]  # the training steps (step 0 holds the starting policy's evaluation)
+    assert [r["step"] for r in gspo] == [1, 2] and all(r["train/response_tokens"] > 0 for r in gspo)
+    assert all(r["dynamic_sampling/rounds"] == 1 and r["daa/activation_frac"] == 0.0 for r in gspo)  # GSPO's preset
     text = (out / "report.md").read_text()
     assert "## Equal training steps (step 2)" in text and "## Verdict" in text
     t0 = time.perf_counter()

@@ -12,8 +12,10 @@ is a real change); every sync ends with the engines serving the new weights (ses
 - ``collective``: a private gloo (CPU) / NCCL (CUDA) group from the sender to every engine worker, flat buckets
   broadcast (:class:`~da3po_megatron.rollout.collective.CollectiveTransport`).
 
-Physical references measured in the same run: ``link`` = one broadcast of a single buffer of the model's size over
-the collective group (what the group's link moves at best), ``memcpy`` = one ``copy_`` of that buffer in this process.
+Physical references measured in the same run: ``link`` = one broadcast of a single buffer over the collective group
+(what the group's link moves at best; the model's size, at most ``--link-probe-mb``: every receiver allocates it,
+and a 2.4 GB probe to two engines next to their models and the sender's exhausted 24 GiB), ``memcpy`` = one
+``copy_`` of a buffer of the model's size in this process.
 Each row: median seconds, GB/s per engine (model bytes / seconds), that rate as a fraction of link and memcpy, and
 the split export+mapping / packing / transfer / engine load (bytes: transfer and load are one engine call; disk: save
 / reload). The sender is a transformers model in the driver (``--source hf``: no Megatron mapping, so export is
@@ -54,6 +56,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-cache-mb", type=int, default=32)
+    ap.add_argument("--link-probe-mb", type=float, default=512, help="size cap of the link-reference broadcast")
+    ap.add_argument("--engine-node", choices=("any", "other"), default="any",
+                    help="other: the engines on a Ray node other than the driver's (the sender with --source hf), "
+                         "e.g. under slurm/train.sbatch with DA3PO_DRIVER; the model directory must be on a shared "
+                         "file system (--work-dir)")
+    ap.add_argument("--work-dir", default=None, help="where the models are built (default: a temporary directory)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     return ap.parse_args(argv)
 
@@ -110,6 +118,30 @@ def kv_cache_bytes(model: str, args) -> int:
     return max(args.kv_cache_mb * 2**20, need)
 
 
+def engine_placement(where: str, n_engines: int) -> tuple[object | None, str]:
+    """``--engine-node other``: a placement group pinning every engine to one Ray node that is not the driver's
+    (through Ray's per-node ``node:<ip>`` resource); returns it and the placement's name for the rows."""
+    if where == "any":
+        return None, "same node" if len(_alive_nodes()) == 1 else "any node"
+    import ray
+    from ray.util.placement_group import placement_group
+
+    here = ray.util.get_node_ip_address()
+    others = sorted(ip for ip in _alive_nodes() if ip != here)
+    if not others:
+        raise SystemExit(f"--engine-node other: the Ray cluster has no node besides the driver's ({here}); run under "
+                         "slurm/train.sbatch with DA3PO_DRIVER on 2+ nodes (docs/rollout.md)")
+    pg = placement_group([{"CPU": 1, f"node:{others[0]}": 0.001}] * n_engines, strategy="PACK")
+    ray.get(pg.ready(), timeout=300)
+    return pg, f"{here} -> {others[0]}"
+
+
+def _alive_nodes() -> list[str]:
+    import ray
+
+    return [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+
+
 def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[dict]:
     import torch
 
@@ -118,8 +150,10 @@ def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[d
     from da3po_megatron.rollout.collective_transport import CollectiveTransport, StreamSender
     from da3po_megatron.rollout.weight_sync import hf_state_tensors, save_and_reload, sync_policy_group_to_engines
 
+    pg, placement = engine_placement(args.engine_node, n_engines)
     client = RolloutClient.ray(EngineConfig(model, dtype=args.dtype, kv_cache_memory_bytes=kv_cache_bytes(model, args),
-                                            enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN), n_engines)
+                                            enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN), n_engines,
+                               placement_group=pg)
     group = hf = None
     rows: list[dict] = []
     try:
@@ -194,13 +228,16 @@ def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[d
                     del exported
                 times["disk"].append({"seconds": d["seconds"], "export": float("nan"), "pack": d.get("save_seconds"),
                                       "transfer": float("nan"), "load": d["reload_seconds"]})
-        link = statistics.median(transport.link_bandwidth(client, n_bytes) for _ in range(max(2, args.repeats)))
+        probe = min(n_bytes, int(args.link_probe_mb * 2**20))
+        link = statistics.median(transport.link_bandwidth(client, probe) for _ in range(max(2, args.repeats)))
+        link *= n_bytes / probe  # seconds the link needs for the model's bytes at the probe's rate
         mem = memcpy_seconds(n_bytes)
         transport.teardown(client)
         for path, reps in times.items():
             med = {k: statistics.median(x[k] for x in reps) for k in reps[0]}
             gbps = n_bytes / med["seconds"] / 1e9
-            rows.append({"model": label, "engines": n_engines, "path": path, "mb": round(n_bytes / 1e6, 1),
+            rows.append({"model": label, "engines": n_engines, "placement": placement, "path": path,
+                         "mb": round(n_bytes / 1e6, 1),
                          "seconds": round(med["seconds"], 4), "gbps_per_engine": round(gbps, 3),
                          "of_link": round(gbps / (n_bytes / link / 1e9), 3),
                          "of_memcpy": round(gbps / (n_bytes / mem / 1e9), 4),
@@ -212,6 +249,10 @@ def bench_one(args, model: str, label: str, n_engines: int, work: str) -> list[d
         if group is not None:
             group.shutdown()
         client.shutdown()
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
         hf = None  # noqa: F841 - free the model before the next configuration
     return rows
 
@@ -227,7 +268,7 @@ def main(argv=None) -> list[dict]:
         else:
             ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
                      num_cpus=max(4, max(args.engines) + args.policy_tp))
-    work = tempfile.mkdtemp(prefix="bench_sync_")
+    work = tempfile.mkdtemp(prefix="bench_sync_", dir=args.work_dir)
     rows: list[dict] = []
     try:
         for name in args.models:
@@ -239,15 +280,16 @@ def main(argv=None) -> list[dict]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nsource={args.source}, bucket {args.bucket_mb} MiB, median of {args.repeats}; link = one broadcast of a "
-          "single model-sized buffer over the same group, memcpy = one copy_ of it")
-    print("| model | engines | path | MB | seconds | GB/s per engine | of link | of memcpy | export+map s | pack s "
-          "| transfer s | engine load s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"single buffer (model-sized, at most {args.link_probe_mb:g} MiB) over the same group, memcpy = one "
+          "copy_ of a model-sized buffer")
+    print("| model | engines | placement | path | MB | seconds | GB/s per engine | of link | of memcpy | export+map s "
+          "| pack s | transfer s | engine load s |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         def f(v):
             return "-" if v != v else f"{v:g}"  # NaN: not separable on this path
 
-        print(f"| {r['model']} | {r['engines']} | {r['path']} | {r['mb']} | {r['seconds']:.3f} | "
+        print(f"| {r['model']} | {r['engines']} | {r['placement']} | {r['path']} | {r['mb']} | {r['seconds']:.3f} | "
               f"{r['gbps_per_engine']:.3f} | {r['of_link']:.0%} | {r['of_memcpy']:.1%} | {f(r['export_s'])} | "
               f"{f(r['pack_s'])} | {f(r['transfer_s'])} | {f(r['load_s'])} |")
     for r in rows:

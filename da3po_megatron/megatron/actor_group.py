@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from da3po_megatron.config import Config
@@ -152,6 +153,14 @@ class PolicyGroup:
             raise PolicyGroupError(f"policy group is shut down; cannot call {method}")
         return self._gather([(r, getattr(a, method).remote(*args, **kwargs)) for r, a in enumerate(self.actors)],
                             method)
+
+    def start(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], list[Any]]:
+        """Start ``method`` on every rank without waiting; the returned function waits for all ranks' results (errors
+        named as in :meth:`call_all`)."""
+        if not self.actors:
+            raise PolicyGroupError(f"policy group is shut down; cannot call {method}")
+        pending = [(r, getattr(a, method).remote(*args, **kwargs)) for r, a in enumerate(self.actors)]
+        return lambda: self._gather(pending, method)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on every rank and return rank 0's result."""

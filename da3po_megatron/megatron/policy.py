@@ -346,6 +346,12 @@ class PolicyWorker:
                            "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab},
                     fully_parallel=fully_parallel)
 
+    def prewarm_checkpointing(self, directory: str | Path) -> float:
+        """The first save's one-time start-up, done ahead (:func:`checkpoint.prewarm_writer`; collective); seconds."""
+        from da3po_megatron.megatron.checkpoint import prewarm_writer
+
+        return prewarm_writer(directory)
+
     def load(self, path: str | Path, load_optimizer: bool | None = None, fully_parallel: bool = False
              ) -> dict[str, Any]:
         """Load a checkpoint saved at any TP x PP (optimizer: same TP x PP only; see :func:`checkpoint.load_policy`)."""

@@ -97,7 +97,10 @@ class Run:
         if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
             print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
                   flush=True)
+        # the first checkpoint's one-time start-up (megatron-core's writer), done while the engines start
+        prewarmed = self.policy.start("prewarm_checkpointing", str(self.ckpt.root / ".prewarm"))
         self.rollout.wait_ready()
+        prewarmed()
         print(f"policy ({cfg.policy_world_size} ranks) and {cfg.rollout.num_engines} engine(s) ready in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         self.pin_cpus()
