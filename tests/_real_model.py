@@ -90,10 +90,14 @@ def build_smollm2(out: Path) -> dict:
 
 def smollm2_dir() -> Path:
     """The cached HF directory, built on first use (~1 min on 2 cores)."""
+    from filelock import FileLock
+
     out = cache_dir() / SMOLLM2_NAME
     if not (out / ".complete").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        build_smollm2(out)
+        with FileLock(str(out) + ".lock"):  # parallel test workers: one builds, the others wait and reuse it
+            if not (out / ".complete").is_file():
+                build_smollm2(out)
     return out
 
 

@@ -20,11 +20,21 @@ def warm_model(tmp_path_factory):
     """A tiny Qwen3-shaped policy after a short supervised warm-up on the synthetic task (real transformers training,
     ~30-60 s), so that RL has signal on the easy buckets 1-3 that the end-to-end tests train on. Shared by the trainer,
     Slurm and comparison tests."""
+    from filelock import FileLock
+
     from da3po_megatron.data.warmup import WarmupConfig, run_warmup
 
-    out = tmp_path_factory.mktemp("warm") / "model"
-    run_warmup(WarmupConfig(out=str(out), steps=120, eval_per_bucket=4, bucket_weights=[4, 2, 1, 0, 0, 0, 0, 0]),
-               log=lambda *a, **k: None)
+    # Under pytest-xdist every worker has its own session: the first one builds the model in the directory the
+    # workers share (the parent of each worker's base temp dir), the others wait on the lock and reuse it.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    out = shared / "warm" / "model"
+    with FileLock(str(shared / "warm.lock")):
+        if not (out.parent / ".complete").is_file():
+            run_warmup(WarmupConfig(out=str(out), steps=120, eval_per_bucket=4,
+                                    bucket_weights=[4, 2, 1, 0, 0, 0, 0, 0]), log=lambda *a, **k: None)
+            (out.parent / ".complete").write_text("")
     return out
 
 
@@ -46,3 +56,21 @@ def smollm2():
         return smollm2_dir()
     except FileNotFoundError as e:  # not installed: a failure with the fix, never a skip
         pytest.fail(str(e))
+
+
+# The suite's longest files (seconds on 2 cores, in this order), started first. `make test` runs two pytest-xdist
+# workers that take whole files (``--dist loadfile``: a file's module fixtures -- one Ray, one torchrun policy --
+# are built once) in collection order; long files first keeps one worker from starting a long file last while the
+# other sits idle. The two fixtures every long file needs first (the warmed-up tiny model, the SmolLM2 directory)
+# are built by one worker while the other waits for them (see ``warm_model``). Serial runs are unaffected by order.
+LONG_FILES_FIRST = (
+    "test_reliability_faults.py", "test_real_model.py", "test_slurm_cluster.py", "test_trainer_e2e.py",
+    "test_gpu_check_script.py", "test_compare.py", "test_weight_sync_collective.py", "test_megatron_policy.py",
+    "test_weight_sync_megatron.py", "test_convert.py", "test_export_parity.py", "test_reliability_units.py",
+    "test_eval_runner.py", "test_rollout_ray.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ARG001 - pytest hook signature
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept within a file
