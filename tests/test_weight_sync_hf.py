@@ -109,7 +109,10 @@ def test_a_partial_update_is_refused_naming_the_missing_weights(client, model_di
     partial = [(k, v) for k, v in new.state_dict().items() if "layers.1.mlp" not in k]
     with pytest.raises(RolloutError, match=r"unwritten.*layers\.1\.mlp"):
         client.update_weights(partial, bucket_mb=1)
-    # the engine stays usable: a full sync afterwards is exact
+    # it does not serve the half-updated model ...
+    with pytest.raises(RolloutError, match="aborted half-way"):
+        client.generate(["hi"], SamplingConfig(max_tokens=6, seed=1))
+    # ... and a full sync afterwards is exact
     client.update_weights(hf_state_tensors(new), bucket_mb=1)
     assert max_logprob_diff(new, client.generate(["hi"], SamplingConfig(max_tokens=6, seed=1))) < TOL
 

@@ -61,3 +61,15 @@ def test_flat_buckets_are_bounded_aligned_and_round_trip_every_dtype():
     assert unpack_flat(*cast[0])["a"].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="'a' appears twice"):
         list(iter_flat_buckets(iter([named[0], named[0]]), bucket, torch.device("cpu")))
+
+
+def test_only_the_last_bucket_is_marked_last_so_one_sender_can_close_the_session_with_it():
+    from da3po_megatron.rollout.client import iter_buckets_marked
+
+    tensors = [(f"w{i}", torch.full((256,), float(i))) for i in range(5)]  # 1 KiB each
+    marked = list(iter_buckets_marked(tensors, bucket_bytes=2048))
+    assert [sorted(b) for b, _ in marked] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert [last for _, last in marked] == [False, False, True]
+    (only, last), = iter_buckets_marked(tensors[:1], bucket_bytes=2048)
+    assert last and list(only) == ["w0"]
+    assert list(iter_buckets_marked([], bucket_bytes=2048)) == []

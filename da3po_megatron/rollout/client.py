@@ -34,6 +34,7 @@ from da3po_megatron.rollout.types import (
     RolloutError,
     SamplingConfig,
     checked_weights,
+    timed_stream,
 )
 
 MiB = 2**20
@@ -46,6 +47,14 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
 
     Tensors are made contiguous CPU copies (cast to ``dtype`` when given); names must be unique.
     """
+    for bucket, _ in iter_buckets_marked(named_tensors, bucket_bytes, dtype):
+        yield bucket
+
+
+def iter_buckets_marked(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                        dtype: torch.dtype | None = None) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+    """:func:`iter_buckets` with a flag on the last bucket (known without holding a bucket back: a bucket is only
+    closed when the next tensor does not fit, or when the stream ends)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
     bucket: dict[str, torch.Tensor] = {}
@@ -55,7 +64,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         t = t.to("cpu").contiguous()
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:
-            yield bucket
+            yield bucket, False
             bucket, size, storages = {}, 0, set()
         # safetensors refuses tensors that share memory: copy views into larger buffers (split QKV) and repeats (tied)
         ptr = t.untyped_storage().data_ptr()
@@ -66,7 +75,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         bucket[name] = t
         size += nbytes
     if bucket:
-        yield bucket
+        yield bucket, True
 
 
 def serialize_bucket(bucket: dict[str, torch.Tensor]) -> bytes:
@@ -339,7 +348,7 @@ class RolloutClient:
         self._pending_refs = []
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256,
-                     dtype: torch.dtype | None = None) -> dict:
+                     dtype: torch.dtype | None = None, session: bool = False, strict: bool = True) -> dict:
         """Group HF-named tensors into buckets of at most ``bucket_mb`` MiB and load each into every engine.
 
         Between :meth:`begin_weight_update` and :meth:`finish_weight_update`; may be called several times and, with
@@ -347,14 +356,25 @@ class RolloutClient:
         each bucket is packed into one flat buffer (:func:`pack_bucket`), ``ray.put`` once and shared by all engines;
         the next bucket is packed while the engines load the current one (at most two buckets alive). In-process
         engines get the tensors themselves. ``dtype`` casts floating tensors before sending.
-        Returns ``{"seconds", "bytes", "buckets", "tensors", "max_bucket_bytes"}`` (tensor bytes per engine).
+
+        ``session=True`` (the only sender of a sync): the session is opened by the first bucket's load call and
+        closed (``strict`` check, prefix caches reset) by the last one's, instead of two calls of their own -- a
+        one-bucket sync is one call per engine. The engines' weights version moves on; the caller's copy of this
+        client learns it through :meth:`note_weight_update`. No tensors: RolloutError.
+        Returns ``{"seconds", "bytes", "buckets", "tensors", "max_bucket_bytes"}`` (tensor bytes per engine) and the
+        split of ``seconds``: ``export_s`` (producing the stream: export + HF mapping), ``pack_s`` (bucket copies,
+        packing, ``ray.put``), ``engine_s`` (waiting for the engines' loads beyond what packing hid).
         """
         t0 = time.perf_counter()
         n_bytes = n_buckets = n_tensors = max_bucket = 0
         pending: list[tuple[int, Any]] = []
         refs: list[Any] = []
-        for bucket in iter_buckets(named_tensors, int(bucket_mb * MiB), dtype):
+        split = {"export_s": 0.0, "pack_s": 0.0, "engine_s": 0.0}
+        buckets = iter_buckets_marked(timed_stream(named_tensors, split), int(bucket_mb * MiB), dtype)
+        tp = time.perf_counter()
+        for bucket, last in buckets:
             size = sum(t.numel() * t.element_size() for t in bucket.values())
+            flags = {"begin": session and n_buckets == 0, "finish": session and last, "strict": strict}
             n_bytes += size
             n_buckets += 1
             n_tensors += len(bucket)
@@ -366,26 +386,45 @@ class RolloutClient:
                 del bucket
                 if self.restart_on_failure:
                     refs.append(ref)
+                split["pack_s"] += time.perf_counter() - tp
+                tw = time.perf_counter()
                 self._gather(pending, "weight update")  # previous bucket loaded: <= 2 buckets alive
-                pending = [(i, self._call(i, "load_bucket", ref)) for i in range(self.num_engines)]
+                pending = [(i, self._call(i, "load_bucket", ref, **flags)) for i in range(self.num_engines)]
+                split["engine_s"] += time.perf_counter() - tw
             else:  # same address space: the engine reads the tensors themselves
+                split["pack_s"] += time.perf_counter() - tp
+                tw = time.perf_counter()
                 for i in range(self.num_engines):
-                    self._call(i, "load_bucket", bucket)
+                    self._call(i, "load_bucket", bucket, **flags)
+                split["engine_s"] += time.perf_counter() - tw
+            tp = time.perf_counter()
+        tw = time.perf_counter()
         self._gather(pending, "weight update")
+        split["engine_s"] += time.perf_counter() - tw
+        split["pack_s"] = max(split["pack_s"] - split["export_s"], 0.0)  # the stream is pulled inside the bucketing
+        if session and n_buckets == 0:
+            raise RolloutError("weight update got no tensors")
         if self.mode == "ray" and self.restart_on_failure and hasattr(self, "_pending_refs"):
             self._pending_refs.extend(refs)
+        if session:
+            self.note_weight_update(refs if self.mode == "ray" and self.restart_on_failure else [])
         return {"seconds": time.perf_counter() - t0, "bytes": n_bytes, "buckets": n_buckets, "tensors": n_tensors,
-                "max_bucket_bytes": max_bucket}
+                "max_bucket_bytes": max_bucket, **split}
+
+    def note_weight_update(self, refs: list[Any] | None = None) -> None:
+        """Record a completed update on this copy of the client (its weights version; ``refs``: the buckets a
+        restarted engine can replay, or none -- then :attr:`resync` or an EngineDeadError after a restart)."""
+        self.weights_version += 1
+        self._last_update_refs = list(refs or [])
+        self._pending_refs = []
 
     def finish_weight_update(self, strict: bool = True) -> list[dict]:
         """Close the session on every engine (``strict``: every engine parameter must have been written, else
         RolloutError naming the missing ones) and reset the prefix caches. Returns each engine's report."""
         reports = self._gather([(i, self._call(i, "finish_bucket_update", strict)) for i in range(self.num_engines)],
                                "weight update")
-        self.weights_version += 1
         # replay material for restarted engines exists only when every bucket went through this client object
-        self._last_update_refs = getattr(self, "_pending_refs", [])
-        self._pending_refs = []
+        self.note_weight_update(getattr(self, "_pending_refs", []))
         return reports
 
     def abort_weight_update(self) -> None:
@@ -404,12 +443,8 @@ class RolloutClient:
         Returns ``{"seconds", "bytes", "buckets", "tensors", "max_bucket_bytes"}`` (bytes = one engine's payload).
         """
         t0 = time.perf_counter()
-        self.begin_weight_update()
         try:
-            stats = self.push_weights(named_tensors, bucket_mb=bucket_mb, dtype=dtype)
-            if stats["buckets"] == 0:
-                raise RolloutError("update_weights got no tensors")
-            self.finish_weight_update(strict=strict)
+            stats = self.push_weights(named_tensors, bucket_mb=bucket_mb, dtype=dtype, session=True, strict=strict)
         except BaseException:
             self.abort_weight_update()
             raise
@@ -475,4 +510,4 @@ class RolloutClient:
         self.shutdown()
 
 
-__all__ = ["RolloutClient", "iter_buckets", "pack_bucket", "serialize_bucket", "assemble"]
+__all__ = ["RolloutClient", "iter_buckets", "iter_buckets_marked", "pack_bucket", "serialize_bucket", "assemble"]

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from da3po_megatron.rollout.types import checked_weights
+from da3po_megatron.rollout.types import checked_weights, timed_stream
 
 ALIGN = 64
 _HEADER_BUCKET, _HEADER_END = 1, 0
@@ -195,7 +195,7 @@ class CollectiveSender:
         t0 = time.perf_counter()
         in_flight: list[Any] | None = None
         produce_s = 0.0  # export + mapping + packing: the time spent waiting for the next filled buffer
-        buckets = iter_flat_buckets(_timed(named_tensors, stats), bucket_bytes, self.device, dtype)
+        buckets = iter_flat_buckets(timed_stream(named_tensors, stats), bucket_bytes, self.device, dtype)
         while True:
             tp = time.perf_counter()
             item = next(buckets, None)
@@ -232,20 +232,6 @@ class CollectiveSender:
         destroy_group(self.pg)
         self.pg = None
         self.store = None
-
-
-def _timed(it: Iterable[tuple[str, torch.Tensor]], stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass a stream through, adding the time spent producing it (export + HF mapping) to ``stats["export_s"]``."""
-    it = iter(it)
-    while True:
-        t0 = time.perf_counter()
-        try:
-            item = next(it)
-        except StopIteration:
-            stats["export_s"] += time.perf_counter() - t0
-            return
-        stats["export_s"] += time.perf_counter() - t0
-        yield item
 
 
 _SENDERS: dict[str, CollectiveSender] = {}
@@ -317,15 +303,27 @@ class CollectiveReceiverMixin:
         self._da3po_group_device = group_device(groups[0]["backend"]) if groups else torch.device("cpu")
         return {"rank": rank, "groups": len(pgs), "seconds": time.perf_counter() - t0}
 
-    def da3po_collective_receive(self) -> dict:
+    def da3po_collective_receive(self, begin: bool = False, finish: bool = False, strict: bool = True) -> dict:
         """Receive every stage's stream (stage order) into the open session; a receiving thread fetches bucket k+1
-        while this thread loads bucket k (at most two buffers alive). Raises naming the stage and bucket."""
-        import queue
-        import threading
-
+        while this thread loads bucket k (at most two buffers alive). Raises naming the stage and bucket.
+        ``begin`` / ``finish``: open the session first / close it (``strict`` check) after the last stream, in this
+        same call (the driver then needs no calls of its own for them)."""
         pgs = getattr(self, "_da3po_groups", None)
         if not pgs:
             raise RuntimeError("collective weight sync: this worker has not joined the transfer group")
+        if begin:
+            self.da3po_begin_weight_update()
+        stats = self._da3po_receive_streams(pgs)
+        if finish:
+            t0 = time.perf_counter()
+            self.da3po_finish_weight_update(strict=strict)
+            stats["finish_s"] = time.perf_counter() - t0  # finalize: the layers' weight post-processing
+        return stats
+
+    def _da3po_receive_streams(self, pgs: list[Any]) -> dict:
+        import queue
+        import threading
+
         dev = self._da3po_group_device
         stats = {"bytes": 0, "buckets": 0, "transfer_s": 0.0, "load_s": 0.0}
         for stage, pg in enumerate(pgs):

@@ -149,17 +149,17 @@ class CollectiveTransport:
 
     # ------------------------------------------------------------------ one sync
     def sync(self, client: Any, bucket_mb: float, dtype: torch.dtype | None = None, strict: bool = True) -> dict:
-        """begin session on every engine -> engines receive while the senders broadcast -> finish (strict check,
-        prefix caches reset). On failure the engines close their sessions and refuse to generate, the groups are
-        torn down (rebuilt next time) and a RolloutError names the engine, stage and bucket."""
+        """One call per engine -- open the session, receive while the senders broadcast, close it (strict check,
+        prefix caches reset) -- and one per sender. On failure the engines close their sessions and refuse to
+        generate, the groups are torn down (rebuilt next time) and a RolloutError names the engine, stage and
+        bucket."""
         from da3po_megatron.rollout.types import RolloutError
 
         t0 = time.perf_counter()
         built = self.ensure_group(client)
         t_group = time.perf_counter() - t0
         prefix = self._prefix_now
-        client.begin_weight_update()
-        receives = [(i, client._call(i, "collective_receive")) for i in range(client.num_engines)]
+        receives = [(i, client._call(i, "collective_receive", True, True, strict)) for i in range(client.num_engines)]
         sender_error: BaseException | None = None
         parts: list[Any] = []
         try:
@@ -182,11 +182,7 @@ class CollectiveTransport:
                     if sender_error is not None else "")
             raise RolloutError(f"collective weight sync failed: {head}{what}. Engines hold partially updated "
                                "weights and refuse to generate until the next complete sync.") from cause
-        try:
-            client.finish_weight_update(strict=strict)
-        except BaseException:
-            client.abort_weight_update()
-            raise
+        client.note_weight_update()
         sent = [p for p in parts if p and p.get("buckets")]
         stats: dict[str, float] = {k: float(sum(p.get(k, 0) for p in sent)) for k in ("bytes", "buckets", "tensors")}
         stats["max_bucket_bytes"] = float(max((p["max_bucket_bytes"] for p in sent), default=0))
@@ -195,6 +191,7 @@ class CollectiveTransport:
             stats[k] = float(max((p.get(k, 0.0) for p in sent), default=0.0))
         stats["engine_load_s"] = float(max((r.get("load_s", 0.0) for r in engine_reports), default=0.0))
         stats["engine_recv_s"] = float(max((r.get("transfer_s", 0.0) for r in engine_reports), default=0.0))
+        stats["engine_finish_s"] = float(max((r.get("finish_s", 0.0) for r in engine_reports), default=0.0))
         stats["group_setup_s"] = t_group if built else 0.0
         stats["seconds"] = time.perf_counter() - t0
         stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9

@@ -266,11 +266,21 @@ class VLLMEngine(StreamingMixin):
         self.llm.collective_rpc("da3po_begin_weight_update")
         self._session_open = True
 
-    def load_bucket(self, blob: bytes) -> dict:
-        """Load one safetensors bucket on every worker of this engine (inside a begin/finish session)."""
-        if not self._session_open:
+    def load_bucket(self, blob: Any, begin: bool = False, finish: bool = False, strict: bool = True) -> dict:
+        """Load one bucket on every worker of this engine, inside a begin/finish session -- or, with ``begin`` /
+        ``finish``, opening it before and closing it after this bucket in the same worker call (a single sender's
+        sync: no round trips of their own). Returns the load report, merged with the finish report."""
+        if begin and self._session_open:
+            raise RolloutError(f"engine {self.engine_index}: a weight update is already in progress")
+        if not begin and not self._session_open:
             raise RolloutError(f"engine {self.engine_index}: load_bucket outside begin/finish_bucket_update")
-        return self.llm.collective_rpc("da3po_load_bucket", args=(blob,))[0]
+        self._session_open = True  # from here on a failure leaves a session for abort_bucket_update to close
+        result = self.llm.collective_rpc("da3po_load_bucket", args=(blob,),
+                                         kwargs={"begin": begin, "finish": finish, "strict": strict})[0]
+        if finish:
+            self._session_open = False
+            self._updated()
+        return result
 
     def finish_bucket_update(self, strict: bool = True) -> dict:
         """Close the session on every worker, bump the weights version and reset the prefix cache."""
@@ -278,10 +288,14 @@ class VLLMEngine(StreamingMixin):
             raise RolloutError(f"engine {self.engine_index}: finish_bucket_update without begin")
         self._session_open = False
         result = self.llm.collective_rpc("da3po_finish_weight_update", kwargs={"strict": strict})[0]
+        self._updated()
+        return result
+
+    def _updated(self) -> None:
+        """A complete weight update landed: new version, generation allowed again, prefix cache reset."""
         self.weights_version += 1
         self._stale = None
         self.reset_prefix_cache()
-        return result
 
     def abort_bucket_update(self) -> None:
         """Close a failed session. The engine may now hold a mix of old and new weights: it refuses to generate
@@ -297,9 +311,7 @@ class VLLMEngine(StreamingMixin):
     def reload_from_path(self, path: str) -> float:
         """Reload all weights from an HF checkpoint directory (benchmark baseline); returns seconds."""
         seconds = self.llm.collective_rpc("da3po_reload_from_path", args=(str(path),))[0]
-        self.weights_version += 1
-        self._stale = None
-        self.reset_prefix_cache()
+        self._updated()
         return seconds
 
     # ------------------------------------------------------ "collective" weight transport (rollout/collective.py)
@@ -309,15 +321,23 @@ class VLLMEngine(StreamingMixin):
 
         return self.llm.collective_rpc("da3po_collective_join", args=(groups, rank_offset, node_ip()))
 
-    def collective_receive(self) -> dict:
-        """Receive one sync's streams into the open session (begin_bucket_update first). Errors name this engine."""
-        if not self._session_open:
+    def collective_receive(self, begin: bool = False, finish: bool = False, strict: bool = True) -> dict:
+        """Receive one sync's streams into the open session (begin_bucket_update first) -- or, with ``begin`` /
+        ``finish``, open the session before and close it after, in the same worker call. Errors name this engine."""
+        if begin and self._session_open:
+            raise RolloutError(f"engine {self.engine_index}: a weight update is already in progress")
+        if not begin and not self._session_open:
             raise RolloutError(f"engine {self.engine_index}: collective_receive outside begin/finish_bucket_update")
+        self._session_open = True
         try:
-            reports = self.llm.collective_rpc("da3po_collective_receive")
+            reports = self.llm.collective_rpc("da3po_collective_receive",
+                                              kwargs={"begin": begin, "finish": finish, "strict": strict})
         except Exception as e:
             raise RolloutError(f"engine {self.engine_index}: {type(e).__name__}: {e}") from e
-        return {k: max(r[k] for r in reports) for k in reports[0]}
+        if finish:
+            self._session_open = False
+            self._updated()
+        return {k: max(r[k] for r in reports) for k in reports[0] if isinstance(reports[0][k], int | float)}
 
     def collective_recv_raw(self, nbytes: int) -> float:
         return float(max(self.llm.collective_rpc("da3po_collective_recv_raw", args=(int(nbytes),))))

@@ -7,8 +7,13 @@ cheaply. Field names follow vLLM (``tensor_parallel_size``, ``max_model_len``, `
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRANSFER_BACKENDS = ("auto", "bytes", "collective", "ipc")
@@ -184,3 +189,17 @@ def checked_weights(named_tensors, dtype=None):
         seen.add(name)
         t = tensor.detach()
         yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+
+
+def timed_stream(it: Iterable[tuple[str, torch.Tensor]], stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass a stream through, adding the time spent producing it (export + HF mapping) to ``stats["export_s"]``."""
+    it = iter(it)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            stats["export_s"] += time.perf_counter() - t0
+            return
+        stats["export_s"] += time.perf_counter() - t0
+        yield item

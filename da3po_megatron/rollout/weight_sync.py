@@ -13,9 +13,10 @@ Entry points:
 - :func:`sync_policy_to_engines` -- one process holds the whole HF stream (a TP=1/PP=1 model, a checkpoint, tests);
 - :func:`sync_policy_group_to_engines` -- the Ray policy (``PolicyGroup``): :func:`push_policy_weights` runs inside
   every policy rank (``run_on_all``); every rank iterates the collective export, the TP-rank-0 ranks of DP replica 0
-  (one per PP stage) push their buckets straight to the engine actors; the driver brackets it with
-  ``client.begin_weight_update()`` / ``client.finish_weight_update()``. Several PP stages may push concurrently: an
-  engine loads buckets in any order within one session.
+  (one per PP stage) push their buckets straight to the engine actors. With one PP stage its sender opens the
+  engines' session with its first bucket and closes it with its last (a one-bucket model: one call per engine);
+  with several stages, which push concurrently (an engine loads buckets in any order within one session), the
+  driver brackets them with ``client.begin_weight_update()`` / ``client.finish_weight_update()``.
 - :func:`hf_state_tensors` -- a Hugging Face model's ``state_dict`` as the stream (tests, HF-side tools).
 - :func:`save_and_reload` -- the slow baseline the benchmark compares against: write an HF checkpoint to disk and have
   every engine reload it.
@@ -73,8 +74,9 @@ def policy_hf_stream(worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 256,
-                        dtype: torch.dtype | None = None) -> dict:
-    """Collective on every policy rank (inside a ``client.begin/finish_weight_update`` bracket on the driver).
+                        dtype: torch.dtype | None = None, session: bool = False, strict: bool = True) -> dict:
+    """Collective on every policy rank: inside a ``client.begin/finish_weight_update`` bracket on the driver, or
+    with ``session`` (one PP stage: its sender is the only one) opening and closing the engines' session itself.
 
     ``worker`` is a :class:`~da3po_megatron.megatron.policy.PolicyWorker`. Every rank iterates the bridge's export
     (:func:`~da3po_megatron.bridge.export.export_policy`; its TP gathers are collective); ranks with TP rank 0 in DP
@@ -85,28 +87,38 @@ def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 2
         for _ in stream:  # take part in the collectives, push nothing
             pass
         return {"seconds": 0.0, "bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
-    return client.push_weights(stream, bucket_mb=bucket_mb, dtype=dtype)
+    return client.push_weights(stream, bucket_mb=bucket_mb, dtype=dtype, session=session, strict=strict)
 
 
 def sync_policy_group_to_engines(policy_group: Any, client: RolloutClient, bucket_mb: float = 256,
                                  dtype: torch.dtype | None = None, strict: bool = True) -> dict:
-    """The Ray-side sync: ``client.begin_weight_update()``, :func:`push_policy_weights` on every policy rank (through
-    ``PolicyGroup.run_on_all``; each pushing rank sends its buckets straight to the engine actors, nothing passes
-    through the driver), ``client.finish_weight_update()`` (prefix caches reset).
+    """The Ray-side sync: :func:`push_policy_weights` on every policy rank (through ``PolicyGroup.run_on_all``;
+    each pushing rank sends its buckets straight to the engine actors, nothing passes through the driver). One PP
+    stage: its sender opens and closes the engines' session with its first and last bucket (prefix caches reset);
+    several: the driver opens it before (``client.begin_weight_update()``) and closes it after
+    (``client.finish_weight_update()``). On failure the engines' sessions are aborted (they refuse to generate
+    until the next complete sync).
 
     Returns the summed push stats with the wall time of the whole sync (``seconds``) and ``gbps`` (bytes per engine
     / seconds).
     """
     t0 = time.perf_counter()
-    client.begin_weight_update()
+    one_sender = int(policy_group.cfg.parallel.pipeline_model_parallel_size) == 1
     try:
-        parts = policy_group.run_on_all(push_policy_weights, client, bucket_mb, dtype)
-        client.finish_weight_update(strict=strict)
+        if one_sender:
+            parts = policy_group.run_on_all(push_policy_weights, client, bucket_mb, dtype, True, strict)
+            client.note_weight_update()
+        else:
+            client.begin_weight_update()
+            parts = policy_group.run_on_all(push_policy_weights, client, bucket_mb, dtype)
+            client.finish_weight_update(strict=strict)
     except BaseException:
         client.abort_weight_update()
         raise
     stats = {k: sum(p[k] for p in parts) for k in ("bytes", "buckets", "tensors")}
     stats["max_bucket_bytes"] = max(p["max_bucket_bytes"] for p in parts)
+    for k in ("export_s", "pack_s", "engine_s"):  # the slowest sender's split
+        stats[k] = max(p.get(k, 0.0) for p in parts)
     stats["pushing_ranks"] = sum(1 for p in parts if p["buckets"])
     stats["seconds"] = time.perf_counter() - t0
     stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9

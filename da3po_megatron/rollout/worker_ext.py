@@ -150,10 +150,19 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
         _expect_nothing_from_tied_followers(followers)
         self._da3po_session = {"loaded": set(), "bytes": 0, "t0": time.perf_counter()}
 
-    def da3po_load_bucket(self, payload) -> dict:
+    def da3po_load_bucket(self, payload, begin: bool = False, finish: bool = False, strict: bool = True) -> dict:
         """Load one bucket of HF-named tensors. ``payload``: a dict of tensors (in-process engines), a packed
         ``([uint8 arrays], [(name, dtype, shape)])`` pair (Ray transport, see ``client.pack_bucket``), or
-        safetensors bytes."""
+        safetensors bytes. ``begin`` / ``finish``: open the session before / close it after this bucket (one call
+        for a one-bucket sync); the report then carries the finish report too."""
+        if begin:
+            self.da3po_begin_weight_update()
+        report = self._da3po_load(payload)
+        if finish:
+            report.update(self.da3po_finish_weight_update(strict=strict))
+        return report
+
+    def _da3po_load(self, payload) -> dict:
         from vllm.config import set_current_vllm_config
 
         session = getattr(self, "_da3po_session", None)
