@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from da3po_megatron.trainer.metrics import is_wall_clock
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "DA3PO_RAY_LOG_TO_DRIVER": "0"}
@@ -32,7 +34,6 @@ TINY = ["data.synthetic.max_digits=3", "data.train_batch_size=4", "actor.ppo_min
         "trainer.tensorboard=false", "algorithm.max_generation_rounds=8", "trainer.save_every=1",
         "trainer.keep_last=5"]
 STEPS = 4
-VOLATILE = ("time/", "perf/", "train/time_s", "train/tokens_per_s", "sync/seconds", "sync/gbps")
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +95,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def stable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
+    return {k: v for k, v in record.items() if not is_wall_clock(k)}
 
 
 def tail(p: subprocess.CompletedProcess) -> str:

@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from da3po_megatron.trainer.metrics import is_wall_clock
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "DA3PO_RAY_LOG_TO_DRIVER": "0"}
@@ -22,7 +24,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 TINY = ["data.synthetic.max_digits=3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4",
         "rollout.max_response_length=8", "algorithm.overlong.buffer_length=2", "eval.every=0",
         "trainer.tensorboard=false", "algorithm.max_generation_rounds=8"]
-VOLATILE = ("time/", "perf/", "train/time_s", "train/tokens_per_s", "sync/seconds", "sync/gbps")
 
 
 def train_cmd(model: Path, run_dir: Path, *overrides: str) -> list[str]:
@@ -42,7 +43,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def stable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
+    return {k: v for k, v in record.items() if not is_wall_clock(k)}
 
 
 # Each algorithm's own run also carries one more claim, so that CI starts as few trainers as it can:

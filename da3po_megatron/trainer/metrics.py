@@ -14,6 +14,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+_WALL_CLOCK_KEYS = ("train/time_s", "train/tokens_per_s", "sync/seconds", "sync/gbps")
+
+
+def is_wall_clock(key: str) -> bool:
+    """Whether a logged metric is a wall-clock measurement (or a rate from one): the keys in which two runs that are
+    otherwise bit-identical -- an uninterrupted run and a resumed one -- may differ. ``time/*`` phases, ``perf/*``,
+    the trainer's and the weight sync's seconds and rates (``sync/*_s``)."""
+    return key.startswith(("time/", "perf/")) or key in _WALL_CLOCK_KEYS or (
+        key.startswith("sync/") and key.endswith("_s"))
+
 
 def _clean(v: Any) -> Any:
     if hasattr(v, "item"):
