@@ -2,9 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= --durations=25
-# two workers on CI's 2 cores: a third of the serial run is waiting (actor start-up, Slurm, sub-processes); whole files
-# per worker, long files first (tests/conftest.py). PYTEST_WORKERS=0 runs serially.
-PYTEST_WORKERS ?= 2
+# PYTEST_WORKERS=2: two pytest-xdist workers, whole files each, long files first (tests/conftest.py) -- 1,716 s for the
+# suite once, but twice the worker running the fault suite died while the other ran the real-model tests (not yet
+# explained; likely memory), so the default stays serial until that is fixed.
+PYTEST_WORKERS ?= 0
 
 .PHONY: install demo test lint theory clean
 
