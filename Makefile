@@ -3,8 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= --durations=25
 # PYTEST_WORKERS=2: two pytest-xdist workers, whole files each, long files first (tests/conftest.py) -- 1,716 s for the
-# suite once, but twice the worker running the fault suite died while the other ran the real-model tests (not yet
-# explained; likely memory), so the default stays serial until that is fixed.
+# suite once, but in a later run a worker died in the 3-node Slurm requeue test (not yet explained), so the default
+# stays serial until that is fixed.
 PYTEST_WORKERS ?= 0
 
 .PHONY: install demo test lint theory clean
