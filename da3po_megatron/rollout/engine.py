@@ -270,11 +270,7 @@ class VLLMEngine(StreamingMixin):
         """Load one bucket on every worker of this engine, inside a begin/finish session -- or, with ``begin`` /
         ``finish``, opening it before and closing it after this bucket in the same worker call (a single sender's
         sync: no round trips of their own). Returns the load report, merged with the finish report."""
-        if begin and self._session_open:
-            raise RolloutError(f"engine {self.engine_index}: a weight update is already in progress")
-        if not begin and not self._session_open:
-            raise RolloutError(f"engine {self.engine_index}: load_bucket outside begin/finish_bucket_update")
-        self._session_open = True  # from here on a failure leaves a session for abort_bucket_update to close
+        self._enter_session(begin, "load_bucket")
         result = self.llm.collective_rpc("da3po_load_bucket", args=(blob,),
                                          kwargs={"begin": begin, "finish": finish, "strict": strict})[0]
         if finish:
@@ -290,6 +286,15 @@ class VLLMEngine(StreamingMixin):
         result = self.llm.collective_rpc("da3po_finish_weight_update", kwargs={"strict": strict})[0]
         self._updated()
         return result
+
+    def _enter_session(self, begin: bool, what: str) -> None:
+        """The session guard of a call that may open it (``begin``): refused when one is already open, or when none
+        is and ``begin`` is not set. From here on a failure leaves a session for abort_bucket_update to close."""
+        if begin and self._session_open:
+            raise RolloutError(f"engine {self.engine_index}: a weight update is already in progress")
+        if not begin and not self._session_open:
+            raise RolloutError(f"engine {self.engine_index}: {what} outside begin/finish_bucket_update")
+        self._session_open = True
 
     def _updated(self) -> None:
         """A complete weight update landed: new version, generation allowed again, prefix cache reset."""
@@ -324,11 +329,7 @@ class VLLMEngine(StreamingMixin):
     def collective_receive(self, begin: bool = False, finish: bool = False, strict: bool = True) -> dict:
         """Receive one sync's streams into the open session (begin_bucket_update first) -- or, with ``begin`` /
         ``finish``, open the session before and close it after, in the same worker call. Errors name this engine."""
-        if begin and self._session_open:
-            raise RolloutError(f"engine {self.engine_index}: a weight update is already in progress")
-        if not begin and not self._session_open:
-            raise RolloutError(f"engine {self.engine_index}: collective_receive outside begin/finish_bucket_update")
-        self._session_open = True
+        self._enter_session(begin, "collective_receive")
         try:
             reports = self.llm.collective_rpc("da3po_collective_receive",
                                               kwargs={"begin": begin, "finish": finish, "strict": strict})
