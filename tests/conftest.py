@@ -2,6 +2,7 @@
 interpreter mode that CPU machines need is chosen here, before any test module imports anything."""
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -26,8 +27,12 @@ def warm_model(tmp_path_factory):
 
     # Under pytest-xdist every worker has its own session: the first one builds the model in the directory the
     # workers share (the parent of each worker's base temp dir), the others wait on the lock and reuse it.
+    # scripts/run_tests.sh runs two pytest sessions (the Slurm tests alone after the rest) and names one directory
+    # for both in DA3PO_TEST_SHARED_DIR (a fresh one per `make test`, removed at its end).
     shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if os.environ.get("DA3PO_TEST_SHARED_DIR"):
+        shared = Path(os.environ["DA3PO_TEST_SHARED_DIR"])
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent
     out = shared / "warm" / "model"
     with FileLock(str(shared / "warm.lock")):
@@ -64,7 +69,7 @@ def smollm2():
 # other sits idle. The two fixtures every long file needs first (the warmed-up tiny model, the SmolLM2 directory)
 # are built by one worker while the other waits for them (see ``warm_model``). Serial runs are unaffected by order.
 LONG_FILES_FIRST = (
-    "test_reliability_faults.py", "test_real_model.py", "test_slurm_cluster.py", "test_trainer_e2e.py",
+    "test_reliability_faults.py", "test_real_model.py", "test_trainer_e2e.py",
     "test_gpu_check_script.py", "test_compare.py", "test_weight_sync_collective.py", "test_megatron_policy.py",
     "test_weight_sync_megatron.py", "test_convert.py", "test_export_parity.py", "test_reliability_units.py",
     "test_eval_runner.py", "test_rollout_ray.py",
