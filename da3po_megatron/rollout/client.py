@@ -363,13 +363,15 @@ class RolloutClient:
         client learns it through :meth:`note_weight_update`. No tensors: RolloutError.
         Returns ``{"seconds", "bytes", "buckets", "tensors", "max_bucket_bytes"}`` (tensor bytes per engine) and the
         split of ``seconds``: ``export_s`` (producing the stream: export + HF mapping), ``pack_s`` (bucket copies,
-        packing, ``ray.put``), ``engine_s`` (waiting for the engines' loads beyond what packing hid).
+        packing, ``ray.put``), ``engine_s`` (waiting for the engines' loads beyond what packing hid), and of that
+        ``engine_call_s``: the time inside the slowest engine's load calls (the rest is the calls' transport: Ray's
+        dispatch and the object-store fetch).
         """
         t0 = time.perf_counter()
         n_bytes = n_buckets = n_tensors = max_bucket = 0
         pending: list[tuple[int, Any]] = []
         refs: list[Any] = []
-        split = {"export_s": 0.0, "pack_s": 0.0, "engine_s": 0.0}
+        split = {"export_s": 0.0, "pack_s": 0.0, "engine_s": 0.0, "engine_call_s": 0.0}
         buckets = iter_buckets_marked(timed_stream(named_tensors, split), int(bucket_mb * MiB), dtype)
         tp = time.perf_counter()
         for bucket, last in buckets:
@@ -388,28 +390,33 @@ class RolloutClient:
                     refs.append(ref)
                 split["pack_s"] += time.perf_counter() - tp
                 tw = time.perf_counter()
-                self._gather(pending, "weight update")  # previous bucket loaded: <= 2 buckets alive
+                self._note_calls(split, self._gather(pending, "weight update"))  # previous bucket: <= 2 alive
                 pending = [(i, self._call(i, "load_bucket", ref, **flags)) for i in range(self.num_engines)]
                 split["engine_s"] += time.perf_counter() - tw
             else:  # same address space: the engine reads the tensors themselves
                 split["pack_s"] += time.perf_counter() - tp
                 tw = time.perf_counter()
-                for i in range(self.num_engines):
-                    self._call(i, "load_bucket", bucket, **flags)
+                self._note_calls(split, [self._call(i, "load_bucket", bucket, **flags)
+                                         for i in range(self.num_engines)])
                 split["engine_s"] += time.perf_counter() - tw
             tp = time.perf_counter()
         tw = time.perf_counter()
-        self._gather(pending, "weight update")
+        self._note_calls(split, self._gather(pending, "weight update"))
         split["engine_s"] += time.perf_counter() - tw
         split["pack_s"] = max(split["pack_s"] - split["export_s"], 0.0)  # the stream is pulled inside the bucketing
         if session and n_buckets == 0:
             raise RolloutError("weight update got no tensors")
-        if self.mode == "ray" and self.restart_on_failure and hasattr(self, "_pending_refs"):
-            self._pending_refs.extend(refs)
-        if session:
+        if session:  # this call was the whole sync: its buckets are what a restarted engine replays
             self.note_weight_update(refs if self.mode == "ray" and self.restart_on_failure else [])
+        elif self.mode == "ray" and self.restart_on_failure and hasattr(self, "_pending_refs"):
+            self._pending_refs.extend(refs)
         return {"seconds": time.perf_counter() - t0, "bytes": n_bytes, "buckets": n_buckets, "tensors": n_tensors,
                 "max_bucket_bytes": max_bucket, **split}
+
+    @staticmethod
+    def _note_calls(split: dict[str, float], reports: list[Any]) -> None:
+        """Add the slowest engine's in-actor time of one bucket's load calls to ``split["engine_call_s"]``."""
+        split["engine_call_s"] += max((r.get("call_s", 0.0) for r in reports if isinstance(r, dict)), default=0.0)
 
     def note_weight_update(self, refs: list[Any] | None = None) -> None:
         """Record a completed update on this copy of the client (its weights version; ``refs``: the buckets a

@@ -270,12 +270,14 @@ class VLLMEngine(StreamingMixin):
         """Load one bucket on every worker of this engine, inside a begin/finish session -- or, with ``begin`` /
         ``finish``, opening it before and closing it after this bucket in the same worker call (a single sender's
         sync: no round trips of their own). Returns the load report, merged with the finish report."""
+        t0 = time.perf_counter()
         self._enter_session(begin, "load_bucket")
         result = self.llm.collective_rpc("da3po_load_bucket", args=(blob,),
                                          kwargs={"begin": begin, "finish": finish, "strict": strict})[0]
         if finish:
             self._session_open = False
             self._updated()
+        result["call_s"] = time.perf_counter() - t0  # inside this actor: the sender's wait minus this = transport
         return result
 
     def finish_bucket_update(self, strict: bool = True) -> dict:

@@ -117,7 +117,7 @@ def sync_policy_group_to_engines(policy_group: Any, client: RolloutClient, bucke
         raise
     stats = {k: sum(p[k] for p in parts) for k in ("bytes", "buckets", "tensors")}
     stats["max_bucket_bytes"] = max(p["max_bucket_bytes"] for p in parts)
-    for k in ("export_s", "pack_s", "engine_s"):  # the slowest sender's split
+    for k in ("export_s", "pack_s", "engine_s", "engine_call_s"):  # the slowest sender's split
         stats[k] = max(p.get(k, 0.0) for p in parts)
     stats["pushing_ranks"] = sum(1 for p in parts if p["buckets"])
     stats["seconds"] = time.perf_counter() - t0
