@@ -82,12 +82,16 @@ def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 2
     (:func:`~da3po_megatron.bridge.export.export_policy`; its TP gathers are collective); ranks with TP rank 0 in DP
     replica 0 push their stage's tensors. Returns this rank's push stats (zeros where it pushed nothing).
     """
+    t0 = time.perf_counter()
     stream = policy_hf_stream(worker)
     if sender_stage(worker) is None:
         for _ in stream:  # take part in the collectives, push nothing
             pass
-        return {"seconds": 0.0, "bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
-    return client.push_weights(stream, bucket_mb=bucket_mb, dtype=dtype, session=session, strict=strict)
+        return {"seconds": 0.0, "bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0,
+                "rank_s": time.perf_counter() - t0}
+    stats = client.push_weights(stream, bucket_mb=bucket_mb, dtype=dtype, session=session, strict=strict)
+    stats["rank_s"] = time.perf_counter() - t0  # inside this rank's actor call: the driver's wait minus this = its call
+    return stats
 
 
 def sync_policy_group_to_engines(policy_group: Any, client: RolloutClient, bucket_mb: float = 256,
@@ -117,7 +121,7 @@ def sync_policy_group_to_engines(policy_group: Any, client: RolloutClient, bucke
         raise
     stats = {k: sum(p[k] for p in parts) for k in ("bytes", "buckets", "tensors")}
     stats["max_bucket_bytes"] = max(p["max_bucket_bytes"] for p in parts)
-    for k in ("export_s", "pack_s", "engine_s", "engine_call_s"):  # the slowest sender's split
+    for k in ("export_s", "pack_s", "engine_s", "engine_call_s", "rank_s"):  # the slowest rank's split
         stats[k] = max(p.get(k, 0.0) for p in parts)
     stats["pushing_ranks"] = sum(1 for p in parts if p["buckets"])
     stats["seconds"] = time.perf_counter() - t0
