@@ -15,7 +15,7 @@ import torch
 
 from da3po_megatron.rollout import Completion, EngineConfig, RolloutClient, RolloutError, SamplingConfig
 from da3po_megatron.rollout.client import assemble, iter_buckets, serialize_bucket
-from da3po_megatron.rollout.engine import llm_kwargs, resolve_transfer_backend, seed_for
+from da3po_megatron.rollout.engine import engine_env, llm_kwargs, resolve_transfer_backend, seed_for
 
 LOGPROB_TOL = 1e-4
 PROMPTS = ["What is 2+3?", "Solve x+1=4.", "hello world", "7*6=?", "Name a prime."]
@@ -62,6 +62,15 @@ def test_engine_kwargs_cap_the_cpu_kv_cache_and_install_the_worker_extension(mod
     assert gpu["gpu_memory_utilization"] == 0.4 and "weight_transfer_config" not in gpu  # our transports, not vLLM's
     colocated = llm_kwargs(EngineConfig(model_dir, enable_sleep_mode=True), has_cuda=True)
     assert colocated["enable_sleep_mode"]
+
+
+def test_eager_cpu_engines_run_without_dynamo_and_compiled_ones_keep_it(model_dir, monkeypatch):
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    assert engine_env(EngineConfig(model_dir), has_cuda=False)["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in engine_env(EngineConfig(model_dir), has_cuda=True)
+    assert "TORCHDYNAMO_DISABLE" not in engine_env(EngineConfig(model_dir, enforce_eager=False), has_cuda=False)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # an explicit setting wins
+    assert engine_env(EngineConfig(model_dir), has_cuda=False)["TORCHDYNAMO_DISABLE"] == "0"
 
 
 def test_engine_transports_resolve_per_device_and_ipc_is_refused_without_cuda(model_dir):
