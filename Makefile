@@ -2,9 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= --durations=25
-# Two pytest-xdist workers for everything but the Slurm tests, which then run alone (scripts/run_tests.sh says why);
-# PYTEST_WORKERS=0 runs the first pass serially too.
-PYTEST_WORKERS ?= 2
+# PYTEST_WORKERS: pytest-xdist workers for everything but the Slurm tests, which then run alone; its default (2) and
+# why are in scripts/run_tests.sh. `make test PYTEST_WORKERS=0` runs the first pass serially too.
 
 .PHONY: install demo test lint theory clean
 
