@@ -57,6 +57,8 @@ def test_pp2_policy_collective_sync_matches_megatron_then_follows_a_train_step(c
         stats = transport.sync(client, bucket_mb=0.05)
         print(f"PP=2 collective sync: {stats}")
         assert stats["pushing_ranks"] == 2 and stats["buckets"] >= 4 and stats["group_setup_s"] > 0
+        # bucket buffers came back from the streams' pools (straddling layers included: the log-probs below hold)
+        assert stats["fresh_buffers"] < stats["buckets"] and stats["engine_fresh_buffers"] < stats["buckets"]
         out = client.generate(PROMPTS, SAMPLING)
         m = check_consistency(out, group, fraction=1.0)
         assert m["rollout/logprob_diff_max"] < TOL and m["rollout/logprob_diff_responses"] == 2 * len(PROMPTS)

@@ -1,6 +1,7 @@
 """Weight-transport pieces that need no engine: the transport choice per placement (``rollout.weight_transfer``),
 its config validation, and the flat-bucket packing of the collective / IPC transports (bounded buffers, aligned
-offsets, dtypes including bf16, views that round-trip exactly)."""
+offsets, dtypes including bf16, views that round-trip exactly) and the bucket-buffer pool (reused only when no view of
+a buffer is alive anywhere)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from da3po_megatron.config import Config, ConfigError, resolve, validate
-from da3po_megatron.rollout.collective import ALIGN, iter_flat_buckets, unpack_flat
+from da3po_megatron.rollout.collective import ALIGN, BufferPool, iter_flat_buckets, unpack_flat
 from da3po_megatron.rollout.weight_sync import choose_transport
 
 
@@ -73,3 +74,44 @@ def test_only_the_last_bucket_is_marked_last_so_one_sender_can_close_the_session
     (only, last), = iter_buckets_marked(tensors[:1], bucket_bytes=2048)
     assert last and list(only) == ["w0"]
     assert list(iter_buckets_marked([], bucket_bytes=2048)) == []
+
+
+def test_buffer_pool_reuses_a_buffer_only_when_no_view_of_it_is_alive():
+    pool = BufferPool(torch.device("cpu"), keep=2)
+    a = pool.take(1000)
+    a_ptr = a.data_ptr()
+    b = pool.take(1000)  # `a` is still held: a second buffer
+    assert b.data_ptr() != a_ptr and pool.fresh == 2
+    held = a[100:200].view(torch.float32)  # a view of `a` outlives `a` (what vLLM keeps for an incomplete layer)
+    del a
+    c = pool.take(800)
+    assert c.data_ptr() not in (a_ptr, b.data_ptr()) and pool.fresh == 3  # not handed out while `held` lives
+    del held, c
+    d = pool.take(800)
+    assert d.data_ptr() == a_ptr and d.numel() == 800 and pool.reused == 1
+    del d
+    e = pool.take(5000)  # larger than every pooled buffer: a fresh one replaces a free (too small) one
+    assert pool.fresh == 4 and e.numel() == 5000
+    del b, e
+    assert pool.take(4000).numel() == 4000 and pool.reused == 2
+
+
+def test_pooled_flat_buckets_stay_intact_while_a_consumer_holds_some_of_them():
+    """A consumer that keeps views of some buckets (vLLM's layerwise reload keeps a layer's tensors until the layer is
+    complete) must never see them overwritten by later buckets, and buckets it dropped are reused."""
+    g = torch.Generator().manual_seed(1)
+    sizes = torch.randint(10, 200, (60,), generator=g).tolist()
+    named = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate(sizes)]
+    pool = BufferPool(torch.device("cpu"), keep=2)
+    kept, got = {}, {}
+    for k, (buf, meta) in enumerate(iter_flat_buckets(iter(named), 1024, torch.device("cpu"), pool=pool)):
+        views = unpack_flat(buf, meta)
+        if k % 3 == 0:
+            kept.update(views)  # held to the end, like a pending layer
+        got.update({n: v.clone() for n, v in views.items()})
+        del buf, meta, views
+    assert pool.reused > 0 and pool.fresh < len(got)
+    for n, t in named:
+        assert torch.equal(got[n], t)
+        if n in kept:
+            assert torch.equal(kept[n], t), f"{n} was overwritten by a later bucket"

@@ -192,6 +192,9 @@ class CollectiveTransport:
         stats["engine_load_s"] = float(max((r.get("load_s", 0.0) for r in engine_reports), default=0.0))
         stats["engine_recv_s"] = float(max((r.get("transfer_s", 0.0) for r in engine_reports), default=0.0))
         stats["engine_finish_s"] = float(max((r.get("finish_s", 0.0) for r in engine_reports), default=0.0))
+        # bucket buffers allocated anew (the rest reused from the stream's BufferPool): sender, and the worst worker
+        stats["fresh_buffers"] = float(max((p.get("fresh_buffers", 0) for p in sent), default=0))
+        stats["engine_fresh_buffers"] = float(max((r.get("fresh_buffers", 0) for r in engine_reports), default=0))
         stats["group_setup_s"] = t_group if built else 0.0
         stats["seconds"] = time.perf_counter() - t0
         stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9
