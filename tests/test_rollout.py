@@ -296,10 +296,3 @@ def test_aborted_stream_groups_report_their_tokens_and_nothing_is_left_running(c
     res = client.stream_start(0, [("after", PROMPTS[3], 3, 4)], long, max_steps=10)
     assert [k for k, _ in res["finished"]] == ["after"] and res["running"] == 0
 
-
-def test_cpu_engines_fault_fresh_memory_in_huge_pages_unless_told_otherwise(model_dir, monkeypatch):
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    assert engine_env(EngineConfig(model_dir), has_cuda=False)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-    assert "GLIBC_TUNABLES" not in engine_env(EngineConfig(model_dir), has_cuda=True)
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")  # an explicit setting wins
-    assert engine_env(EngineConfig(model_dir), has_cuda=False)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"

@@ -105,9 +105,8 @@ def engine_env(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
     fresh processes each; more on a cold cache). Only read where set before torch's dynamo is imported: always in a
     Ray engine actor, in an in-process engine only if nothing imported it earlier. An explicit setting wins.
 
-    CPU engines get ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (an explicit ``GLIBC_TUNABLES`` wins; read at process
-    start, so Ray engine actors only; glibc < 2.35 or THP off: no effect): the weight reload's fresh memory is
-    faulted in 2 MiB pages, not 4 KiB ones (docs/rollout.md, "Benchmarks").
+    Not set here: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` makes a large CPU weight sync 1.5x faster but looked
+    slower at engine start-up (docs/rollout.md, "Fresh memory"); export it before Ray starts to try it.
     """
     has_cuda = cuda_available() if has_cuda is None else has_cuda
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1") if os.path.isdir(config.model_path) else "0"}
@@ -122,10 +121,6 @@ def engine_env(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
         env["VLLM_LOOPBACK_IP"] = os.environ.get("VLLM_LOOPBACK_IP", "127.0.0.1")
         if enforce_eager(config, has_cuda):
             env["TORCHDYNAMO_DISABLE"] = os.environ.get("TORCHDYNAMO_DISABLE", "1")
-        # vLLM's weight reload materialises every layer in fresh memory and repacks it: each first write to a 4 KiB
-        # page faults (fresh 64 MiB at 1.5 GB/s vs 7.6-8 GB/s reused, measured here); glibc's transparent huge pages
-        # (THP in "madvise" mode) cut the faults 512x. Qwen3-0.6B shape, 1 engine: bytes sync 4.8 -> 3.2-3.3 s.
-        env["GLIBC_TUNABLES"] = os.environ.get("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     return env
 
 
