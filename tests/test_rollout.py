@@ -295,4 +295,3 @@ def test_aborted_stream_groups_report_their_tokens_and_nothing_is_left_running(c
     # the engine is idle and clean: a later group runs alone and finishes
     res = client.stream_start(0, [("after", PROMPTS[3], 3, 4)], long, max_steps=10)
     assert [k for k, _ in res["finished"]] == ["after"] and res["running"] == 0
-
