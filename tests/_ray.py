@@ -14,6 +14,8 @@ from types import ModuleType
 
 import pytest
 
+from da3po_megatron.trainer.prepare import start_local_ray
+
 
 @contextmanager
 def local_ray(num_cpus: int) -> Iterator[ModuleType]:
@@ -22,8 +24,7 @@ def local_ray(num_cpus: int) -> Iterator[ModuleType]:
     ray = pytest.importorskip("ray")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the driver and the actors it starts: one thread each on 2 cores
     temp = tempfile.mkdtemp(prefix="ray_test_", dir="/tmp")
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp,
-             num_cpus=num_cpus, log_to_driver=False)
+    start_local_ray(temp, num_cpus, log_to_driver=False)  # the trainer's start, with its retry
     try:
         yield ray
     finally:

@@ -316,3 +316,41 @@ def test_very_long_answer_is_scored_within_the_time_limit():
     assert res.rewards[1] == 1.0 and res.infos[1]["status"] == "ok"
     # this one: math-verify gives up on the answer (an error, -1, counted); a timeout would be counted the same way
     assert res.infos[0]["status"] == "ok" or (res.rewards[0] == -1.0 and res.errors + res.timeouts == 1)
+
+
+# ---------------------------------------------------------------------------------------------------- Ray start-up
+def test_local_ray_start_retries_a_start_up_timeout_and_kills_what_it_started_with_a_stand_in_ray_init(
+        monkeypatch, capfd):
+    """Ray's fixed 30 s start-up wait cannot be made to run out on demand, so ``ray.init`` is a stand-in here: its
+    first call starts a real child process (as the failed start's GCS and raylet are) and raises Ray's message, its
+    second succeeds. The retry must kill that child and say so; any other error must not be retried."""
+    import psutil
+    import ray
+
+    from da3po_megatron.trainer import prepare
+
+    calls: list[dict] = []
+    started: list[subprocess.Popen] = []
+
+    def fake_init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    prepare.start_local_ray("/tmp/unused", 3, log_to_driver=False)
+    assert len(calls) == 2 and calls[1]["num_cpus"] == 3 and calls[1]["log_to_driver"] is False
+    started[0].wait(timeout=5)  # killed by the retry (it would sleep 120 s): TimeoutExpired otherwise
+    assert not psutil.pid_exists(started[0].pid)
+    assert "Ray's local start-up timed out (attempt 1 of 2" in capfd.readouterr().err
+
+    def other_error(**kwargs):
+        calls.append(kwargs)
+        raise ValueError("bad argument")
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", other_error)
+    with pytest.raises(ValueError, match="bad argument"):
+        prepare.start_local_ray("/tmp/unused", 3)
+    assert len(calls) == 1

@@ -4,6 +4,7 @@ config, the training data (read and checked before any actor starts) and the mem
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,58 @@ def _hostname(_worker: Any = None) -> str:
     return socket.gethostname()
 
 
+# What ray.init raises when the raylet has not registered with the GCS within Ray's fixed 30 s (ray/_private/node.py).
+RAY_START_TIMEOUT = "timed out during startup"
+
+
+def start_local_ray(temp_dir: str, num_cpus: int, attempts: int = 2, **kwargs: Any) -> None:
+    """Start a single-node Ray (loopback address, no dashboard, ``temp_dir``, ``num_cpus`` logical CPUs), trying
+    again when Ray's own start-up wait runs out.
+
+    Ray gives the new raylet a fixed 30 s to register with the GCS (not configurable in Ray 2.x); on an overloaded
+    host the GCS answers late and ``ray.init`` raises "The current node timed out during startup" although nothing
+    is wrong. Seen once in a fresh-clone CI run (2026-12-01): the fault suite's first launch started Ray while the
+    other test worker started vLLM engines and policy ranks on the same 2 cores. The failed start's processes (GCS,
+    raylet, log monitor, reaper) are children of this process and are killed before the next attempt, so a retry
+    leaves nothing behind; any other error is raised at once."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        before = _child_pids()
+        try:
+            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir,
+                     num_cpus=num_cpus, **kwargs)
+            return
+        except Exception as e:
+            if RAY_START_TIMEOUT not in str(e) or attempt == attempts:
+                raise
+            killed = _kill_children_since(before)
+            ray.shutdown()
+            print(f"warning: Ray's local start-up timed out (attempt {attempt} of {attempts}: {e}); "
+                  f"stopped the {killed} process(es) it had started, starting it again", file=sys.stderr, flush=True)
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def _kill_children_since(before: set[int], wait_s: float = 10.0) -> int:
+    """SIGKILL this process's child processes that were not in ``before`` (what a failed ``ray.init`` started), wait
+    for them to exit, and return how many there were."""
+    import psutil
+
+    new = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+    for c in new:
+        try:
+            c.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(new, timeout=wait_s)
+    return len(new)
+
+
 def init_ray(cfg: Config) -> None:
     import ray
 
@@ -36,9 +89,8 @@ def init_ray(cfg: Config) -> None:
     if cfg.ray.address == "local":
         tmp = Path(os.environ.get("DA3PO_RAY_TMP", "/tmp/da3po_ray"))
         tmp.mkdir(parents=True, exist_ok=True)
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=str(tmp),
-                 num_cpus=max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
-                 **ray_init_kwargs())
+        start_local_ray(str(tmp), max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
+                        **ray_init_kwargs())
     else:
         ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
 
