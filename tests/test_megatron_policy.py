@@ -29,6 +29,7 @@ from da3po_megatron.megatron.policy import PolicyWorker, validate_config
 from da3po_megatron.megatron.runtime import free_port
 
 SELFCHECK = Path(__file__).with_name("_policy_selfcheck.py")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples/tiny_cpu_da3po.yaml"
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -254,8 +255,9 @@ def tiny_hf(tmp_path_factory) -> Path:
 def test_wrong_parallel_settings_fail_at_start_naming_the_numbers(tiny_hf, world, tp, pp, message):
     import torch.distributed as dist
 
-    with pytest.raises(ValueError, match=message):
-        validate_config(_cfg(tiny_hf, tp, pp), gpt_arch(tiny_hf), world)
+    for megatron_config in (True, False):  # the ranks' check and the driver's (without megatron-core)
+        with pytest.raises(ValueError, match=message):
+            validate_config(_cfg(tiny_hf, tp, pp), gpt_arch(tiny_hf), world, megatron_config=megatron_config)
     with pytest.raises(ValueError, match=message):  # the worker checks before joining any process group
         PolicyWorker().init(_cfg(tiny_hf, tp, pp), gpt_arch(tiny_hf), rank=0, world_size=world, master_port=free_port())
     assert not dist.is_initialized()
@@ -512,6 +514,20 @@ def test_loss_backends_are_registered_by_name_and_a_new_one_is_chosen_without_ed
             loss_setup(replace(cfg, actor=replace(cfg.actor, loss_backend="nope")))
     finally:
         del LOSS_BACKENDS["torch_copy_for_test"]
+
+
+def test_the_drivers_check_of_the_policy_config_does_not_import_megatron_core(tiny_hf):
+    """The driver validates the policy config before any actor starts, without megatron-core: importing it cost every
+    launch ~14 CPU-seconds next to the starting actors. A fresh interpreter, so nothing imported it before."""
+    code = ("import sys; from da3po_megatron.config import load_config; from da3po_megatron.bridge.hf_config import "
+            "gpt_arch; from da3po_megatron.megatron.policy import validate_config; "
+            f"cfg = load_config({str(EXAMPLE)!r}, ['model.path={tiny_hf}']); "
+            f"validate_config(cfg, gpt_arch({str(tiny_hf)!r}), 1, megatron_config=False); "
+            "print(sorted(m for m in sys.modules if m.startswith(('megatron', 'vllm'))))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_the_policy_world_must_be_the_configured_one(tiny_hf):

@@ -59,7 +59,8 @@ class PolicyGroup:
             raise RuntimeError("PolicyGroup needs ray.init() first")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        validate_config(cfg, arch, world_size)  # fail in the driver, before any actor starts
+        # fail in the driver, before any actor starts (without importing megatron-core here: see validate_config)
+        validate_config(cfg, arch, world_size, megatron_config=False)
         self.cfg, self.arch = cfg, arch
         self.world_size = world_size
         self.actors: list[Any] = []

@@ -106,19 +106,24 @@ def layout_of(cfg: Config) -> ParallelLayout:
     return ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size)
 
 
-def validate_config(cfg: Config, arch: GPTArch, world_size: int) -> None:
+def validate_config(cfg: Config, arch: GPTArch, world_size: int, *, megatron_config: bool = True) -> None:
     """Check the run config against the world and the model (``arch``) before any process group exists.
 
     Raises ValueError naming the numbers: a world that is not ``cfg.policy_world_size``; world not divisible by
     TP x PP (x CP), heads / query groups not divisible by TP, layers not divisible by PP; an invalid loss set-up.
+    With ``megatron_config`` (every policy rank, before it joins a group) also megatron-core's own ``TransformerConfig``
+    checks (recomputation options and the like). The driver passes False: importing megatron-core costs a process
+    ~14 CPU-seconds on our 2-core machines (2026-12-01), which the driver spent next to its starting actors in every
+    launch; a config that only megatron-core rejects then fails in the ranks' start-up, with megatron's message.
     """
     if not isinstance(arch, GPTArch):
         raise TypeError(f"the policy is built from a megatron.arch.GPTArch (the bridge's gpt_arch(model_path) gives "
                         f"it), got {type(arch).__name__}")
     layout = layout_of(cfg)
     layout.validate(world_size)
-    tconf = transformer_config(arch, cfg.model, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                               layout.context_parallel_size)
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    arch.check_parallel_sizes(tp, pp)
+    tconf = transformer_config(arch, cfg.model, tp, pp, layout.context_parallel_size) if megatron_config else None
     if world_size != cfg.policy_world_size:
         p = cfg.parallel
         raise ValueError(f"world size {world_size} != parallel.tensor_model_parallel_size "
@@ -126,7 +131,7 @@ def validate_config(cfg: Config, arch: GPTArch, world_size: int) -> None:
                          f"({p.pipeline_model_parallel_size}) x context_parallel_size ({p.context_parallel_size}) x "
                          f"data_parallel_size ({p.data_parallel_size}) = {cfg.policy_world_size}")
     setup = loss_setup(cfg)
-    if setup["backend"] == "fused_linear" and tconf.sequence_parallel:
+    if setup["backend"] == "fused_linear" and tconf is not None and tconf.sequence_parallel:
         raise ValueError("actor.loss_backend='fused_linear' does not support sequence_parallel=True: the final hidden "
                          "states are sharded over the sequence there; use a kernel backend or 'torch'")
 
