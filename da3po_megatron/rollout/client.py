@@ -408,7 +408,7 @@ class RolloutClient:
             raise RolloutError("weight update got no tensors")
         if session:  # this call was the whole sync: its buckets are what a restarted engine replays
             self.note_weight_update(refs if self.mode == "ray" and self.restart_on_failure else [])
-        elif self.mode == "ray" and self.restart_on_failure and hasattr(self, "_pending_refs"):
+        elif self.mode == "ray" and self.restart_on_failure:
             self._pending_refs.extend(refs)
         return {"seconds": time.perf_counter() - t0, "bytes": n_bytes, "buckets": n_buckets, "tensors": n_tensors,
                 "max_bucket_bytes": max_bucket, **split}
@@ -431,7 +431,7 @@ class RolloutClient:
         reports = self._gather([(i, self._call(i, "finish_bucket_update", strict)) for i in range(self.num_engines)],
                                "weight update")
         # replay material for restarted engines exists only when every bucket went through this client object
-        self.note_weight_update(getattr(self, "_pending_refs", []))
+        self.note_weight_update(self._pending_refs)
         return reports
 
     def abort_weight_update(self) -> None:
