@@ -262,12 +262,15 @@ def main(argv=None) -> list[dict]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import ray
 
+    from da3po_megatron.trainer.prepare import start_local_ray
+
     if not ray.is_initialized():
         if "RAY_ADDRESS" in os.environ:
             ray.init(address=os.environ["RAY_ADDRESS"], include_dashboard=False, log_to_driver=False)
         else:
-            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-                     num_cpus=max(4, max(args.engines) + args.policy_tp))
+            start_local_ray(None, max(4, max(args.engines) + args.policy_tp), log_to_driver=False)
+    if args.work_dir:
+        os.makedirs(args.work_dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench_sync_", dir=args.work_dir)
     rows: list[dict] = []
     try:

@@ -33,9 +33,10 @@ def _hostname(_worker: Any = None) -> str:
 RAY_START_TIMEOUT = "timed out during startup"
 
 
-def start_local_ray(temp_dir: str, num_cpus: int, attempts: int = 2, **kwargs: Any) -> None:
-    """Start a single-node Ray (loopback address, no dashboard, ``temp_dir``, ``num_cpus`` logical CPUs), trying
-    again when Ray's own start-up wait runs out.
+def start_local_ray(temp_dir: str | None, num_cpus: int, attempts: int = 2, **kwargs: Any) -> None:
+    """Start a single-node Ray (loopback address, no dashboard, ``num_cpus`` logical CPUs, its sockets and logs under
+    ``temp_dir``: None = ``$DA3PO_RAY_TMP`` or /tmp/da3po_ray, created), trying again when Ray's own start-up wait runs
+    out.
 
     Ray gives the new raylet a fixed 30 s to register with the GCS (not configurable in Ray 2.x); on an overloaded
     host the GCS answers late and ``ray.init`` raises "The current node timed out during startup" although nothing
@@ -45,6 +46,9 @@ def start_local_ray(temp_dir: str, num_cpus: int, attempts: int = 2, **kwargs: A
     leaves nothing behind; any other error is raised at once."""
     import ray
 
+    if temp_dir is None:
+        temp_dir = os.environ.get("DA3PO_RAY_TMP", "/tmp/da3po_ray")
+        Path(temp_dir).mkdir(parents=True, exist_ok=True)
     for attempt in range(1, attempts + 1):
         before = _child_pids()
         try:
@@ -87,9 +91,7 @@ def init_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     if cfg.ray.address == "local":
-        tmp = Path(os.environ.get("DA3PO_RAY_TMP", "/tmp/da3po_ray"))
-        tmp.mkdir(parents=True, exist_ok=True)
-        start_local_ray(str(tmp), max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
+        start_local_ray(None, max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
                         **ray_init_kwargs())
     else:
         ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
