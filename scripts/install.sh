@@ -21,7 +21,7 @@ if [[ ! -x $VENV/bin/python ]]; then
 fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # --no-compile: pip does not byte-compile per package; the whole environment is byte-compiled once at the end instead
-# (compileall below, two workers).
+# (compileall below, one worker per core).
 nc=(--no-compile)
 start=$(date +%s)
 if [[ $STACK == cpu ]]; then
