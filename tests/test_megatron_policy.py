@@ -473,12 +473,11 @@ def test_actor_loss_backend_fused_linear_reaches_the_policy():
     from da3po_megatron.config import load_config
     from da3po_megatron.megatron.policy import loss_setup
 
-    example = Path(__file__).resolve().parents[1] / "examples/tiny_cpu_da3po.yaml"
-    loss = loss_setup(load_config(example, ["actor.loss_backend=fused_linear"]))
+    loss = loss_setup(load_config(EXAMPLE, ["actor.loss_backend=fused_linear"]))
     assert (loss["backend"], loss["kernel_backend"]) == ("fused_linear", "auto")
-    loss = loss_setup(load_config(example, ["actor.loss_backend=chunked"]))
+    loss = loss_setup(load_config(EXAMPLE, ["actor.loss_backend=chunked"]))
     assert (loss["backend"], loss["kernel_backend"]) == ("kernel", "chunked")
-    gspo = loss_setup(load_config(example, ["algorithm.name=gspo"]))  # the preset reaches the policy's loss
+    gspo = loss_setup(load_config(EXAMPLE, ["algorithm.name=gspo"]))  # the preset reaches the policy's loss
     assert (gspo["clip_ratio_low"], gspo["clip_ratio_high"], gspo["ratio_level"]) == (3e-4, 4e-4, "sequence")
 
 
@@ -506,7 +505,7 @@ def test_loss_backends_are_registered_by_name_and_a_new_one_is_chosen_without_ed
         pass
 
     try:
-        cfg = load_config(Path(__file__).resolve().parents[1] / "examples/tiny_cpu_da3po.yaml")
+        cfg = load_config(EXAMPLE)
         cfg = replace(cfg, actor=replace(cfg.actor, loss_backend="torch_copy_for_test"))
         assert loss_setup(cfg)["backend"] == "torch_copy_for_test"
         assert isinstance(make_loss_backend("torch_copy_for_test", torch.nn.Linear(1, 1), shard, 0.7), Copy)
