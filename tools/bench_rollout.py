@@ -68,8 +68,13 @@ def main(argv=None) -> dict:
     if args.ray:
         import ray
 
+        from da3po_megatron.trainer.prepare import start_local_ray
+
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, log_to_driver=False)
+            if "RAY_ADDRESS" in os.environ:
+                ray.init(address=os.environ["RAY_ADDRESS"], include_dashboard=False, log_to_driver=False)
+            else:  # Ray's default logical CPUs: the machine's cores
+                start_local_ray(None, os.cpu_count() or 1, log_to_driver=False)
         client = RolloutClient.ray(cfg, args.engines)
     else:
         client = RolloutClient.local(cfg, args.engines)
