@@ -63,6 +63,19 @@ def _import(module: str) -> str | None:
     return None
 
 
+def _import_megatron() -> str | None:
+    """``_import("megatron.core")`` the way a policy rank imports it (a broken Transformer-Engine hidden, said once)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from da3po_megatron.megatron.model import import_megatron_core
+
+            import_megatron_core()
+    except Exception as e:  # noqa: BLE001 -- any import failure is the finding
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return None
+
+
 def _cuda() -> bool:
     try:
         import torch
@@ -88,7 +101,7 @@ def package_checks() -> list[Check]:
             out.append(Check(dist, status, f"not installed ({what}){'; ' + hint if hint else ''}; "
                                            "install with `bash scripts/install.sh cpu` (or gpu)"))
             continue
-        err = _import(module)
+        err = _import_megatron() if module == "megatron.core" else _import(module)
         if err:
             out.append(Check(dist, FAIL if required else WARN, f"{ver} installed but `import {module}` fails: {err}"))
         elif pin and ver != pin:
@@ -127,6 +140,12 @@ def accelerator_checks() -> list[Check]:
     return out
 
 
+def _triton_interpreter_ready() -> bool:
+    from da3po_megatron.kernels.triton_loss import interpreter_ready
+
+    return interpreter_ready()
+
+
 def implementation_checks(aot: bool = False) -> list[Check]:
     """Which implementations the defaults pick on this machine."""
     import torch
@@ -135,29 +154,36 @@ def implementation_checks(aot: bool = False) -> list[Check]:
     cuda = torch.cuda.is_available()
     if _import("megatron.core") is None:
         from da3po_megatron.config import ModelConfig
-        from da3po_megatron.megatron.model import use_te
+        from da3po_megatron.megatron.model import te_import_error, use_te
 
         try:
             te = use_te(ModelConfig())
+            why = te_import_error() if cuda and not te else None
             out.append(Check("layer spec", OK if te or not cuda else WARN,
                              "Transformer-Engine spec" if te else
-                             "Megatron local spec" + (" (install transformer-engine for the fused GPU layers)"
+                             "Megatron local spec" + (f" (Transformer-Engine not usable: {why}; scripts/install.sh gpu)"
                                                       if cuda else " (CPU)")))
         except Exception as e:  # noqa: BLE001
             out.append(Check("layer spec", FAIL, f"{type(e).__name__}: {e}"))
         out.append(Check("cpu compat", OK, "applied (megatron-core CPU patches, da3po_megatron/megatron/cpu_compat.py)"
                          if not cuda else "not applied (CUDA present)"))
-    from da3po_megatron.kernels import resolve_backend
+    from da3po_megatron.kernels.dispatch import probe_triton
 
-    backend = resolve_backend("auto", torch.empty(0, device="cuda" if cuda else "cpu"))
     if cuda:
-        out.append(Check("loss kernel", OK if backend == "triton" else WARN,
-                         "actor.loss_backend=auto -> Triton fused kernel" if backend == "triton" else
-                         "actor.loss_backend=auto -> chunked torch path: the Triton kernels did not compile or "
-                         "disagreed with the reference here (see the RuntimeWarning above)"))
+        err = probe_triton("cuda")  # what backend="auto" decides by (kernels/dispatch.py)
+        out.append(Check("loss kernel", OK if err is None else WARN,
+                         "actor.loss_backend=auto -> Triton fused kernel (compiled and checked against the reference "
+                         "on this GPU)" if err is None else
+                         f"actor.loss_backend=auto -> chunked torch path: the Triton kernels fail here ({err})"))
+    elif _import("triton") is None and _triton_interpreter_ready():
+        err = probe_triton("cpu")
+        out.append(Check("loss kernel", OK if err is None else FAIL,
+                         "actor.loss_backend=auto -> chunked torch path (CPU); the Triton kernels pass their probe "
+                         "in the interpreter (TRITON_INTERPRET=1)" if err is None else
+                         f"the Triton kernels fail their probe in the interpreter: {err}"))
     else:
         out.append(Check("loss kernel", OK, "actor.loss_backend=auto -> chunked torch path (CPU; Triton runs only in "
-                                            "the interpreter here)"))
+                                            "the interpreter here: TRITON_INTERPRET=1 also probes it)"))
     if aot:
         if _import("triton") is not None:
             out.append(Check("triton aot", WARN, "triton not importable: nothing to compile"))

@@ -21,7 +21,7 @@ import torch
 
 from .chunked import chunked_daa_policy_loss, chunked_vocab_parallel_logprobs
 from .common import LogprobInputs, LossInputs, LossOutputs
-from .reference import reference_daa_policy_loss, reference_logprobs_2d, reference_vocab_parallel_logprobs
+from .reference import reference_daa_policy_loss, reference_vocab_parallel_logprobs
 
 BACKENDS = ("auto", "triton", "chunked", "reference")
 
@@ -34,29 +34,65 @@ def _triton_importable() -> bool:
     return True
 
 
+def probe_triton(device: str | torch.device) -> str | None:
+    """Run the Triton kernels once on a tiny input on ``device`` through the public entry points, exactly as the
+    policy calls them, and compare them with the reference: None when they agree, else what went wrong (one line).
+
+    Checked: ``triton_vocab_parallel_logprobs`` (log-probs + entropy) and ``triton_daa_policy_loss`` forward and
+    backward (loss, log-probs and the logits' gradient, with DAA and both clips active). On CUDA Triton compiles the
+    kernels; on a CPU the same call runs them in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton was
+    first imported), which is how the CPU suite tests this very probe -- a call that no longer matches the kernels'
+    signature fails there as it would on a GPU.
+    """
+    device = torch.device(device)
+    if not _triton_importable():
+        return "triton is not importable"
+    try:
+        from .triton_loss import interpreter_ready, triton_daa_policy_loss, triton_vocab_parallel_logprobs
+
+        if device.type != "cuda" and not interpreter_ready():
+            return (f"Triton kernels need CUDA, or TRITON_INTERPRET=1 set before triton is imported, to run on "
+                    f"{device.type}")
+        g = torch.Generator().manual_seed(0)
+        t, v = 6, 37
+        logits = (3 * torch.randn(t, v, generator=g)).to(device)
+        targets = torch.tensor([0, 5, 36, 17, 2, 30], device=device)
+        got, got_ent = triton_vocab_parallel_logprobs(logits, LogprobInputs(targets, compute_entropy=True))
+        want, want_ent = reference_vocab_parallel_logprobs(logits, LogprobInputs(targets, compute_entropy=True))
+        if not (torch.allclose(got, want, atol=1e-4) and torch.allclose(got_ent, want_ent, atol=1e-4)):
+            return (f"log-prob kernel disagrees with the reference on {device.type} (max |diff| "
+                    f"{(got - want).abs().max().item():.3g})")
+        inputs = LossInputs(
+            targets=targets, old_logprobs=(want.detach() + 0.3 * torch.randn(t, generator=g).to(device)),
+            advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], device=device),
+            mask=torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0], device=device), clip_ratio_low=0.2,
+            clip_ratio_high=0.28, correct=torch.tensor([True, False, True, False, True, False], device=device),
+            p_hat=torch.full((t,), 0.25, device=device), daa_lambda=2.0, daa_tau=0.5)
+        outs = []
+        for fn in (triton_daa_policy_loss, reference_daa_policy_loss):
+            x = logits.clone().requires_grad_(True)
+            out = fn(x, inputs)
+            out.loss_sum.backward()
+            outs.append((out.loss_sum.detach(), out.logprobs.detach(), x.grad))
+        for name, a, b in zip(("loss", "log-probs", "dlogits"), *outs):
+            if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
+                return (f"DAA-loss kernel's {name} disagree with the reference on {device.type} (max |diff| "
+                        f"{(a - b).abs().max().item():.3g})")
+    except Exception as e:  # noqa: BLE001 - a compile, launch or call failure is the probe's answer
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return None
+
+
 @functools.cache
 def _cuda_triton_works() -> bool:
-    """Compile and run the log-prob kernels once on a tiny CUDA input and compare them to the reference."""
-    if not torch.cuda.is_available() or not _triton_importable():
+    """:func:`probe_triton` on CUDA, once per process; a failure is said once (and ``auto`` uses the chunked path)."""
+    if not torch.cuda.is_available():
         return False
-    try:
-        from .triton_loss import triton_vocab_parallel_logprobs
-
-        g = torch.Generator(device="cuda").manual_seed(0)
-        logits = torch.randn(4, 37, device="cuda", generator=g)
-        targets = torch.tensor([0, 5, 36, 17], device="cuda")
-        logp, _ = triton_vocab_parallel_logprobs(logits, targets)
-        ref, _ = reference_logprobs_2d(logits, targets)
-        ok = bool(torch.allclose(logp, ref, atol=1e-4))
-        if not ok:
-            warnings.warn("Triton log-prob kernel disagrees with the reference on CUDA (max |diff| "
-                          f"{(logp - ref).abs().max().item():.3g}); backend='auto' uses the chunked torch path",
-                          RuntimeWarning, stacklevel=2)
-        return ok
-    except Exception as e:  # noqa: BLE001 - a compile or launch failure means "fall back to chunked", said once
-        warnings.warn(f"Triton kernels do not run on this GPU ({type(e).__name__}: {str(e)[:300]}); backend='auto' "
-                      "uses the chunked torch path (bounded memory, slower)", RuntimeWarning, stacklevel=2)
-        return False
+    err = probe_triton("cuda")
+    if err is not None:
+        warnings.warn(f"Triton kernels do not run on this GPU ({err}); backend='auto' uses the chunked torch path "
+                      "(bounded memory, slower)", RuntimeWarning, stacklevel=2)
+    return err is None
 
 
 def triton_available() -> bool:

@@ -185,26 +185,70 @@ def save_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
     _barrier()
 
 
-def _prime_adam_state(optimizer) -> None:
-    """Give a fresh torch Adam (never stepped, e.g. a resumed process) the per-parameter state a stepped one has.
+TORCH_ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
-    megatron-core 0.16.1's ``DistributedOptimizer.state_dict()`` -- called while building the sharded state dict to
-    load INTO -- asserts that every parameter's state holds one common ``step``; a fresh optimizer has no state at
-    all (AssertionError) and Megatron's ``init_state_fn`` adds moments but no ``step`` (KeyError 'step'). Zeros and
-    step 0 are placeholders: the load overwrites moments, and :func:`_restore_adam_step` the step.
+
+def torch_adam_state_template(inner: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
+                              ) -> dict[str, torch.Tensor]:
+    """The per-parameter state that ``inner``'s own ``step()`` creates, as a one-element example.
+
+    Found by stepping a twin of ``inner`` (same class, ``group``'s hyperparameters) once on a one-element probe with
+    ``param``'s dtype and device and a zero gradient -- so the keys, dtypes and devices are the optimizer's own (torch
+    2.13 Adam/AdamW: ``step``, a float32 scalar on the CPU unless capturable/fused, ``exp_avg``, ``exp_avg_sq``, and
+    ``max_exp_avg_sq`` with amsgrad), never a list of ours. :func:`_state_like` turns it into a parameter's state.
+    """
+    probe = torch.nn.Parameter(torch.zeros(1, dtype=param.dtype, device=param.device))
+    twin = type(inner)([{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
+    probe.grad = torch.zeros_like(probe)
+    twin.step()
+    return dict(twin.state[probe])
+
+
+def _state_like(template: dict[str, Any], param: torch.Tensor) -> dict[str, Any]:
+    """Zero state for ``param`` from a one-element template: tensors shaped like the probe become ``param``-shaped."""
+    out: dict[str, Any] = {}
+    for name, value in template.items():
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == 1:
+            out[name] = torch.zeros_like(param.data, dtype=value.dtype)
+        else:
+            out[name] = torch.zeros_like(value) if torch.is_tensor(value) else value
+    return out
+
+
+def _prime_optimizer_state(optimizer) -> None:
+    """Give a fresh torch Adam/AdamW (never stepped, e.g. a resumed process) the per-parameter state a stepped one has.
+
+    Only torch's optimizers need it, and only their own keys are added (:func:`torch_adam_state_template`).
+    megatron-core 0.16.1 uses torch's Adam/AdamW only when neither Transformer-Engine nor Apex imports
+    (``megatron/core/optimizer/__init__.py`` lines 12-34, ``USING_PYTORCH_OPTIMIZER``); then
+    ``DistributedOptimizer.state_dict()`` -- called by ``sharded_state_dict(..., is_loading=True)``, i.e. while
+    building the state dict to load INTO (``distrib_optimizer.py`` 1264-1267) -- reads one common ``step`` from every
+    parameter's state (640-643): a fresh optimizer has none (AssertionError), and Megatron's ``init_state_fn``
+    (``optimizer/__init__.py`` 391-399) adds moments but no ``step``. Zeros and step 0 are placeholders: the load
+    overwrites the moments, :func:`_restore_adam_step` the step.
+
+    A fused optimizer (TE's or Apex's ``FusedAdam``, what megatron-core picks whenever TE imports) is left alone:
+    megatron reads its step from ``param_groups`` (``distrib_optimizer.py`` 654-665) and allocates its moments itself
+    when its state is empty (``load_state_dict``, 766-811); and TE's ``FusedAdam.state_dict`` looks every state key
+    up in ``name_to_dtype_map`` = {exp_avg, exp_avg_sq, master_param} (TransformerEngine v2.11
+    ``transformer_engine/pytorch/optimizers/fused_adam.py`` 192-196, 295-304, 421-441; the same in v2.9 / v2.10), so
+    a foreign ``step`` key made every resume on GPU fail with ``KeyError: 'step'``.
     """
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = getattr(opt, "optimizer", None)
-        if inner is None:
+        if type(inner) not in TORCH_ADAM_CLASSES:
+            if inner is not None:
+                log.debug("optimizer state not primed for %s (not torch Adam/AdamW)", type(inner).__name__)
             continue
         for group in inner.param_groups:
+            templates: dict[tuple[torch.dtype, torch.device], dict[str, Any]] = {}
             for p in group["params"]:
                 st = inner.state[p]
-                if "exp_avg" not in st:
-                    st["exp_avg"] = torch.zeros_like(p.data)
-                    st["exp_avg_sq"] = torch.zeros_like(p.data)
-                if "step" not in st:
-                    st["step"] = torch.tensor(0.0)
+                key = (p.dtype, p.device)
+                if key not in templates:
+                    templates[key] = torch_adam_state_template(inner, group, p)
+                for name, value in _state_like(templates[key], p).items():
+                    st.setdefault(name, value)
 
 
 def _restore_adam_step(optimizer, state) -> None:
@@ -286,7 +330,7 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
     bare = _unwrap(model)
     load_model(bare, path / "model", fully_parallel=fully_parallel)
     if do_opt and optimizer is not None:
-        _prime_adam_state(optimizer)
+        _prime_optimizer_state(optimizer)
         model_sd = bare.sharded_state_dict()
         with torch.no_grad():  # dp_reshardable load writes into parameters' buffers
             opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True,

@@ -30,19 +30,112 @@ ATTENTION_DROPOUT = 0.0
 HIDDEN_DROPOUT = 0.0
 
 
+# Why Transformer-Engine was hidden from megatron-core in this process (:func:`import_megatron_core`), or None.
+_TE_HIDDEN: str | None = None
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def te_import_error() -> str | None:
+    """None when Transformer-Engine is usable by megatron-core's TE layer spec, else which import failed and why.
+
+    The same imports megatron-core 0.16.1 makes before it sets ``HAVE_TE`` (``models/gpt/gpt_layer_specs.py``
+    42-50: ``transformer_engine``, ``extensions.transformer_engine``'s ``TEFusedMLP`` / ``TENorm``, and
+    ``extensions.transformer_engine_spec_provider.TESpecProvider``; ``extensions/transformer_engine.py`` 61-77 itself
+    needs ``transformer_engine.pytorch.fp8``), then megatron's own verdicts. ``import transformer_engine`` alone
+    proves nothing: TE's top-level ``__init__`` swallows an ImportError of its ``pytorch`` submodule (TransformerEngine
+    v2.11 ``transformer_engine/__init__.py`` 13-16), e.g. an extension built for another torch.
+    """
+    if _TE_HIDDEN is not None:
+        return _TE_HIDDEN
+    import importlib
+    import warnings
+
+    steps = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.fp8",
+             "megatron.core.extensions.transformer_engine", "megatron.core.extensions.transformer_engine_spec_provider",
+             "megatron.core.models.gpt.gpt_layer_specs")
+    for name in steps:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except Exception as e:  # ImportError, OSError (libcuda missing), RuntimeError from a broken extension
+            return f"`import {name}` failed: {_first_line(e)}"
+        if name.startswith("megatron.") and getattr(module, "HAVE_TE", True) is False:
+            return f"megatron-core's {name}.HAVE_TE is False (one of its Transformer-Engine imports failed)"
+    return None
+
+
+def import_megatron_core(require_te: bool = False) -> None:
+    """``import megatron.core`` -- without Transformer-Engine when TE is installed but its PyTorch part cannot load.
+
+    megatron-core 0.16.1 decides "TE or not" by ``import transformer_engine`` in many places, and some then import
+    ``transformer_engine.pytorch...`` unguarded (``fp8_utils.py`` 24-48) or guarded by ``except ModuleNotFoundError``
+    only (``tensor_parallel/random.py`` 25-32). TE's top-level import succeeds even when its PyTorch part fails
+    (``transformer_engine/__init__.py`` 13-16), so a broken TE -- an extension built for another torch (``undefined
+    symbol``), a missing ``transformer_engine_torch`` -- makes ``import megatron.core`` itself fail deep inside TE.
+    Here the PyTorch part is imported first; when it fails, TE is hidden from this process (``sys.modules`` entry
+    None: every ``import transformer_engine`` then raises ModuleNotFoundError, which all of megatron's guards catch)
+    and one line says which import failed and why: megatron-core then runs exactly as without TE (Megatron's local
+    layer spec, torch's Adam). ``require_te`` (``model.use_transformer_engine=True``) raises instead. Call it before
+    anything imports megatron-core in the process (the policy ranks do, first thing).
+    """
+    global _TE_HIDDEN
+    import importlib.util
+    import logging
+    import sys
+
+    if "megatron.core" not in sys.modules and sys.modules.get("transformer_engine", False) is not None:
+        try:
+            installed = importlib.util.find_spec("transformer_engine") is not None
+        except (ImportError, ValueError):
+            installed = False
+        if installed:
+            try:
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    import transformer_engine.pytorch  # noqa: F401
+            except Exception as e:  # ImportError, OSError (no libcuda), FileNotFoundError (no extension library)
+                reason = f"`import transformer_engine.pytorch` failed: {_first_line(e)}"
+                if require_te:
+                    raise RuntimeError(f"model.use_transformer_engine=True but Transformer-Engine is not usable: "
+                                       f"{reason}") from e
+                for name in [m for m in sys.modules if m == "transformer_engine" or
+                             m.startswith("transformer_engine.")]:
+                    del sys.modules[name]
+                sys.modules["transformer_engine"] = None  # type: ignore[assignment]
+                _TE_HIDDEN = reason
+                logging.getLogger(__name__).warning(
+                    "Transformer-Engine not usable (%s): megatron-core runs without it -- Megatron's local layer spec, "
+                    "torch's Adam (reinstall TE for torch %s: scripts/install.sh gpu)", reason, torch.__version__)
+    import megatron.core  # noqa: F401
+
+
 def use_te(options: ModelConfig) -> bool:
-    """Whether to build with the Transformer-Engine layer spec."""
+    """Whether to build with the Transformer-Engine layer spec: CUDA present and TE usable (:func:`te_import_error`).
+
+    ``model.use_transformer_engine``: None (default) = when usable, else Megatron's local spec with one log line
+    naming the failed import; True = required (error otherwise); False = never.
+    """
     if options.use_transformer_engine is False or not torch.cuda.is_available():
         if options.use_transformer_engine:
-            raise RuntimeError("use_transformer_engine=True but CUDA is not available")
+            raise RuntimeError("model.use_transformer_engine=True but CUDA is not available")
         return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception as e:  # ImportError, or OSError when libcuda is missing
-        if options.use_transformer_engine:
-            raise RuntimeError(f"use_transformer_engine=True but transformer_engine does not import: {e}") from e
-        return False
-    return True
+    err = te_import_error()
+    if err is None:
+        return True
+    if options.use_transformer_engine:
+        raise RuntimeError(f"model.use_transformer_engine=True but Transformer-Engine is not usable: {err}")
+    if err != _TE_HIDDEN:  # (when hidden, import_megatron_core has said so)
+        import logging
+
+        logging.getLogger(__name__).warning("Transformer-Engine not usable (%s): building with Megatron's local spec",
+                                            err)
+    return False
 
 
 def transformer_config(arch: GPTArch, options: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1):

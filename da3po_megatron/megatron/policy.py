@@ -164,6 +164,9 @@ class PolicyWorker:
         bridge's ``load_policy_hf``), wrap in DDP, build optimizer and LR schedule."""
         import os
 
+        from da3po_megatron.megatron.model import import_megatron_core
+
+        import_megatron_core(require_te=cfg.model.use_transformer_engine is True)  # before megatron-core is imported
         from megatron.core import parallel_state as ps
 
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
