@@ -447,6 +447,8 @@ def test_fused_linear_logprobs_and_entropy_equal_the_kernel_backend_without_any_
 def test_fused_linear_train_step_equals_the_kernel_backend(fused_linear_run, algorithm):
     for t, run in fused_linear_run["runs"].items():
         want, got = run["steps"][f"{algorithm}/kernel"], run["steps"][f"{algorithm}/fused_linear"]
+        # the step says what computed its loss ("auto" resolved; PP stages gathered): the chunked kernel on CPU
+        assert (want["metrics"]["loss_backend"], got["metrics"]["loss_backend"]) == ("kernel:chunked", "fused_linear")
         for key in ("loss", "grad_norm", "entropy", "approx_kl", "clipfrac_low", "clipfrac_high", "response_tokens"):
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-9), f"{key} T={t}"
         # after one Adam step at lr 1e-4 (measured: <= 4e-6)

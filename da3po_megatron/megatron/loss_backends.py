@@ -94,6 +94,11 @@ class LossBackend:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
         self.gpt, self.shard, self.temperature, self.kernel_backend = gpt, shard, temperature, kernel_backend
+        self.ran: set[str] = set()  # what actually computed log-probs / losses since the caller last cleared it
+
+    # the implementations :attr:`ran` can name (``PolicyWorker.train_step``'s "loss_backend" metric)
+    IMPLEMENTATIONS: ClassVar[tuple[str, ...]] = ("torch", "fused_linear", "kernel:reference", "kernel:chunked",
+                                                  "kernel:triton")
 
     def describe(self, device: torch.device) -> str:
         """What computes the loss here, "auto" resolved (``PolicyWorker.info()['loss_backend']``)."""
@@ -152,6 +157,7 @@ class TorchLossBackend(LossBackend):
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+        self.ran.add("torch")
         logits = self.response_logits(output, mb, float32=True)
         ent = vocab_parallel_entropy(logits, self.shard.tp_group) if entropy else None
         # Megatron's cross entropy works in place on float32 logits: ``logits`` is the fresh float32 gather of
@@ -175,14 +181,22 @@ class KernelLossBackend(LossBackend):
         from da3po_megatron.kernels import vocab_parallel_logprobs
 
         logits = self.response_logits(output, mb, float32=False)
-        lp, ent = vocab_parallel_logprobs(logits, self.logprob_inputs(mb, entropy), backend=self.kernel_backend)
+        lp, ent = vocab_parallel_logprobs(logits, self.logprob_inputs(mb, entropy), backend=self._resolve(logits))
         return lp, None if ent is None else ent.detach()
 
     def fused_loss(self, output: torch.Tensor, mb: MicroBatch, inputs: Any) -> Any:
         from da3po_megatron.kernels import daa_policy_loss
 
         logits = self.response_logits(output, mb, float32=False)
-        return daa_policy_loss(logits, inputs, backend=self.kernel_backend)
+        return daa_policy_loss(logits, inputs, backend=self._resolve(logits))
+
+    def _resolve(self, logits: torch.Tensor) -> str:
+        """The kernel backend that runs on ``logits`` ("auto" resolved for their device), recorded in :attr:`ran`."""
+        from da3po_megatron.kernels import resolve_backend
+
+        name = resolve_backend(self.kernel_backend, logits)
+        self.ran.add("kernel:" + name)
+        return name
 
 
 @register_loss_backend("fused_linear")
@@ -239,6 +253,7 @@ class FusedLinearLossBackend(LossBackend):
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from da3po_megatron.kernels import fused_linear_vocab_parallel_logprobs
 
+        self.ran.add("fused_linear")
         lp, ent = fused_linear_vocab_parallel_logprobs(self.response_hidden(output, mb), self.output_layer(),
                                                        self.logprob_inputs(mb, entropy))
         return lp, None if ent is None else ent.detach()
@@ -246,6 +261,7 @@ class FusedLinearLossBackend(LossBackend):
     def fused_loss(self, output: torch.Tensor, mb: MicroBatch, inputs: Any) -> Any:
         from da3po_megatron.kernels import fused_linear_daa_policy_loss
 
+        self.ran.add("fused_linear")
         return fused_linear_daa_policy_loss(self.response_hidden(output, mb), self.output_layer(), inputs)
 
 
