@@ -152,7 +152,12 @@ class RolloutConfig:
                                             "rollout/policy log-prob mismatch exceeds this multiple of the fresh-sync "
                                             "level (the first step's, floored by dtype: rollout/consistency.py "
                                             "DriftMonitor). 0 = no alert; the ratio is logged either way.")
-    colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate.")
+    colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate: "
+                                "engine i and policy rank i take half of one GPU each (trainer/placement.py).")
+    engine_placement: Literal["any", "same_nodes", "other_nodes"] = doc(
+        "any", "Nodes the engines may use: 'other_nodes' = only nodes without policy ranks (the paper's layout: "
+               "policy on one 8-GPU node, engines on the second), 'same_nodes' = only nodes with policy ranks, 'any'. "
+               "Enforced by node-pinned placement-group bundles (trainer/placement.py).")
     num_cpus_per_engine: float = doc(1, "Ray resources per engine actor.")
     restart_on_failure: bool = doc(False, "Restart an engine that died (else the step fails with a clear error).")
     mode: Literal["rounds", "streaming"] = doc("rounds", "Dynamic sampling: 'rounds' (the paper's; whole rounds until "
@@ -281,10 +286,21 @@ class EvalConfig:
 class RayConfig:
     address: str = doc("local", "'local' starts a private Ray instance; 'auto' joins the cluster (Slurm).")
     num_cpus_per_policy_rank: float = doc(1, "Ray CPUs per policy actor.")
-    num_gpus_per_policy_rank: float = doc(0, "Ray GPUs per policy actor (1 on GPU clusters).")
-    num_gpus_per_engine: float = doc(0, "Ray GPUs per vLLM engine (= rollout.tensor_parallel_size on GPU).")
-    spread_policy_nodes: bool = doc(False, "Spread policy ranks over nodes (STRICT_SPREAD) -- for the local "
-                                           "multi-node tests.")
+    device: Literal["auto", "gpu", "cpu"] = doc(
+        "auto", "What the actors compute on: 'auto' = GPUs when the Ray cluster has any, else CPU; 'gpu' refuses a "
+                "cluster without GPUs; 'cpu' gives every actor 0 GPUs (the only way to run on CPU on a cluster with "
+                "GPUs: a 0-GPU actor there would see every GPU of its node). trainer/placement.py.")
+    num_gpus_per_policy_rank: float | None = doc(None, "Ray GPUs per policy actor. None = 1 when the actors use GPUs "
+                                                       "(ray.device), 0 on CPU; 0 on a GPU cluster is refused.")
+    num_gpus_per_engine: float | None = doc(None, "Ray GPUs per vLLM engine. None = rollout.tensor_parallel_size when "
+                                                  "the actors use GPUs, 0 on CPU; colocated: half of its rank's GPU.")
+    spread_policy_nodes: bool = doc(False, "Each policy TP group on a node of its own (else TP groups fill nodes in "
+                                           "order) -- for the local multi-node tests.")
+    placement_timeout_s: float = doc(300.0, "Seconds to wait for the placement groups (resources reserved on their "
+                                            "nodes) before failing with what is pending where.")
+    start_timeout_s: float = doc(1800.0, "Seconds to wait for the policy ranks' and engines' start-up (process "
+                                         "groups, model build, vLLM load) before failing with the ranks/engines "
+                                         "still pending and their nodes.")
     engine_cpus: str = doc("", "Cores the engine actors are pinned to, e.g. '0' or '0-3' ('' = no pinning).")
     policy_cpus: str = doc("", "Cores the policy actors are pinned to; disjoint from engine_cpus for real overlap.")
 

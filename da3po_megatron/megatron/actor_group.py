@@ -5,7 +5,9 @@ in lock-step: Megatron's collectives need every rank) and rank 0's result is ret
 the rendezvous address (its node's IP as Ray sees it and a free port) and every actor joins the torch.distributed
 world with it (NCCL on GPU, gloo on CPU). Resources per actor: ``num_cpus`` / ``num_gpus``; optionally a placement
 group, packed (ranks fill nodes in order, so Megatron's TP groups -- consecutive ranks -- stay within a node) or
-spread over nodes. This follows the one-actor-per-rank "worker group" of verl and NeMo-RL, written here for
+spread over nodes, or one made by the trainer (``trainer/placement.py``: every bundle pinned to its planned node, rank
+i on bundle i). Waiting for the ranks' start-up has a timeout whose error names the pending ranks and their nodes.
+This follows the one-actor-per-rank "worker group" of verl and NeMo-RL, written here for
 Megatron's :class:`PolicyWorker`.
 
 Failures: when a rank's actor dies or raises, the world is broken (the other ranks would wait in a collective): the
@@ -44,13 +46,17 @@ class PolicyGroup:
             "strict_spread" (one bundle per rank, rank i on bundle i).
         env: extra environment variables for the actors (``OMP_NUM_THREADS`` defaults to ``num_cpus_per_rank``).
         name_prefix: Ray actor names ``{prefix}-rank{i}`` (None = anonymous).
-        start_timeout_s: how long to wait for resources / the placement group.
+        start_timeout_s: how long to wait for resources / the placement group, and for the ranks' start-up
+            (rendezvous + init) in :meth:`wait_ready`.
+        placement_group: a ready placement group made elsewhere (rank i on bundle i; ``placement`` must be None).
+        rank_hosts: the node each rank was placed on (named in start-up timeouts).
     """
 
     def __init__(self, cfg: Config, arch: GPTArch, world_size: int, *, num_cpus_per_rank: float = 1,
                  num_gpus_per_rank: float | None = None, placement: str | None = None,
                  env: dict[str, str] | None = None, name_prefix: str | None = None,
-                 start_timeout_s: float = 600.0, wait: bool = True) -> None:
+                 start_timeout_s: float = 600.0, wait: bool = True, placement_group: Any = None,
+                 rank_hosts: list[str] | None = None) -> None:
         import ray
 
         from da3po_megatron.megatron.policy import validate_config
@@ -65,6 +71,11 @@ class PolicyGroup:
         self.world_size = world_size
         self.actors: list[Any] = []
         self._pg = None
+        self._own_pg = placement_group is None
+        self.start_timeout_s = start_timeout_s
+        self.rank_hosts = list(rank_hosts) if rank_hosts else None
+        if placement_group is not None and placement is not None:
+            raise ValueError("give either placement (a strategy) or placement_group, not both")
         if num_gpus_per_rank is None:
             num_gpus_per_rank = 1.0 if ray.cluster_resources().get("GPU", 0) >= world_size else 0.0
         opts: dict[str, Any] = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, max_restarts=0,
@@ -73,7 +84,6 @@ class PolicyGroup:
         opts["runtime_env"] = {"env_vars": env_vars}
         if placement is not None:
             from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
             self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement.upper())
@@ -82,12 +92,16 @@ class PolicyGroup:
                 raise PolicyGroupError(f"placement group of {world_size} x {bundle} ({placement}) not ready after "
                                        f"{start_timeout_s:.0f} s: not enough resources in the Ray cluster "
                                        f"({ray.cluster_resources()})")
+        if placement_group is not None:
+            self._pg = placement_group
         actor_cls = ray.remote(PolicyWorker)
         for rank in range(world_size):
             o = dict(opts)
             if name_prefix:
                 o["name"] = f"{name_prefix}-rank{rank}"
             if self._pg is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
                 o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=rank)
             self.actors.append(actor_cls.options(**o).remote())
@@ -102,29 +116,38 @@ class PolicyGroup:
         so the caller can start the engines while the ranks import megatron-core and build the model."""
         if self.infos:
             return self
-        addr, port = self._gather([(0, self.actors[0].rendezvous_address.remote())], "rendezvous")[0]
+        deadline = time.monotonic() + self.start_timeout_s
+        addr, port = self._gather([(0, self.actors[0].rendezvous_address.remote())], "rendezvous",
+                                  deadline=deadline)[0]
         self.master_addr, self.master_port = addr, port
         self.infos = self._gather(
             [(r, a.init.remote(self.cfg, self.arch, rank=r, world_size=self.world_size, master_addr=addr,
                                master_port=port))
-             for r, a in enumerate(self.actors)], "init")
+             for r, a in enumerate(self.actors)], "init", deadline=deadline)
         self.start_seconds = time.perf_counter() - self._t0
         return self
 
     # ------------------------------------------------------------------ construction from the run config
     @classmethod
-    def from_config(cls, cfg: Any, arch: GPTArch, wait: bool = True) -> PolicyGroup:
-        """Build from the run config, with its ``ray`` section's resources and placement (``wait``: see
-        :meth:`wait_ready`)."""
+    def from_config(cls, cfg: Any, arch: GPTArch, wait: bool = True, placement_group: Any = None,
+                    num_gpus_per_rank: float | None = None, rank_hosts: list[str] | None = None) -> PolicyGroup:
+        """Build from the run config, with its ``ray`` section's resources and timeouts (``wait``: see
+        :meth:`wait_ready`). ``placement_group`` / ``num_gpus_per_rank`` / ``rank_hosts``: the trainer's plan
+        (``trainer/placement.py``); without a placement group, ``ray.spread_policy_nodes`` spreads the ranks
+        (STRICT_SPREAD) and ``ray.num_gpus_per_policy_rank`` (None = auto) is their GPU request."""
         return cls(cfg, arch, cfg.policy_world_size,
                    num_cpus_per_rank=cfg.ray.num_cpus_per_policy_rank,
-                   num_gpus_per_rank=cfg.ray.num_gpus_per_policy_rank,
-                   placement="strict_spread" if cfg.ray.spread_policy_nodes else None,
-                   name_prefix=None, wait=wait)
+                   num_gpus_per_rank=cfg.ray.num_gpus_per_policy_rank if num_gpus_per_rank is None
+                   else num_gpus_per_rank,
+                   placement="strict_spread" if cfg.ray.spread_policy_nodes and placement_group is None else None,
+                   placement_group=placement_group, rank_hosts=rank_hosts,
+                   start_timeout_s=cfg.ray.start_timeout_s, name_prefix=None, wait=wait)
 
     # ------------------------------------------------------------------ plumbing
-    def _gather(self, pending: list[tuple[int, Any]], method: str) -> list[Any]:
-        """Results of (rank, ref) pairs in rank order; the first failure shuts the group down and raises."""
+    def _gather(self, pending: list[tuple[int, Any]], method: str, deadline: float | None = None) -> list[Any]:
+        """Results of (rank, ref) pairs in rank order; the first failure shuts the group down and raises. With a
+        ``deadline`` (``time.monotonic()``), ranks still pending then shut the group down and raise, named with
+        their nodes."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -132,7 +155,18 @@ class PolicyGroup:
         results: dict[int, Any] = {}
         remaining = list(refs)
         while remaining:
-            done, remaining = ray.wait(remaining, num_returns=1)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, remaining = ray.wait(remaining, num_returns=1, timeout=timeout)
+            if not done:
+                late = sorted(refs[r] for r in remaining)
+                self.shutdown()
+                where = ", ".join(f"rank {r} on {self.rank_hosts[r]}" if self.rank_hosts else f"rank {r}"
+                                  for r in late)
+                raise PolicyGroupError(
+                    f"policy ranks {late} did not finish {method} within {self.start_timeout_s:.0f} s "
+                    f"(ray.start_timeout_s): still pending: {where}; Ray cluster resources "
+                    f"{ray.cluster_resources()}, free {ray.available_resources()} (a rank without a placement group "
+                    "waits here for resources no node has)")
             ref = done[0]
             rank = refs[ref]
             try:
@@ -204,7 +238,7 @@ class PolicyGroup:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-        if self._pg is not None:
+        if self._pg is not None and self._own_pg:
             from ray.util.placement_group import remove_placement_group
 
             try:

@@ -187,14 +187,19 @@ def estimate_policy_memory(
 
 
 def estimate_for_config(cfg: Any, arch: GPTArch, max_tokens_per_microbatch: int | None = None,
-                        device: str | None = None) -> MemoryEstimate:
-    """:func:`estimate_policy_memory` for a run config (``da3po_megatron.config.Config``)."""
-    import torch
+                        device: str | None = None, te: bool | None = None) -> MemoryEstimate:
+    """:func:`estimate_policy_memory` for a run config (``da3po_megatron.config.Config``). ``device`` / ``te``:
+    what a policy rank sees (the trainer asks one, ``trainer/placement.py: probe_devices``); None = this process's
+    view (standalone tools and tests; the trainer's driver always passes them and never touches CUDA)."""
+    if device is None:
+        import torch
 
-    from da3po_megatron.megatron.model import use_te
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if te is None:
+        from da3po_megatron.megatron.model import use_te
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    te = use_te(cfg.model) if device == "cuda" else False
+        te = use_te(cfg.model) if device == "cuda" else False
+    te = te and device == "cuda"
     p, a = cfg.parallel, cfg.actor
     backend = a.loss_backend if a.loss_backend in ("torch", "fused_linear") else "kernel"
     return estimate_policy_memory(
@@ -240,7 +245,8 @@ def fit_microbatch_tokens(estimate_at: Any, budget_bytes: int, start: int, minim
 
 
 def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, where: str = "",
-                        log: Any = print) -> int:
+                        log: Any = print, device: str | None = None, te: bool | None = None,
+                        local_ranks: int | None = None) -> int:
     """Estimate the policy's peak per rank for the run config, print it, and compare it with the device.
 
     On CPU every local policy rank and engine shares the host's memory: the budget is the available host memory minus
@@ -250,14 +256,19 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
     :class:`MemoryBudgetError` when the estimate exceeds the budget; "fit" lowers ``actor.max_tokens_per_microbatch``
     to the largest budget that fits (at least one longest sequence) and returns it; "warn" only prints.
     Returns the (possibly lowered) micro-batch token budget.
-    """
-    import torch
 
+    ``device`` / ``available`` / ``where`` / ``te``: what one policy rank sees (its device, free memory and layer
+    spec: the trainer asks one, ``trainer/placement.py: probe_devices``); None = this process's own view.
+    ``local_ranks``: policy ranks sharing one node's host memory on CPU (None: all of them with a local Ray, else 1).
+    """
     mode = getattr(cfg.actor, "memory_check", "refuse")
     tokens = int(cfg.actor.max_tokens_per_microbatch)
     if mode == "skip":
         return tokens
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if available is None:
         available, where = device_memory_bytes(device)
     world = int(cfg.policy_world_size)
@@ -265,7 +276,8 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
         s = _shape(arch)
         params = s["L"] * _layer_params(s, 1, False, False) + s["V"] * s["h"] * (2 - s["tied"])
         engines = int(cfg.rollout.num_engines) * (4 * params + int(cfg.rollout.kv_cache_memory_bytes))
-        local_ranks = world if cfg.ray.address == "local" else 1
+        if local_ranks is None:
+            local_ranks = world if cfg.ray.address == "local" else 1
         budget = max(0, available - engines) // max(1, local_ranks)
         share = (f"{where} {available / GiB:.1f} GiB - {cfg.rollout.num_engines} engine(s) {engines / GiB:.1f} GiB, "
                  f"over {local_ranks} local rank(s)")
@@ -273,15 +285,15 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
         budget = int(available * (1 - cfg.rollout.gpu_memory_utilization if cfg.rollout.colocate else 1))
         share = f"{where}" + (f" x (1 - gpu_memory_utilization {cfg.rollout.gpu_memory_utilization})"
                               if cfg.rollout.colocate else "")
-    est = estimate_for_config(cfg, arch, tokens, device)
+    est = estimate_for_config(cfg, arch, tokens, device, te)
     log(f"memory: {est.summary()}; budget per rank {budget / GiB:.2f} GiB ({share})")
     if est.total <= budget or mode == "warn":
         return tokens
     longest = int(cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
-    fit = fit_microbatch_tokens(lambda t: estimate_for_config(cfg, arch, t, device), budget, tokens, longest)
+    fit = fit_microbatch_tokens(lambda t: estimate_for_config(cfg, arch, t, device, te), budget, tokens, longest)
     if mode == "fit" and fit is not None:
         log(f"memory: lowering actor.max_tokens_per_microbatch {tokens} -> {fit} (estimate "
-            f"{estimate_for_config(cfg, arch, fit, device).total / GiB:.2f} GiB; actor.memory_check=fit)")
+            f"{estimate_for_config(cfg, arch, fit, device, te).total / GiB:.2f} GiB; actor.memory_check=fit)")
         return fit
     hint = (f"set actor.max_tokens_per_microbatch<={fit} (or actor.memory_check=fit to do so automatically)"
             if fit is not None else "no micro-batch of one longest sequence fits: use more ranks (TP/PP)")

@@ -21,11 +21,12 @@ our own code.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from da3po_megatron.rollout.buckets import iter_buckets, iter_buckets_marked, pack_bucket, serialize_bucket
 from da3po_megatron.rollout.engine import VLLMEngine, engine_env
 from da3po_megatron.rollout.types import (
     Completion,
@@ -33,69 +34,10 @@ from da3po_megatron.rollout.types import (
     EngineDeadError,
     RolloutError,
     SamplingConfig,
-    checked_weights,
     timed_stream,
 )
 
 MiB = 2**20
-
-
-# ------------------------------------------------------------------------------------------- buckets
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """Group (name, tensor) pairs into dicts of at most ``bucket_bytes`` (a larger tensor forms its own bucket).
-
-    Tensors are made contiguous CPU copies (cast to ``dtype`` when given); names must be unique.
-    """
-    for bucket, _ in iter_buckets_marked(named_tensors, bucket_bytes, dtype):
-        yield bucket
-
-
-def iter_buckets_marked(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                        dtype: torch.dtype | None = None) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
-    """:func:`iter_buckets` with a flag on the last bucket (known without holding a bucket back: a bucket is only
-    closed when the next tensor does not fit, or when the stream ends)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    storages: set[int] = set()
-    for name, t in checked_weights(named_tensors, dtype):
-        t = t.to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket, False
-            bucket, size, storages = {}, 0, set()
-        # safetensors refuses tensors that share memory: copy views into larger buffers (split QKV) and repeats (tied)
-        ptr = t.untyped_storage().data_ptr()
-        if t.untyped_storage().nbytes() != nbytes or ptr in storages:
-            t = t.clone()
-            ptr = t.untyped_storage().data_ptr()
-        storages.add(ptr)
-        bucket[name] = t
-        size += nbytes
-    if bucket:
-        yield bucket, True
-
-
-def serialize_bucket(bucket: dict[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of one bucket (one of the payloads the worker extension's ``da3po_load_bucket`` reads)."""
-    from safetensors.torch import save
-
-    return save(bucket)
-
-
-def pack_bucket(bucket: dict[str, torch.Tensor]) -> tuple[list[Any], list[tuple[str, str, list[int]]]]:
-    """One bucket for Ray: byte views of its tensors as numpy arrays + ``(name, dtype, shape)`` rows.
-
-    Ray stores numpy arrays out of band: ``ray.put`` copies each tensor's bytes once into the object store and the
-    engine reads them in place (zero-copy ``ray.get``), where safetensors bytes would be copied three more times.
-    """
-    arrays, meta = [], []
-    for name, t in bucket.items():
-        arrays.append(t.reshape(-1).view(torch.uint8).numpy())  # a view, no copy (any dtype, bf16 included)
-        meta.append((name, str(t.dtype).removeprefix("torch."), list(t.shape)))
-    return arrays, meta
 
 
 def _split(n_items: int, n_parts: int) -> list[range]:
@@ -166,11 +108,15 @@ class RolloutClient:
     def ray(cls, config: EngineConfig, num_engines: int = 1, *, num_cpus_per_engine: float = 1,
             num_gpus_per_engine: float | None = None, placement_group: Any = None,
             placement_bundle_offset: int = 0, restart_on_failure: bool = False, name_prefix: str | None = None,
-            env: dict[str, str] | None = None, wait: bool = True) -> RolloutClient:
+            env: dict[str, str] | None = None, wait: bool = True, start_timeout_s: float | None = None,
+            engine_hosts: list[str] | None = None) -> RolloutClient:
         """One Ray actor per engine. Ray must already be initialised (``ray.init``).
 
-        ``num_gpus_per_engine`` defaults to ``tensor_parallel_size`` with CUDA and 0 without. With a
-        ``placement_group``, engine i takes bundle ``placement_bundle_offset + i``. ``restart_on_failure``: restart a
+        ``num_gpus_per_engine`` defaults to ``tensor_parallel_size`` when the Ray cluster has GPUs and 0 without
+        (decided from the cluster, not from this process: a driver never initialises CUDA). With a
+        ``placement_group``, engine i takes bundle ``placement_bundle_offset + i``. ``start_timeout_s``: how long
+        :meth:`wait_ready` waits for the engines' start-up before raising with the pending engines (and their
+        ``engine_hosts``, when given); None = no limit. ``restart_on_failure``: restart a
         dead engine, replay the last synced weights into it and retry its prompts once. ``wait=False``: return once
         the actors are scheduled (they start in the background); :meth:`wait_ready` blocks until every engine answers.
         """
@@ -182,18 +128,36 @@ class RolloutClient:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         config.validate()
         if num_gpus_per_engine is None:
-            num_gpus_per_engine = float(config.tensor_parallel_size) if torch.cuda.is_available() else 0.0
+            has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+            num_gpus_per_engine = float(config.tensor_parallel_size) if has_gpus else 0.0
         options = dict(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine,
                        placement_group=placement_group, bundle_offset=placement_bundle_offset,
                        name_prefix=name_prefix, env=dict(env or {}))
         client = cls(config, [], mode="ray", restart_on_failure=restart_on_failure, actor_options=options)
+        client.start_timeout_s, client.engine_hosts = start_timeout_s, engine_hosts
         client.engines = [client._start_actor(i) for i in range(num_engines)]
         return client.wait_ready() if wait else client
 
     def wait_ready(self) -> RolloutClient:
         """Block until every engine answers (start-up failures surface with the engine's name)."""
-        if self.mode == "ray":
-            self._gather([(i, h.health.remote()) for i, h in enumerate(self.engines)], "start-up")
+        if self.mode != "ray":
+            return self
+        timeout = getattr(self, "start_timeout_s", None)
+        if timeout is not None:
+            import ray
+
+            refs = [h.health.remote() for h in self.engines]
+            _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+            if late:
+                hosts = getattr(self, "engine_hosts", None)
+                names = [f"engine {i}" + (f" on {hosts[i]}" if hosts else "") for i, r in enumerate(refs)
+                         if r in late]
+                raise RolloutError(f"{len(late)} of {len(refs)} engines did not start within {timeout:.0f} s "
+                                   f"(ray.start_timeout_s): still pending: {', '.join(names)}; Ray cluster resources "
+                                   f"{ray.cluster_resources()}, free {ray.available_resources()}")
+            self._gather(list(enumerate(refs)), "start-up")
+            return self
+        self._gather([(i, h.health.remote()) for i, h in enumerate(self.engines)], "start-up")
         return self
 
     def _start_actor(self, index: int):

@@ -53,6 +53,10 @@ def _sender_open(worker: Any, prefix: str, world_size: int, backend: str, timeou
     return {"stage": stage, **open_sender(f"{prefix}/stage{stage}", world_size, backend, timeout_s)}
 
 
+def _sender_sees_cuda(_worker: Any) -> bool:
+    return torch.cuda.is_available()
+
+
 def _sender_connect(worker: Any, prefix: str) -> float:
     from da3po_megatron.rollout.weight_sync import sender_stage
 
@@ -86,7 +90,7 @@ class CollectiveTransport:
                  timeout_s: float = 600.0, name: str | None = None) -> None:
         self.run_senders = run_senders
         self.num_stages = num_stages
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.backend = backend  # None: what the senders see, asked at the first group build (never the driver's CUDA)
         self.timeout_s = timeout_s
         self.prefix = name or f"da3po_weights_{os.getpid()}_{id(self):x}"
         self.generation = 0
@@ -107,6 +111,8 @@ class CollectiveTransport:
         prefix = f"{self.prefix}/g{self.generation}"
         tp = client.config.tensor_parallel_size
         world = 1 + client.num_engines * tp
+        if self.backend is None:
+            self.backend = "nccl" if all(self.run_senders(_sender_sees_cuda)) else "gloo"
         opened = [a for a in self.run_senders(_sender_open, prefix, world, self.backend, self.timeout_s) if a]
         stages = sorted(a["stage"] for a in opened)
         if stages != list(range(self.num_stages)):

@@ -400,6 +400,14 @@ class VLLMEngine(StreamingMixin):
                 "startup_seconds": self.startup_seconds, "transfer_backend": self.transfer_backend,
                 "stale": self._stale, "stream_running": len(self._streams)}
 
+    def location(self) -> dict:
+        """Where this engine actor runs and the GPU ids Ray gave it (the trainer's placement report)."""
+        import ray
+
+        return {"host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
     def pin_cpus(self, spec: str) -> list[int]:
         """Pin this engine's process (every thread; in-process engine core included) to the cores of ``spec``."""
         from da3po_megatron.affinity import pin_process

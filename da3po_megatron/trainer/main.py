@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from da3po_megatron.trainer.console import configure
     from da3po_megatron.trainer.inputs import InputError
     from da3po_megatron.trainer.loop import DynamicSamplingError, train
+    from da3po_megatron.trainer.placement import PlacementError
 
     log_dir = configure(cfg.trainer.run_dir, verbose=args.verbose or os.environ.get("DA3PO_VERBOSE") == "1")
     print(f"logs: third-party output in {log_dir}/" + ("" if args.verbose else " (--verbose to see it here)"),
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except MemoryBudgetError as e:  # before anything started; the message says what to change
         print(f"memory error: {e}", file=sys.stderr)
+        return 2
+    except PlacementError as e:  # the Ray cluster cannot hold the run (checked before any actor starts)
+        print(f"placement error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
         if not str(e).startswith("parallel: "):

@@ -1,14 +1,17 @@
-"""Building a run's parts before the :class:`~da3po_megatron.trainer.run.Run` exists: Ray start-up, the engine
-config, the training data (read and checked before any actor starts) and the memory/parallel-size preflight."""
+"""Building a run's parts before the :class:`~da3po_megatron.trainer.run.Run` exists: Ray start-up, the placement
+(resources checked and reserved before any actor starts, ``trainer/placement.py``), the engine config, the training
+data (read and checked before any actor starts) and the parallel-size / memory preflight.
+
+Device decisions (the engines' KV-cache budget and sleep mode, the policy's memory budget) come from what one engine /
+one policy rank sees (``placement.probe_devices``); this process, the driver, never initialises CUDA."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from da3po_megatron.config import Config
 from da3po_megatron.data.datasets import PromptDataset, ReadStats, load_prompts
@@ -91,24 +94,38 @@ def init_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     if cfg.ray.address == "local":
-        start_local_ray(None, max(os.cpu_count() or 1, cfg.policy_world_size + cfg.rollout.num_engines + 1),
-                        **ray_init_kwargs())
+        need = cfg.policy_world_size * cfg.ray.num_cpus_per_policy_rank + \
+            cfg.rollout.num_engines * cfg.rollout.num_cpus_per_engine
+        start_local_ray(None, max(os.cpu_count() or 1, math.ceil(need) + 1), **ray_init_kwargs())
     else:
         ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
 
 
-def engine_config(cfg: Config) -> EngineConfig:
+def plan_for_cluster(cfg: Config) -> Any:
+    """The run's :class:`~da3po_megatron.trainer.placement.Plan` on the connected Ray cluster, checked in seconds
+    before any actor starts (PlacementError, exit 2, naming the numbers and the setting to change)."""
+    from da3po_megatron.trainer.placement import cluster_nodes, plan_placement, resources_for_config
+
+    nodes = cluster_nodes()
+    return plan_placement(resources_for_config(cfg, sum(n.gpus for n in nodes)), nodes)
+
+
+def engine_config(cfg: Config, engine_cuda: bool = False) -> EngineConfig:
     """The training engines' :class:`~da3po_megatron.rollout.EngineConfig`. They return the log-probs of the
     distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
     renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
-    ``megatron.policy.loss_setup``)."""
+    ``megatron.policy.loss_setup``). ``engine_cuda``: whether an engine sees CUDA (asked of one,
+    ``placement.probe_devices``): with it vLLM sizes its KV cache from ``rollout.gpu_memory_utilization`` and
+    colocated engines get sleep mode; without it the KV cache is capped at ``rollout.kv_cache_memory_bytes`` (vLLM's CPU
+    default takes 0.9 x RAM) and there is no sleep mode (a no-op on CPU)."""
     r = cfg.rollout
     return EngineConfig(
         model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
         dtype=cfg.model.params_dtype if r.dtype == "auto" else r.dtype,
         max_model_len=r.max_prompt_length + r.max_response_length,
-        kv_cache_memory_bytes=None if torch.cuda.is_available() else r.kv_cache_memory_bytes,
-        gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed, enable_sleep_mode=r.colocate,
+        kv_cache_memory_bytes=None if engine_cuda else r.kv_cache_memory_bytes,
+        gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed,
+        enable_sleep_mode=r.colocate and engine_cuda,
         logprobs_mode="processed_logprobs")
 
 
@@ -157,13 +174,11 @@ def load_train_data(cfg: Config) -> PromptDataset:
 
 
 def preflight(cfg: Config) -> GPTArch:
-    """The policy's architecture, read through the bridge from the model's config.json, and the checks that need it,
-    before the run writes or starts anything: the parallel sizes divide the model (heads, query groups, MLP, layers),
-    and the policy's estimated peak memory per rank fits the device (``actor.memory_check``; "fit" lowers
-    ``actor.max_tokens_per_microbatch`` in ``cfg``). A config the bridge cannot read as a ``GPTArch`` is an
-    ``InputError`` (exit 2), like a damaged one."""
+    """The policy's architecture, read through the bridge from the model's config.json, and the check that needs it,
+    before the run writes or starts anything: the parallel sizes divide the model (heads, query groups, MLP, layers).
+    A config the bridge cannot read as a ``GPTArch`` is an ``InputError`` (exit 2), like a damaged one. (The memory
+    check needs to know the ranks' device: :func:`memory_preflight`, once the placement is reserved.)"""
     from da3po_megatron.bridge.hf_config import gpt_arch
-    from da3po_megatron.megatron.memory import check_policy_memory
     from da3po_megatron.trainer.inputs import InputError
 
     config = Path(cfg.model.path) / "config.json"
@@ -176,5 +191,16 @@ def preflight(cfg: Config) -> GPTArch:
         arch.check_parallel_sizes(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     except ValueError as e:
         raise ValueError(f"parallel: {e} ({config})") from None
-    cfg.actor.max_tokens_per_microbatch = check_policy_memory(cfg, arch, log=lambda m: print(m, flush=True))
     return arch
+
+
+def memory_preflight(cfg: Config, arch: GPTArch, seen: dict[str, Any], plan: Any) -> int:
+    """The policy's estimated peak memory per rank against what policy rank 0's bundle sees (``seen``: its
+    ``probe_devices`` answer: device, free memory, layer spec), before any policy actor starts
+    (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch``). Returns the token budget."""
+    from da3po_megatron.megatron.memory import check_policy_memory
+
+    per_node = max(plan.rank_node.count(i) for i in set(plan.rank_node))
+    return check_policy_memory(cfg, arch, available=seen["free_bytes"], where=seen["memory_where"],
+                               log=lambda m: print(m, flush=True), device="cuda" if seen["cuda"] else "cpu",
+                               te=seen.get("use_te", False), local_ranks=per_node)

@@ -4,8 +4,12 @@
 dynamic-sampling buffer, driver RNG, cumulative counters, the policy's checkpoint) and the placement:
 
 - the policy: ``world = TP x PP x CP x DP`` Ray actors (``megatron.actor_group.PolicyGroup``), one per rank;
-- the engines: ``rollout.num_engines`` vLLM Ray actors (``rollout.RolloutClient.ray``); on GPU ``ray.
-  num_gpus_per_policy_rank`` / ``num_gpus_per_engine`` decide whether they share GPUs (``rollout.colocate``);
+- the engines: ``rollout.num_engines`` vLLM Ray actors (``rollout.RolloutClient.ray``);
+- where they run: ``trainer/placement.py`` checks the resources against the Ray cluster before any actor starts
+  (exit 2 naming the numbers), reserves node-pinned placement groups (TP groups on one node, engines per
+  ``rollout.engine_placement``, or colocated with ranks 0..N-1) and asks one rank's and one engine's bundle what
+  device they see -- the KV cache, memory preflight, collective backend and transport follow from that, never from
+  this process's CUDA (the driver does not initialise it);
 - the reward pool: processes of the driver.
 
 Stop requests: SIGTERM / SIGUSR1 / SIGINT, or a file ``run_dir/PREEMPT`` (what ``slurm/train.sbatch`` creates before
@@ -36,7 +40,16 @@ from da3po_megatron.trainer.best import BestCheckpoint, save_checkpoint
 from da3po_megatron.trainer.checkpoint import CheckpointManager
 from da3po_megatron.trainer.faults import fault_point, poisoned
 from da3po_megatron.trainer.metrics import MetricsLogger
-from da3po_megatron.trainer.prepare import _hostname, _pin, engine_config, init_ray, load_train_data, preflight  # noqa: F401
+from da3po_megatron.trainer.prepare import (  # noqa: F401
+    _hostname,
+    _pin,
+    engine_config,
+    init_ray,
+    load_train_data,
+    memory_preflight,
+    plan_for_cluster,
+    preflight,
+)
 from da3po_megatron.trainer.signals import StopSignals
 from da3po_megatron.trainer.streaming import rollout_from_dict, rollout_to_dict
 
@@ -53,7 +66,7 @@ class Run:
         # first: bad inputs fail (InputError / BadRowError, exit 2) before anything is written or started
         dataset = load_train_data(cfg)
         self.tokenizer = load_tokenizer(cfg)  # the model directory's config.json and tokenizer
-        arch = preflight(cfg)  # the model in Megatron terms (through the bridge); parallel sizes and memory
+        arch = preflight(cfg)  # the model in Megatron terms (through the bridge); parallel sizes
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
@@ -86,13 +99,26 @@ class Run:
         init_ray(cfg)
         self.stop.install()  # after ray.init, which replaces the SIGTERM handler with one that exits at once
         t0 = time.perf_counter()
+        from da3po_megatron.trainer.placement import actor_location, placement_report, probe_devices, reserve
+
+        plan = plan_for_cluster(cfg)  # PlacementError (exit 2) in seconds when the cluster cannot hold the run
+        print(plan.describe(), flush=True)
+        self.reservation = reserve(plan, cfg.ray.placement_timeout_s)
+        self.devices = probe_devices(self.reservation, cfg.model)  # what rank 0 and engine 0 will see
+        cfg.actor.max_tokens_per_microbatch = memory_preflight(cfg, arch, self.devices["policy"], plan)
         # policy ranks and engines start side by side: the ranks' resources are requested first, then the engines',
         # and each side's start-up (imports, process groups, model build / vLLM's load) overlaps the other's
-        self.policy = PolicyGroup.from_config(cfg, arch, wait=False)
-        self.rollout = RolloutClient.ray(engine_config(cfg), num_engines=cfg.rollout.num_engines,
+        self.policy = PolicyGroup.from_config(cfg, arch, wait=False, placement_group=self.reservation.policy,
+                                              num_gpus_per_rank=plan.rank_gpus,
+                                              rank_hosts=[plan.host(i) for i in plan.rank_node])
+        self.rollout = RolloutClient.ray(engine_config(cfg, engine_cuda=self.devices["engine"]["cuda"]),
+                                         num_engines=cfg.rollout.num_engines,
                                          num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
-                                         num_gpus_per_engine=cfg.ray.num_gpus_per_engine,
-                                         restart_on_failure=cfg.rollout.restart_on_failure, wait=False)
+                                         num_gpus_per_engine=plan.engine_gpus,
+                                         placement_group=self.reservation.engines or self.reservation.policy,
+                                         restart_on_failure=cfg.rollout.restart_on_failure, wait=False,
+                                         start_timeout_s=cfg.ray.start_timeout_s,
+                                         engine_hosts=[plan.host(i) for i in plan.engine_node])
         self.policy.wait_ready()
         if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
             print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
@@ -104,15 +130,19 @@ class Run:
         print(f"policy ({cfg.policy_world_size} ranks) and {cfg.rollout.num_engines} engine(s) ready in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         self.pin_cpus()
-        policy_hosts = self.policy.run_on_all(_hostname)
-        engine_hosts = [h.get("host", "?") for h in self.rollout.health()]
-        print("placement: " + ", ".join(f"policy rank {i} on {h}" for i, h in enumerate(policy_hosts)) + "; "
-              + ", ".join(f"engine {i} on {h}" for i, h in enumerate(engine_hosts)), flush=True)
+        # where the actors say they are (their node, the GPU ids Ray gave them): printed and in run_dir/placement.json
+        line, record = placement_report(plan, self.policy.run_on_all(actor_location),
+                                        self.rollout.call_all("location"))
+        print(line, flush=True)
+        (self.run_dir / "placement.json").write_text(json.dumps(record, indent=1) + "\n")
+        policy_hosts = [d["host"] for d in record["policy"]]
+        engine_hosts = [d["host"] for d in record["engines"]]
         print(f"policy loss: {self.policy.info()[0]['loss_backend']} (actor.loss_backend={cfg.actor.loss_backend})",
               flush=True)
         from da3po_megatron.rollout.weight_sync import choose_transport
 
-        self.weight_transfer = choose_transport(cfg.rollout.weight_transfer, has_cuda=torch.cuda.is_available(),
+        has_cuda = self.devices["policy"]["cuda"] and self.devices["engine"]["cuda"]  # what the actors see
+        self.weight_transfer = choose_transport(cfg.rollout.weight_transfer, has_cuda=has_cuda,
                                                 colocate=cfg.rollout.colocate, policy_hosts=policy_hosts,
                                                 engine_hosts=engine_hosts)
         self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
@@ -270,6 +300,7 @@ class Run:
             if self._transport is None:
                 self._transport = CollectiveTransport(self.policy.run_on_all,
                                                       self.cfg.parallel.pipeline_model_parallel_size,
+                                                      backend="nccl" if self.devices["policy"]["cuda"] else "gloo",
                                                       timeout_s=r.weight_sync_timeout_s)
             return self._transport.sync(self.rollout, bucket_mb=r.weight_sync_bucket_mb)
         if self.weight_transfer == "ipc":
@@ -432,11 +463,12 @@ class Run:
             except Exception as e:  # noqa: BLE001 - closing must not hide the real error
                 print(f"warning: closing the weight-transfer group failed: {e}", flush=True)
             self._transport = None
-        for part in ("rollout", "policy", "rewards"):
+        for part in ("rollout", "policy", "rewards", "reservation"):
             obj = getattr(self, part, None)
             if obj is not None:
                 try:
-                    (obj.shutdown if hasattr(obj, "shutdown") else obj.close)()
+                    (obj.shutdown if hasattr(obj, "shutdown") else obj.close if hasattr(obj, "close") else
+                     obj.remove)()
                 except Exception as e:  # closing must not hide the real error of a failed run
                     print(f"warning: closing {part} failed: {e}", flush=True)
         if getattr(self, "logger", None) is not None:

@@ -1,0 +1,230 @@
+"""Placement of the policy ranks and engines (trainer/placement.py): the pure decisions (GPUs per actor, the resource
+check, TP groups on one node, engine placement, colocation) and, on a real local Ray with logical GPUs (Ray assigns
+GPU ids and CUDA_VISIBLE_DEVICES without hardware; torch sees no CUDA), the node-pinned placement groups, the device
+probe and the driver's device decisions -- with the driver's CUDA entry points made to raise.
+
+The multi-node proof with the real trainer (real policy ranks and vLLM engines on the local 3-node Slurm) is in
+tests/test_slurm_cluster.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from da3po_megatron.config import load_config
+from da3po_megatron.trainer.placement import (
+    Node,
+    PlacementError,
+    Resources,
+    plan_placement,
+    resolve_gpus,
+    resources_for_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _nodes(*gpus: float, cpus: float = 64) -> list[Node]:
+    return [Node(f"id{i}", f"node{i + 1}", cpus, g) for i, g in enumerate(gpus)]
+
+
+def _need(**kw) -> Resources:
+    base = dict(world_size=8, tp=2, cpus_per_rank=1, gpus_per_rank=1, num_engines=8, cpus_per_engine=1,
+                gpus_per_engine=1, engine_placement="any", device="gpu")
+    return Resources(**{**base, **kw})
+
+
+def test_gpu_defaults_are_one_per_rank_and_tp_per_engine_on_a_gpu_cluster_and_zero_on_cpu() -> None:
+    assert resolve_gpus("auto", None, None, engine_tp=2, cluster_gpus=16) == (1.0, 2.0, "gpu")
+    assert resolve_gpus("auto", None, None, engine_tp=2, cluster_gpus=0) == (0.0, 0.0, "cpu")
+    assert resolve_gpus("cpu", None, None, engine_tp=1, cluster_gpus=16) == (0.0, 0.0, "cpu")  # CPU asked for
+    cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", ["model.path=/x"])
+    assert cfg.ray.num_gpus_per_policy_rank is None and cfg.ray.num_gpus_per_engine is None
+    assert cfg.ray.device == "auto" and cfg.rollout.engine_placement == "any"
+
+
+def test_actors_without_gpus_on_a_gpu_cluster_are_refused_unless_cpu_is_asked_for() -> None:
+    with pytest.raises(PlacementError, match=r"has 4 GPUs but ray.num_gpus_per_policy_rank=0 gives the policy ranks "
+                                             r"none.*ray.device=cpu"):
+        resolve_gpus("auto", 0, None, engine_tp=1, cluster_gpus=4)
+    with pytest.raises(PlacementError, match=r"ray.num_gpus_per_engine=0 gives the engines none"):
+        resolve_gpus("auto", None, 0, engine_tp=1, cluster_gpus=4)
+    with pytest.raises(PlacementError, match=r"ray.device=gpu but the Ray cluster has no GPUs.*--gpus-per-node"):
+        resolve_gpus("gpu", None, None, engine_tp=1, cluster_gpus=0)
+    with pytest.raises(PlacementError, match=r"ray.device=cpu with ray.num_gpus_per_policy_rank=1: contradictory"):
+        resolve_gpus("cpu", 1, None, engine_tp=1, cluster_gpus=4)
+
+
+def test_paper_layout_puts_the_policy_on_the_first_8_gpu_node_and_the_engines_on_the_second() -> None:
+    cfg = load_config(REPO / "examples/qwen3_4b_da3po.yaml", ["model.path=/x"])
+    assert cfg.rollout.engine_placement == "other_nodes"
+    plan = plan_placement(resources_for_config(cfg, cluster_gpus=16), _nodes(8, 8))
+    assert plan.rank_node == [0] * 8 and plan.engine_node == [1] * 8
+    assert plan.policy_bundles == [{"CPU": 1.0, "GPU": 1.0}] * 8 and plan.engine_bundles == [{"CPU": 1.0,
+                                                                                              "GPU": 1.0}] * 8
+    assert "policy ranks 0-7 on node1" in plan.describe() and "engines 0-7 on node2" in plan.describe()
+
+
+def test_a_tp_group_never_straddles_two_nodes() -> None:
+    # 3 GPUs per node, TP=2: first fit rank by rank would put ranks 2-3 on node1 + node2; groups go whole to a node
+    plan = plan_placement(_need(world_size=4, tp=2, num_engines=1, engine_placement="any"), _nodes(3, 3))
+    assert plan.rank_node == [0, 0, 1, 1]
+    assert plan.engine_node == [0]  # the free GPU left on node1
+    with pytest.raises(PlacementError, match=r"policy TP group 0 \(ranks 0-3: 4 GPUs.*does not fit on a node.*"
+                                             r"must not straddle nodes"):
+        plan_placement(_need(world_size=4, tp=4, num_engines=1), _nodes(2, 2, 2))
+    spread = plan_placement(_need(world_size=2, tp=1, num_engines=1, spread_policy=True,
+                                  engine_placement="other_nodes"), _nodes(2, 2, 2))
+    assert spread.rank_node == [0, 1] and spread.engine_node == [2]
+
+
+def test_more_gpus_than_the_cluster_has_is_refused_naming_the_numbers_and_the_settings() -> None:
+    with pytest.raises(PlacementError, match=r"the run needs 16 GPUs \(policy 8 ranks x 1 \(ray.num_gpus_per_policy_"
+                                             r"rank\) \+ engines 8 x 1 \(ray.num_gpus_per_engine.*\) but the Ray "
+                                             r"cluster has 8 \(2 node\(s\): node1 4, node2 4\); request more GPUs "
+                                             r"\(sbatch --nodes / --gpus-per-node\)"):
+        plan_placement(_need(), _nodes(4, 4))
+    with pytest.raises(PlacementError, match=r"needs 10 CPUs .* has 4 "):
+        plan_placement(_need(world_size=2, tp=1, num_engines=2, cpus_per_engine=4, gpus_per_rank=0,
+                             gpus_per_engine=0, device="cpu"), _nodes(0, 0, cpus=2))
+
+
+def test_engine_placement_is_enforced_per_node() -> None:
+    need = _need(world_size=2, tp=2, num_engines=2)
+    assert plan_placement(_need(world_size=2, tp=2, num_engines=2, engine_placement="other_nodes"),
+                          _nodes(4, 2)).engine_node == [1, 1]
+    assert plan_placement(need, _nodes(4, 2)).engine_node == [0, 0]  # any: first fit
+    assert plan_placement(_need(world_size=2, tp=2, num_engines=2, engine_placement="same_nodes"),
+                          _nodes(4, 2)).engine_node == [0, 0]
+    with pytest.raises(PlacementError, match=r"engine 0 .*rollout.engine_placement=other_nodes allows nodes none"):
+        plan_placement(_need(world_size=2, tp=1, num_engines=1, engine_placement="other_nodes"), _nodes(3))
+    with pytest.raises(PlacementError, match=r"engine 1 .*same_nodes allows nodes \['node1'\]; free there after "
+                                             r"the policy and engines 0-0: node1 0 GPU"):
+        plan_placement(_need(world_size=2, tp=2, num_engines=2, engine_placement="same_nodes"), _nodes(3, 4))
+
+
+def test_colocated_engine_i_shares_policy_rank_is_one_gpu_bundle_or_is_refused() -> None:
+    rank, engine, _ = resolve_gpus("auto", None, None, engine_tp=1, cluster_gpus=2, colocate=True)
+    plan = plan_placement(_need(world_size=2, tp=1, num_engines=2, gpus_per_rank=rank, gpus_per_engine=engine,
+                                colocate=True), _nodes(2, cpus=4))
+    assert plan.engine_node == plan.rank_node == [0, 0] and plan.engine_bundles == []
+    assert plan.policy_bundles == [{"CPU": 2.0, "GPU": 1.0}] * 2  # rank + engine CPUs, one GPU
+    assert plan.rank_gpus == plan.engine_gpus == 0.5
+    with pytest.raises(PlacementError, match=r"rollout.colocate=true with rollout.tensor_parallel_size=2"):
+        resolve_gpus("auto", None, None, engine_tp=2, cluster_gpus=4, colocate=True)
+    with pytest.raises(PlacementError, match=r"rollout.num_engines=3 > 2 policy ranks"):
+        plan_placement(_need(world_size=2, tp=1, num_engines=3, colocate=True), _nodes(4))
+    with pytest.raises(PlacementError, match=r"colocate=true with rollout.engine_placement=other_nodes"):
+        plan_placement(_need(world_size=2, tp=1, num_engines=2, colocate=True, engine_placement="other_nodes"),
+                       _nodes(4))
+
+
+@pytest.fixture(scope="module")
+def ray_with_logical_gpus():
+    import tempfile
+
+    ray = pytest.importorskip("ray")
+    from da3po_megatron.trainer.prepare import start_local_ray
+
+    start_local_ray(tempfile.mkdtemp(prefix="ray_test_", dir="/tmp"), 4, num_gpus=3, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def test_pinned_bundles_give_distinct_gpus_colocated_pairs_one_and_the_driver_no_cuda_with_stand_in_actors(
+        ray_with_logical_gpus, monkeypatch, tmp_path) -> None:
+    """Real Ray (3 logical GPUs, one node), real placement groups and device probe; the policy ranks and engines are
+    stand-in actors that report what Ray gave them (the real ones: the Slurm tests). In the driver every CUDA entry
+    point raises: the decisions (memory preflight, KV cache, transport) must come from the probe."""
+    import torch
+
+    ray = ray_with_logical_gpus
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from da3po_megatron.bridge.hf_config import gpt_arch
+    from da3po_megatron.rollout.weight_sync import choose_transport
+    from da3po_megatron.tiny import build_model
+    from da3po_megatron.trainer.placement import actor_location, placement_report, probe_devices, reserve
+    from da3po_megatron.trainer.prepare import engine_config, memory_preflight, plan_for_cluster
+
+    def no_cuda(*a, **k):
+        raise AssertionError("the driver touched CUDA")
+
+    for name in ("is_available", "init", "_lazy_init", "device_count", "mem_get_info", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    hf = build_model(tmp_path / "hf", "qwen3", seed=0)
+    Where = ray.remote(num_cpus=0)(type("StandInActor", (), {"where": lambda self: actor_location()}))
+
+    def start(res, plan, colocate):
+        actors = []
+        for i in range(plan.need.world_size):
+            actors.append(Where.options(num_cpus=plan.need.cpus_per_rank, num_gpus=plan.rank_gpus,
+                                        scheduling_strategy=PlacementGroupSchedulingStrategy(res.policy, i)).remote())
+        for i in range(plan.need.num_engines):
+            pg = res.policy if colocate else res.engines
+            actors.append(Where.options(num_cpus=plan.need.cpus_per_engine, num_gpus=plan.engine_gpus,
+                                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote())
+        got = ray.get([a.where.remote() for a in actors], timeout=120)
+        for a in actors:
+            ray.kill(a)
+        return got[:plan.need.world_size], got[plan.need.world_size:]
+
+    base = [f"model.path={hf}", "ray.num_cpus_per_policy_rank=1", "rollout.num_cpus_per_engine=1"]
+    # TP=2 policy + one engine: 3 distinct GPUs
+    cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", [*base, "parallel.tensor_model_parallel_size=2"])
+    plan = plan_for_cluster(cfg)
+    assert (plan.rank_gpus, plan.engine_gpus) == (1.0, 1.0)
+    res = reserve(plan, timeout_s=60)
+    seen = probe_devices(res, cfg.model)
+    assert seen["policy"]["cuda"] is False and len(seen["policy"]["gpu_ids"]) == 1  # a GPU id, no CUDA in torch
+    assert seen["policy"]["cuda_visible_devices"] == seen["policy"]["gpu_ids"][0]
+    assert engine_config(cfg, seen["engine"]["cuda"]).kv_cache_memory_bytes == cfg.rollout.kv_cache_memory_bytes
+    assert memory_preflight(cfg, gpt_arch(hf), seen["policy"], plan) == cfg.actor.max_tokens_per_microbatch
+    policy, engines = start(res, plan, colocate=False)
+    ids = [d["gpu_ids"] for d in policy + engines]
+    assert sorted(i for g in ids for i in g) == ["0", "1", "2"] and all(len(g) == 1 for g in ids), ids
+    line, record = placement_report(plan, policy, engines)
+    assert record["policy"][0]["tp_group"] == record["policy"][1]["tp_group"] == 0
+    assert "policy rank 0 on " in line and " GPU " in line
+    assert choose_transport("auto", has_cuda=seen["policy"]["cuda"], colocate=False,
+                            policy_hosts=[d["host"] for d in policy], engine_hosts=[d["host"] for d in engines]) == \
+        "bytes"
+    res.remove()
+
+    # colocated: engine i in rank i's bundle, both on the same GPU id; no sleep mode without CUDA in the engine
+    cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml",
+                      [*base, "parallel.data_parallel_size=2", "rollout.num_engines=2", "rollout.colocate=true"])
+    plan = plan_for_cluster(cfg)
+    res = reserve(plan, timeout_s=60)
+    seen = probe_devices(res, cfg.model)
+    assert engine_config(cfg, seen["engine"]["cuda"]).enable_sleep_mode is False
+    policy, engines = start(res, plan, colocate=True)
+    assert [d["gpu_ids"] for d in policy] == [d["gpu_ids"] for d in engines], (policy, engines)
+    assert len({d["gpu_ids"][0] for d in policy}) == 2  # the two ranks on different GPUs
+    res.remove()
+
+    # more GPUs than the cluster has: refused before anything is reserved
+    cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", [*base, "parallel.data_parallel_size=4"])
+    with pytest.raises(PlacementError, match=r"needs 5 GPUs .* has 3 "):
+        plan_for_cluster(cfg)
+
+
+def test_a_placement_group_that_cannot_be_placed_times_out_naming_what_is_pending_where(ray_with_logical_gpus) -> None:
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from da3po_megatron.trainer.placement import cluster_nodes, reserve
+
+    ray = ray_with_logical_gpus
+    hog = placement_group([{"GPU": 3}])  # another job holding every GPU
+    assert ray.wait([hog.ready()], timeout=30)[0]
+    try:
+        plan = plan_placement(_need(world_size=1, tp=1, num_engines=1), cluster_nodes())
+        with pytest.raises(PlacementError, match=r"the policy placement group was not ready after 2 s "
+                                                 r"\(ray.placement_timeout_s\); still pending: rank 0: \{'CPU': 1.0, "
+                                                 r"'GPU': 1.0\} on \S+\. Free now: \S+: 0/3 GPU"):
+            reserve(plan, timeout_s=2)
+    finally:
+        remove_placement_group(hog)
