@@ -24,9 +24,15 @@ the header ``(0, 0, 0)``. The receiving worker views the tensors in the buffer a
 layerwise-reload session of :mod:`~da3po_megatron.rollout.worker_ext` (``da3po_load_bucket``), the same session the
 "bytes" transport uses; ``da3po_finish_weight_update`` closes it.
 
-Failure: a broken stream (a sender died, a timeout) raises on the worker naming the stage and the bucket; the engine
-then closes the session and marks itself stale -- it refuses to generate until the next complete sync (it does not
-keep the old weights: that would need a second copy of the model in engine memory).
+Streams (CUDA): a worker receives and loads every bucket on one stream, its loading thread's current stream, and a
+pooled buffer is reused only after an event recorded behind its last load (:mod:`~da3po_megatron.rollout.stream_order`
+says why and cites vLLM; on CPU those calls are no-ops).
+
+Failure: a broken stream (a sender died, a timeout) raises on the worker naming the stage and the bucket, and on the
+sender naming its stage and bucket; the engine then closes the session and marks itself stale -- it refuses to
+generate until the next complete sync (it does not keep the old weights: that would need a second copy of the model
+in engine memory). On NCCL the groups are built in blocking-wait mode (:func:`nccl_group`) so that a timeout raises in
+the waiting thread instead of NCCL's watchdog taking the process down.
 
 Follows vLLM's own ``distributed/weight_transfer`` (NCCL engine: rank offsets, packed buffers, layerwise reload) and
 the NeMo-RL / verl refit design (one broadcast group per refit, built once), with our own code.
@@ -34,16 +40,19 @@ the NeMo-RL / verl refit design (one broadcast group per refit, built once), wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from da3po_megatron.rollout.stream_order import DeviceOrder
 from da3po_megatron.rollout.types import checked_weights, timed_stream
 
 ALIGN = 64
@@ -91,12 +100,56 @@ def make_group(host: str, port: int, rank: int, world_size: int, *, backend: str
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_ip)]
         pg = dist.ProcessGroupGloo(prefix, rank, world_size, opts)
     elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        pg = nccl_group(prefix, rank, world_size, timeout)
     else:
         raise ValueError(f"collective weight transport: unknown backend {backend!r} (expected 'gloo' or 'nccl')")
     return store, pg
+
+
+NCCL_GROUP_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+"""Read by each ``ProcessGroupNCCL`` when it is constructed; set only while the weight-sync groups are built."""
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def scoped_env(overrides: dict[str, str]) -> Iterator[None]:
+    """Set ``overrides`` in ``os.environ`` for the ``with`` block, then restore what was there (one at a time)."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in overrides}
+        os.environ.update(overrides)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def nccl_group(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """A weight-sync ``ProcessGroupNCCL`` in blocking-wait mode with a per-group timeout. GPU-only
+    (docs/gpu_only.md, "weight sync").
+
+    Why (torch 2.13): every ``ProcessGroupNCCL`` reads ``TORCH_NCCL_BLOCKING_WAIT`` and
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` in its constructor (``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``,
+    the constructor's ``getCvarBool(TORCH_NCCL_BLOCKING_WAIT, false)`` / ``getCvarInt(..., 3 /*SkipCleanUp*/)``; the
+    variables and modes: the installed ``include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:59-69, 160-176``).
+    By default (3, SkipCleanUp) the group's watchdog thread, on a collective past ``Options._timeout`` or a NCCL
+    error, re-throws in that thread (``Watchdog::runLoop`` -> ``work.handleException(asyncErrorHandling_)``) and the
+    process dies: an engine actor or the sending policy rank, instead of a failed sync. With blocking wait "NO
+    watchdog thread is created" for the group, and ``work.wait()`` blocks the calling thread until the collective
+    completes or the timeout passes, then aborts the group's communicators and raises ``DistBackendError`` there
+    (``WorkNCCL::wait``: ``abort(); handleException(TearDown)`` from the caller's thread). The variable is set only
+    while this group is constructed (:func:`scoped_env`): Megatron's and vLLM's own groups keep their modes. The
+    group is dead after such an error; the driver tears the groups down and rebuilds them at the next sync.
+    """
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    with scoped_env(NCCL_GROUP_ENV):
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
 
 
 def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0, wait: bool = True) -> Any:
@@ -141,31 +194,57 @@ class BufferPool:
     Safety: a buffer is handed out again only when nothing else holds its memory -- the storage's use count says
     whether a view of it is still alive anywhere: the receiving worker's loaded tensors that vLLM's layerwise reload
     keeps until their layer is complete (a layer whose tensors straddle two buckets), a broadcast still in flight.
-    Otherwise a fresh buffer is allocated (and pooled while fewer than ``keep`` are). At most ``keep`` buffers are
-    pooled; the pool, and its memory, goes with the stream.
+    With an ``order`` (the receiving worker), that is not enough: on CUDA the device may still be reading a buffer
+    whose last view is gone, so a buffer also needs its release marked by the consumer (:meth:`mark_released`, after
+    each load: an event recorded behind the loads queued so far), and :meth:`take` makes ``stream`` wait for that
+    event before handing it out. Otherwise a fresh buffer is allocated (and pooled while fewer than ``keep`` are).
+    At most ``keep`` buffers are pooled; the pool, and its memory, goes with the stream.
     """
 
-    def __init__(self, device: torch.device, keep: int = 2) -> None:
-        self.device, self.keep = device, keep
+    def __init__(self, device: torch.device, keep: int = 2, order: DeviceOrder | None = None,
+                 stream: Any = None) -> None:
+        self.device, self.keep, self.order, self.stream = device, keep, order, stream
         self._bufs: list[torch.Tensor] = []
+        self._released: list[tuple[Any] | None] = []  # per buffer: (event,) once released by the consumer
+        self._lock = threading.Lock()
         self.fresh = self.reused = 0
+
+    def _free(self, i: int) -> bool:
+        return _storage_refs(self._bufs[i]) == 1 and (self.order is None or self._released[i] is not None)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of exactly ``nbytes`` (a view of a pooled buffer at least that large, when one is free)."""
-        free = [i for i, b in enumerate(self._bufs) if _storage_refs(b) == 1]
-        fit = next((i for i in free if self._bufs[i].numel() >= nbytes), None)
-        if fit is not None:
-            self.reused += 1
-            return self._bufs[fit][:nbytes]
-        self.fresh += 1
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if _storage_refs(buf) is None:
-            return buf
-        if len(self._bufs) < self.keep:
-            self._bufs.append(buf)
-        elif free:  # a free buffer too small for this size: replaced (its memory is released)
-            self._bufs[free[0]] = buf
-        return buf[:nbytes]
+        with self._lock:
+            free = [i for i in range(len(self._bufs)) if self._free(i)]
+            fit = next((i for i in free if self._bufs[i].numel() >= nbytes), None)
+            if fit is not None:
+                self.reused += 1
+                released, self._released[fit] = self._released[fit], None
+                if self.order is not None and released is not None:
+                    self.order.wait(self.stream, released[0])  # the device finished its last load first
+                return self._bufs[fit][:nbytes]
+            self.fresh += 1
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            if _storage_refs(buf) is None:
+                return buf
+            if len(self._bufs) < self.keep:
+                self._bufs.append(buf)
+                self._released.append(None)
+            elif free:  # a free buffer too small for this size: replaced (its memory is released)
+                self._bufs[free[0]], self._released[free[0]] = buf, None
+            return buf[:nbytes]
+
+    def mark_released(self, record: Callable[[], Any]) -> int:
+        """Called by the consumer after each load (the loading thread, after dropping its views): every handed-out
+        buffer no view of which is left gets ``record()`` -- an event behind everything queued so far, its last
+        load included. Returns how many were released."""
+        n = 0
+        with self._lock:
+            for i, buf in enumerate(self._bufs):
+                if self._released[i] is None and _storage_refs(buf) == 1:
+                    self._released[i] = (record(),)
+                    n += 1
+        return n
 
 
 def iter_flat_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, device: torch.device,
@@ -206,10 +285,12 @@ class CollectiveSender:
     """Rank 0 of one stage's group: hosts the TCPStore, broadcasts buckets. Lives in the sending process (a policy
     rank, or the driver in tools/tests) across syncs, registered under its group name."""
 
-    def __init__(self, name: str, world_size: int, backend: str, timeout_s: float, host: str | None = None) -> None:
+    def __init__(self, name: str, world_size: int, backend: str, timeout_s: float, host: str | None = None,
+                 stage: int = 0) -> None:
         import torch.distributed as dist
 
         self.name, self.world_size, self.backend, self.timeout_s = name, world_size, backend, timeout_s
+        self.stage = stage
         self.host = host or node_ip()
         self.port = free_port("" if self.host != "127.0.0.1" else "127.0.0.1")
         self.store = dist.TCPStore(self.host, self.port, world_size=world_size, is_master=True,
@@ -239,11 +320,23 @@ class CollectiveSender:
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
              dtype: torch.dtype | None = None) -> dict:
         """Broadcast the stream, bucket by bucket (the next bucket is packed while the previous one is in flight:
-        at most two buffers alive), then the end marker. Returns timing and size statistics."""
+        at most two buffers alive), then the end marker. Returns timing and size statistics. A broken broadcast (an
+        engine worker gone, ``timeout_s`` passed) raises naming this sender's stage and the bucket."""
         if self.pg is None:
             raise RuntimeError(f"collective sender {self.name}: send before connect")
-        stats = {"bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0, "pack_s": 0.0, "transfer_s": 0.0,
-                 "export_s": 0.0}
+        stats: dict = {"buckets": 0}
+        try:
+            return self._send(named_tensors, bucket_bytes, dtype, stats)
+        except Exception as e:
+            raise RuntimeError(f"collective weight sync: the sender of PP stage {self.stage} broke at bucket "
+                               f"{stats['buckets']} of that stage (after handing {stats['buckets']} to the "
+                               f"{self.backend} group; timeout {self.timeout_s:g} s): {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}") from e
+
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None,
+              stats: dict) -> dict:
+        stats.update({"bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0, "pack_s": 0.0, "transfer_s": 0.0,
+                      "export_s": 0.0})
         t0 = time.perf_counter()
         in_flight: list[Any] | None = None
         produce_s = 0.0  # export + mapping + packing: the time spent waiting for the next filled buffer
@@ -291,10 +384,11 @@ class CollectiveSender:
 _SENDERS: dict[str, CollectiveSender] = {}
 
 
-def open_sender(name: str, world_size: int, backend: str, timeout_s: float) -> dict:
-    """Create (replacing an older one of the same name) this process's sender; returns its address."""
+def open_sender(name: str, world_size: int, backend: str, timeout_s: float, stage: int = 0) -> dict:
+    """Create (replacing an older one of the same name) this process's sender of PP stage ``stage``; returns its
+    address."""
     close_sender(name)
-    _SENDERS[name] = CollectiveSender(name, world_size, backend, timeout_s)
+    _SENDERS[name] = CollectiveSender(name, world_size, backend, timeout_s, stage=stage)
     return _SENDERS[name].address()
 
 
@@ -309,125 +403,3 @@ def close_sender(name: str | None = None) -> None:
         s = _SENDERS.pop(key, None) if key is not None else None
         if s is not None:
             s.close()
-
-
-# ------------------------------------------------------------------------------------------------ receiver
-def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: Any) -> None:
-    """Receiving thread of one stage's stream: put ``(buffer, meta)`` per bucket, then None; an error is put as is.
-    ``slots`` (a semaphore of 2) bounds the buffers in hand: one being loaded, one being received. The buffers come
-    from a :class:`BufferPool` of three: vLLM's layerwise reload keeps the tensors of a layer whose tensors straddle
-    two buckets until the second one is loaded, so while bucket k+1 loads and k+2 arrives, bucket k's buffer is often
-    still held; from bucket k+3 on the pool cycles through the three (one still held is never reused)."""
-    pool = BufferPool(dev, keep=3)
-    try:
-        while True:
-            slots.acquire()
-            t0 = time.perf_counter()
-            header = torch.empty(3, dtype=torch.int64, device=dev)
-            broadcast(pg, header)
-            kind, n_meta, n_buf = (int(x) for x in header.tolist())
-            if kind == _HEADER_END:
-                stats["transfer_s"] += time.perf_counter() - t0
-                stats["fresh_buffers"] = stats.get("fresh_buffers", 0) + pool.fresh
-                out.put(None)
-                return
-            blob = torch.empty(n_meta, dtype=torch.uint8, device=dev)
-            broadcast(pg, blob)
-            meta = json.loads(bytes(blob.cpu().numpy().tobytes()).decode())
-            buf = pool.take(n_buf)
-            broadcast(pg, buf)
-            stats["transfer_s"] += time.perf_counter() - t0
-            out.put((buf, meta))
-            del buf
-    except BaseException as e:  # noqa: BLE001 - handed to the loading thread, which raises it with the bucket
-        out.put(e)
-
-
-class CollectiveReceiverMixin:
-    """Worker-extension half (mixed into :class:`~da3po_megatron.rollout.worker_ext.WeightSyncExtension`): join the
-    stage groups, receive streams into the open layerwise-reload session, leave."""
-
-    def da3po_collective_join(self, groups: list[dict], rank_offset: int, local_ip: str) -> dict:
-        """Join every stage's group as rank ``rank_offset + parallel_config.rank`` (stage order: all engines join in
-        the same order, each join blocks until its group is complete)."""
-        self.da3po_collective_leave()
-        t0 = time.perf_counter()
-        rank = rank_offset + int(self.vllm_config.parallel_config.rank)
-        pgs = []
-        for g in groups:
-            _, pg = make_group(g["host"], g["port"], rank, g["world_size"], backend=g["backend"], local_ip=local_ip,
-                               timeout_s=g["timeout_s"], name=g["name"])
-            pgs.append(pg)
-        self._da3po_groups = pgs
-        self._da3po_group_device = group_device(groups[0]["backend"]) if groups else torch.device("cpu")
-        return {"rank": rank, "groups": len(pgs), "seconds": time.perf_counter() - t0}
-
-    def da3po_collective_receive(self, begin: bool = False, finish: bool = False, strict: bool = True) -> dict:
-        """Receive every stage's stream (stage order) into the open session; a receiving thread fetches bucket k+1
-        while this thread loads bucket k (at most two buffers alive). Raises naming the stage and bucket.
-        ``begin`` / ``finish``: open the session first / close it (``strict`` check) after the last stream, in this
-        same call (the driver then needs no calls of its own for them)."""
-        pgs = getattr(self, "_da3po_groups", None)
-        if not pgs:
-            raise RuntimeError("collective weight sync: this worker has not joined the transfer group")
-        if begin:
-            self.da3po_begin_weight_update()
-        stats = self._da3po_receive_streams(pgs)
-        if finish:
-            t0 = time.perf_counter()
-            self.da3po_finish_weight_update(strict=strict)
-            stats["finish_s"] = time.perf_counter() - t0  # finalize: the layers' weight post-processing
-        return stats
-
-    def _da3po_receive_streams(self, pgs: list[Any]) -> dict:
-        import queue
-        import threading
-
-        dev = self._da3po_group_device
-        stats = {"bytes": 0, "buckets": 0, "transfer_s": 0.0, "load_s": 0.0}
-        for stage, pg in enumerate(pgs):
-            received: queue.Queue = queue.Queue()
-            slots = threading.Semaphore(2)
-            fetcher = threading.Thread(target=_receive_stream, args=(pg, dev, received, stats, slots), daemon=True,
-                                       name=f"da3po-recv-stage{stage}")
-            fetcher.start()
-            bucket = 0
-            names: list[str] = []
-            try:
-                while True:
-                    item = received.get()
-                    if item is None:
-                        break
-                    if isinstance(item, BaseException):
-                        raise item
-                    buf, meta = item
-                    names = [r[0] for r in meta]
-                    t1 = time.perf_counter()
-                    self.da3po_load_bucket(unpack_flat(buf, meta))
-                    stats["load_s"] += time.perf_counter() - t1
-                    stats["bytes"] += sum(r[4] for r in meta)
-                    stats["buckets"] += 1
-                    bucket += 1
-                    del buf, item
-                    slots.release()
-            except Exception as e:
-                raise RuntimeError(f"collective weight sync from PP stage {stage} broke at bucket {bucket} of that "
-                                   f"stage ({bucket} complete; last tensors {names[:3]}): {type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''}") from e
-            finally:
-                slots.release()  # a fetcher waiting for a slot after a failure gets one and ends with the broken group
-                fetcher.join(timeout=5)
-        return stats
-
-    def da3po_collective_recv_raw(self, nbytes: int) -> float:
-        """Receive one raw broadcast of ``nbytes`` on stage 0's group (the benchmark's link reference); seconds. The
-        buffer is written once before the clock starts, so first-touch page faults are not counted as link time."""
-        buf = torch.zeros(nbytes, dtype=torch.uint8, device=self._da3po_group_device)
-        t0 = time.perf_counter()
-        broadcast(self._da3po_groups[0], buf)
-        return time.perf_counter() - t0
-
-    def da3po_collective_leave(self) -> None:
-        for pg in getattr(self, "_da3po_groups", None) or []:
-            destroy_group(pg)
-        self._da3po_groups = []

@@ -50,7 +50,7 @@ def _sender_open(worker: Any, prefix: str, world_size: int, backend: str, timeou
     stage = sender_stage(worker)
     if stage is None:
         return None
-    return {"stage": stage, **open_sender(f"{prefix}/stage{stage}", world_size, backend, timeout_s)}
+    return {"stage": stage, **open_sender(f"{prefix}/stage{stage}", world_size, backend, timeout_s, stage=stage)}
 
 
 def _sender_sees_cuda(_worker: Any) -> bool:
@@ -201,6 +201,9 @@ class CollectiveTransport:
         # bucket buffers allocated anew (the rest reused from the stream's BufferPool): sender, and the worst worker
         stats["fresh_buffers"] = float(max((p.get("fresh_buffers", 0) for p in sent), default=0))
         stats["engine_fresh_buffers"] = float(max((r.get("fresh_buffers", 0) for r in engine_reports), default=0))
+        # buckets a worker had received in full before its previous bucket finished loading (receive || load)
+        stats["engine_overlapped_buckets"] = float(min((r.get("overlapped_buckets", 0) for r in engine_reports),
+                                                       default=0))
         stats["group_setup_s"] = t_group if built else 0.0
         stats["seconds"] = time.perf_counter() - t0
         stats["gbps"] = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e9

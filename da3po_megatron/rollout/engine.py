@@ -370,11 +370,16 @@ class VLLMEngine(StreamingMixin):
         """The trainer's chosen transport is usable with the installed vLLM (RolloutError naming the version)."""
         check_vllm_support(transport)
 
-    def ipc_load_bucket(self, handle_args: tuple, sender_uuid: str, meta: list) -> dict:
-        """Every worker maps the sender's CUDA-IPC buffer and loads it into the open session."""
+    def ipc_load_bucket(self, handles: dict, meta: list) -> dict:
+        """Every worker maps the CUDA-IPC buffer of its own GPU (``handles``: {GPU UUID: handle}, rollout/ipc.py)
+        and loads it into the open session."""
         if not self._session_open:
             raise RolloutError(f"engine {self.engine_index}: ipc_load_bucket outside begin/finish_bucket_update")
-        return self.llm.collective_rpc("da3po_ipc_load", args=(handle_args, sender_uuid, meta))[0]
+        return self.llm.collective_rpc("da3po_ipc_load", args=(handles, meta))[0]
+
+    def worker_gpu_uuids(self) -> list[str]:
+        """The GPU UUID of each worker, in worker order (the IPC routing, rollout/ipc_routing.py)."""
+        return list(self.llm.collective_rpc("da3po_gpu_uuid"))
 
     def sleep(self, level: int = 1) -> None:
         """GPU colocated mode: free weights (level 2) or offload them (level 1) and drop the KV cache."""

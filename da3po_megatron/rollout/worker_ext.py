@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 
-from da3po_megatron.rollout.collective import CollectiveReceiverMixin
+from da3po_megatron.rollout.collective_receive import CollectiveReceiverMixin
 from da3po_megatron.rollout.ipc import IpcReceiverMixin
 
 

@@ -1,0 +1,166 @@
+"""Worker side of the "collective" weight transport (:mod:`~da3po_megatron.rollout.collective` holds the groups, the
+wire format, the packing and the sender): a vLLM worker joins each PP stage's group and receives the stages' streams
+into its open layerwise-reload session, a receiving thread fetching bucket k+1 while the worker's thread loads bucket
+k -- both on the worker thread's current CUDA stream (:mod:`~da3po_megatron.rollout.stream_order`), and a pooled
+buffer reused only after an event recorded behind its last load.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from da3po_megatron.rollout.collective import (
+    _HEADER_END,
+    BufferPool,
+    broadcast,
+    destroy_group,
+    group_device,
+    make_group,
+    unpack_flat,
+)
+from da3po_megatron.rollout.stream_order import DeviceOrder, order_for
+
+
+# ------------------------------------------------------------------------------------------------ receiver
+def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: Any, pool: BufferPool,
+                    order: DeviceOrder, loader_stream: Any) -> None:
+    """Receiving thread of one stage's stream: put ``(buffer, meta, seconds when received)`` per bucket, then None;
+    an error is put as is. ``slots`` (a semaphore of 2) bounds the buffers in hand: one being loaded, one being
+    received. The buffers come from ``pool`` (three, released by the loading thread): vLLM's layerwise reload keeps
+    the tensors of a layer whose tensors straddle two buckets until the second one is loaded, so while bucket k+1
+    loads and k+2 arrives, bucket k's buffer is often still held; from bucket k+3 on the pool cycles through the three.
+
+    Everything here -- allocations, broadcasts, the header's copy to the host -- runs on ``loader_stream``, the
+    loading thread's current stream (``order.use``): see :mod:`~da3po_megatron.rollout.stream_order`."""
+    try:
+        with order.use(loader_stream):
+            while True:
+                slots.acquire()
+                t0 = time.perf_counter()
+                header = torch.empty(3, dtype=torch.int64, device=dev)
+                broadcast(pg, header)
+                kind, n_meta, n_buf = (int(x) for x in header.tolist())
+                if kind == _HEADER_END:
+                    stats["transfer_s"] += time.perf_counter() - t0
+                    out.put(None)
+                    return
+                blob = torch.empty(n_meta, dtype=torch.uint8, device=dev)
+                broadcast(pg, blob)
+                meta = json.loads(bytes(blob.cpu().numpy().tobytes()).decode())
+                buf = pool.take(n_buf)
+                broadcast(pg, buf)
+                stats["transfer_s"] += time.perf_counter() - t0
+                out.put((buf, meta, time.perf_counter()))
+                del buf
+    except BaseException as e:  # noqa: BLE001 - handed to the loading thread, which raises it with the bucket
+        out.put(e)
+
+
+def receive_stage(pg: Any, dev: torch.device, load: Callable[[dict[str, torch.Tensor]], Any], stage: int,
+                  stats: dict, order: DeviceOrder | None = None) -> None:
+    """Receive one stage's stream and ``load`` each bucket's tensors, in the calling (loading) thread: a receiving
+    thread fetches bucket k+1 while this thread loads bucket k (at most two buffers in hand), on this thread's
+    current stream. Raises naming the stage and the bucket. ``stats`` gains bytes, buckets, transfer_s, load_s,
+    fresh_buffers and overlapped_buckets (buckets that had fully arrived before the previous one finished loading:
+    the receive and the load did overlap)."""
+    import queue
+
+    order = order or order_for(dev)
+    loader_stream = order.current_stream()  # captured here, in the loading thread: vLLM's current stream
+    pool = BufferPool(dev, keep=3, order=order, stream=loader_stream)
+    received: queue.Queue = queue.Queue()
+    slots = threading.Semaphore(2)
+    args = (pg, dev, received, stats, slots, pool, order, loader_stream)
+    fetcher = threading.Thread(target=_receive_stream, args=args, daemon=True, name=f"da3po-recv-stage{stage}")
+    fetcher.start()
+    bucket = 0
+    names: list[str] = []
+    loaded_at = 0.0
+    try:
+        while True:
+            item = received.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            buf, meta, arrived = item
+            if bucket and arrived < loaded_at:
+                stats["overlapped_buckets"] += 1
+            names = [r[0] for r in meta]
+            t1 = time.perf_counter()
+            load(unpack_flat(buf, meta))
+            loaded_at = time.perf_counter()
+            stats["load_s"] += loaded_at - t1
+            stats["bytes"] += sum(r[4] for r in meta)
+            stats["buckets"] += 1
+            bucket += 1
+            del buf, item
+            pool.mark_released(lambda: order.record(loader_stream))
+            slots.release()
+    except Exception as e:
+        raise RuntimeError(f"collective weight sync from PP stage {stage} broke at bucket {bucket} of that "
+                           f"stage ({bucket} complete; last tensors {names[:3]}): {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    finally:
+        slots.release()  # a fetcher waiting for a slot after a failure gets one and ends with the broken group
+        fetcher.join(timeout=5)
+        stats["fresh_buffers"] += pool.fresh
+
+
+class CollectiveReceiverMixin:
+    """Worker-extension half (mixed into :class:`~da3po_megatron.rollout.worker_ext.WeightSyncExtension`): join the
+    stage groups, receive streams into the open layerwise-reload session, leave."""
+
+    def da3po_collective_join(self, groups: list[dict], rank_offset: int, local_ip: str) -> dict:
+        """Join every stage's group as rank ``rank_offset + parallel_config.rank`` (stage order: all engines join in
+        the same order, each join blocks until its group is complete)."""
+        self.da3po_collective_leave()
+        t0 = time.perf_counter()
+        rank = rank_offset + int(self.vllm_config.parallel_config.rank)
+        pgs = []
+        for g in groups:
+            _, pg = make_group(g["host"], g["port"], rank, g["world_size"], backend=g["backend"], local_ip=local_ip,
+                               timeout_s=g["timeout_s"], name=g["name"])
+            pgs.append(pg)
+        self._da3po_groups = pgs
+        self._da3po_group_device = group_device(groups[0]["backend"]) if groups else torch.device("cpu")
+        return {"rank": rank, "groups": len(pgs), "seconds": time.perf_counter() - t0}
+
+    def da3po_collective_receive(self, begin: bool = False, finish: bool = False, strict: bool = True) -> dict:
+        """Receive every stage's stream (stage order) into the open session (:func:`receive_stage`: bucket k+1
+        arrives while bucket k loads, both on this thread's stream). Raises naming the stage and bucket.
+        ``begin`` / ``finish``: open the session first / close it (``strict`` check) after the last stream, in this
+        same call (the driver then needs no calls of its own for them)."""
+        pgs = getattr(self, "_da3po_groups", None)
+        if not pgs:
+            raise RuntimeError("collective weight sync: this worker has not joined the transfer group")
+        if begin:
+            self.da3po_begin_weight_update()
+        stats = {"bytes": 0, "buckets": 0, "transfer_s": 0.0, "load_s": 0.0, "fresh_buffers": 0,
+                 "overlapped_buckets": 0}
+        for stage, pg in enumerate(pgs):
+            receive_stage(pg, self._da3po_group_device, self.da3po_load_bucket, stage, stats)
+        if finish:
+            t0 = time.perf_counter()
+            self.da3po_finish_weight_update(strict=strict)
+            stats["finish_s"] = time.perf_counter() - t0  # finalize: the layers' weight post-processing
+        return stats
+
+    def da3po_collective_recv_raw(self, nbytes: int) -> float:
+        """Receive one raw broadcast of ``nbytes`` on stage 0's group (the benchmark's link reference); seconds. The
+        buffer is written once before the clock starts, so first-touch page faults are not counted as link time."""
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=self._da3po_group_device)
+        t0 = time.perf_counter()
+        broadcast(self._da3po_groups[0], buf)
+        return time.perf_counter() - t0
+
+    def da3po_collective_leave(self) -> None:
+        for pg in getattr(self, "_da3po_groups", None) or []:
+            destroy_group(pg)
+        self._da3po_groups = []

@@ -1,0 +1,103 @@
+"""The "ipc" transport's routing (rollout/ipc_routing.py) as a pure function over GPU UUID strings and layouts: which
+policy rank's CUDA-IPC handles reach which engine worker, for policy TP / PP / DP x engines x engine TP, and the
+layouts that must be refused with an error naming engine, worker, GPU and stage. No GPU needed: UUIDs are strings."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from da3po_megatron.rollout.ipc_routing import merge_handles, pick_handle, plan_ipc_routes
+
+GPU = [f"GPU-{i:08x}-0000-4000-8000-00000000000{i}" for i in range(8)]
+
+
+def megatron_ranks(tp: int, pp: int, dp: int, gpus: list[str] | None = None) -> list[dict]:
+    """One policy rank per GPU in Megatron's default order (TP fastest, then DP, then PP)."""
+    gpus = gpus or GPU
+    out = []
+    for p, d, t in itertools.product(range(pp), range(dp), range(tp)):
+        rank = t + tp * (d + dp * p)
+        out.append({"rank": rank, "uuid": gpus[rank], "tp": t, "pp": p, "dp": d})
+    return out
+
+
+def engines_over(n_gpus: int, engine_tp: int) -> list[list[str]]:
+    return [GPU[e * engine_tp:(e + 1) * engine_tp] for e in range(n_gpus // engine_tp)]
+
+
+def test_one_gpu_one_engine_the_sender_ships_its_own_handle():
+    routes = plan_ipc_routes(megatron_ranks(1, 1, 1), [[GPU[0]]])
+    assert routes.serves == {0: [(0, 0)]} and routes.shippers == {0: 0} and routes.by_stage == {0: {GPU[0]: 0}}
+    assert routes.role(0) == "ship"
+
+
+@pytest.mark.parametrize("engine_tp", [1, 2, 4, 8])
+def test_policy_dp8_every_rank_exports_for_the_engine_worker_on_its_gpu(engine_tp):
+    engines = engines_over(8, engine_tp)
+    routes = plan_ipc_routes(megatron_ranks(1, 1, 8), engines)
+    assert routes.shippers == {0: 0} and routes.holders == {0: list(range(8))}
+    # rank r runs on GPU r; the worker on GPU r is worker r % engine_tp of engine r // engine_tp
+    assert routes.serves == {r: [(r // engine_tp, r % engine_tp)] for r in range(8)}
+    assert [routes.role(r) for r in range(8)] == ["ship"] + ["export"] * 7
+
+
+def test_holders_on_gpus_without_engines_take_part_in_the_gather_only():
+    routes = plan_ipc_routes(megatron_ranks(1, 1, 4), [[GPU[0]], [GPU[1]]])
+    assert routes.serves == {0: [(0, 0)], 1: [(1, 0)]}
+    assert [routes.role(r) for r in range(4)] == ["ship", "export", "hold", "hold"]
+
+
+def test_policy_tp2_works_when_the_engines_sit_on_tp_rank_0_gpus_only():
+    ranks = megatron_ranks(2, 1, 2)  # ranks 0,1 = DP replica 0 (TP 0, 1), ranks 2,3 = replica 1; GPU i = rank i
+    routes = plan_ipc_routes(ranks, [[GPU[0]], [GPU[2]]])
+    assert routes.serves == {0: [(0, 0)], 2: [(1, 0)]} and routes.holders == {0: [0, 2]}
+    assert routes.role(1) is None and routes.role(3) is None  # TP rank 1: iterates the export, holds nothing
+
+
+def test_several_ranks_on_one_gpu_each_stage_from_its_own_holder():
+    ranks = [{"rank": 0, "uuid": GPU[0], "tp": 0, "pp": 0, "dp": 0},
+             {"rank": 1, "uuid": GPU[0], "tp": 0, "pp": 1, "dp": 0}]  # PP=2, both stages on one GPU
+    routes = plan_ipc_routes(ranks, [[GPU[0]]])
+    assert routes.by_stage == {0: {GPU[0]: 0}, 1: {GPU[0]: 1}} and routes.shippers == {0: 0, 1: 1}
+    assert routes.serves == {0: [(0, 0)], 1: [(0, 0)]}
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1), (4, 1, 1), (1, 4, 1)])
+@pytest.mark.parametrize("engine_tp", [1, 2, 4])
+def test_four_colocated_gpus_every_layout_is_served_or_refused_naming_engine_gpu_and_stage(tp, pp, dp, engine_tp):
+    engines = engines_over(4, engine_tp)
+    if tp == 1 and pp == 1:
+        routes = plan_ipc_routes(megatron_ranks(tp, pp, dp), engines)
+        served = sorted(ew for pairs in routes.serves.values() for ew in pairs)
+        assert served == sorted((e, w) for e in range(len(engines)) for w in range(engine_tp))
+        return
+    with pytest.raises(ValueError, match=r"engine \d+ worker \d+ on GPU GPU-\S+ needs PP stage \d's full tensors") as e:
+        plan_ipc_routes(megatron_ranks(tp, pp, dp), engines)
+    assert "rollout.weight_transfer=bytes" in str(e.value) and "TP rank" in str(e.value)
+
+
+def test_engines_on_gpus_without_a_policy_rank_are_refused_as_not_colocated():
+    with pytest.raises(ValueError, match=rf"engine 1 worker 0 runs on GPU {GPU[5]}, where no policy rank runs"):
+        plan_ipc_routes(megatron_ranks(1, 1, 2), [[GPU[0]], [GPU[5]]])
+
+
+def test_two_workers_of_one_engine_on_one_gpu_and_a_stage_without_its_sender_are_refused():
+    with pytest.raises(ValueError, match="engine 0 has two workers on one GPU"):
+        plan_ipc_routes(megatron_ranks(1, 1, 2), [[GPU[0], GPU[0]]])
+    no_sender = [{"rank": 0, "uuid": GPU[0], "tp": 0, "pp": 0, "dp": 1}]
+    with pytest.raises(ValueError, match="PP stage 0 needs exactly one rank with TP rank 0 and DP rank 0"):
+        plan_ipc_routes(no_sender, [[GPU[0]]])
+    with pytest.raises(ValueError, match="every engine needs at least one worker GPU"):
+        plan_ipc_routes(megatron_ranks(1, 1, 1), [])
+
+
+def test_handles_merge_by_gpu_and_a_worker_picks_its_own_or_names_the_gpus_that_got_one():
+    merged = merge_handles([{GPU[0]: ("h0",)}, {}, {GPU[1]: ("h1",)}])
+    assert merged == {GPU[0]: ("h0",), GPU[1]: ("h1",)}
+    assert pick_handle(merged, GPU[1]) == ("h1",)
+    with pytest.raises(ValueError, match=rf"no IPC handle for engine worker 3 on GPU {GPU[2]}; handles came for"):
+        pick_handle(merged, GPU[2], where="engine worker 3")
+    with pytest.raises(ValueError, match="two ranks exported a handle for GPU"):
+        merge_handles([{GPU[0]: 1}, {GPU[0]: 2}])

@@ -1,0 +1,226 @@
+"""The collective receive's stream discipline and its failure behaviour, on a real gloo group in this process (a
+sender thread broadcasting to the loading thread), no engine.
+
+CUDA streams cannot run here, so the stream rule is checked as a *structure*: a recording stand-in for CUDA streams
+and events (:class:`RecordingOrder`, the same interface as ``stream_order.CudaOrder``) is injected into the same
+receive code (``collective_receive.receive_stage``) and logs, per thread, which stream each broadcast, load and event
+was issued on. The rule it checks (docs/rollout.md, "Streams"): every receive runs on the stream the loading thread
+had current (vLLM's dedicated stream, not the receiving thread's default one); a reused bucket buffer is received
+into only after waiting for an event recorded after the last load that read it. The same run checks that receive
+and load still overlap and that every tensor arrives exactly.
+
+Also: the NCCL weight-sync groups are built in blocking-wait mode (a stand-in for ProcessGroupNCCL records what the
+constructor saw), and a receiver that goes away mid-sync makes the sender raise naming its stage and bucket.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from da3po_megatron.rollout.collective import CollectiveSender, destroy_group, make_group
+from da3po_megatron.rollout.collective_receive import receive_stage
+from da3po_megatron.rollout.stream_order import DeviceOrder
+
+
+class RecordingOrder(DeviceOrder):
+    """A stand-in for CUDA streams and events: streams are names, a thread's current stream is tracked per thread
+    (the default until a ``use`` block), events are numbers; every call is logged as (thread, what, ...)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self.events = 0
+
+    def stream_of_this_thread(self) -> str:
+        return getattr(self._tls, "stream", f"default@{threading.current_thread().name}")
+
+    def set_stream(self, stream: str) -> None:  # what vLLM's patched torch.cuda.set_stream does in its thread
+        self._tls.stream = stream
+
+    def note(self, *what) -> None:
+        with self._lock:
+            self.log.append((threading.current_thread().name, *what))
+
+    def current_stream(self):
+        return self.stream_of_this_thread()
+
+    def use(self, stream):
+        order = self
+
+        class _Use:
+            def __enter__(self):
+                self.prev = order.stream_of_this_thread()
+                order._tls.stream = stream
+
+            def __exit__(self, *exc):
+                order._tls.stream = self.prev
+
+        return _Use()
+
+    def record(self, stream):
+        with self._lock:
+            self.events += 1
+            event = self.events
+        self.note("record", event, stream)
+        return event
+
+    def wait(self, stream, event) -> None:
+        self.note("wait", event, stream)
+
+
+class LoggedGroup:
+    """The real gloo group, with each broadcast logged (buffer address, the calling thread's stream) first."""
+
+    def __init__(self, pg, order: RecordingOrder) -> None:
+        self.pg, self.order = pg, order
+
+    def broadcast(self, tensors, opts):
+        self.order.note("broadcast", tensors[0].data_ptr(), tensors[0].numel(), self.order.stream_of_this_thread())
+        return self.pg.broadcast(tensors, opts)
+
+
+def _pair(name: str, timeout_s: float = 30.0):
+    """A real 2-rank gloo group in this process: a CollectiveSender (rank 0) and the receiving side (rank 1)."""
+    sender = CollectiveSender(name, 2, "gloo", timeout_s, host="127.0.0.1")
+    joined = threading.Thread(target=sender.connect)
+    joined.start()
+    _, pg = make_group("127.0.0.1", sender.port, 1, 2, backend="gloo", local_ip="127.0.0.1", timeout_s=timeout_s,
+                       name=name)
+    joined.join()
+    return sender, pg
+
+
+def test_receive_runs_on_the_loader_stream_and_reuse_waits_for_the_last_load_with_a_stand_in_for_cuda_streams():
+    g = torch.Generator().manual_seed(0)
+    named = [(f"t{i}", torch.randn(int(n), generator=g)) for i, n in enumerate(torch.randint(20, 100, (60,),
+                                                                                               generator=g))]
+    sender, pg = _pair("streams")
+    order = RecordingOrder()
+    order.set_stream("vllm-stream")  # the loading thread's current stream, as vLLM's current_stream() sets it
+    got: dict[str, torch.Tensor] = {}
+    held: list[dict] = []  # views kept one load longer, like vLLM's layerwise reload for a straddling layer
+
+    def load(tensors: dict[str, torch.Tensor]) -> None:
+        time.sleep(0.02)  # a slow load: the next bucket must arrive meanwhile
+        order.note("load", next(iter(tensors.values())).untyped_storage().data_ptr(), order.stream_of_this_thread())
+        for old in held:  # the delayed copies from a buffer of an earlier bucket
+            order.note("load", next(iter(old.values())).untyped_storage().data_ptr(), order.stream_of_this_thread())
+        held.clear()
+        got.update({k: v.clone() for k, v in tensors.items()})
+        if len(got) % 3 == 0:
+            held.append(tensors)
+
+    out: dict = {}
+    send = threading.Thread(target=lambda: out.update(sender.send(iter(named), 1024)), name="sender")
+    send.start()
+    stats = {"bytes": 0, "buckets": 0, "transfer_s": 0.0, "load_s": 0.0, "fresh_buffers": 0, "overlapped_buckets": 0}
+    try:
+        receive_stage(LoggedGroup(pg, order), torch.device("cpu"), load, 0, stats, order=order)
+    finally:
+        send.join()
+        sender.close()
+        destroy_group(pg)
+    print(f"stats {stats}; {len(order.log)} logged calls")
+
+    for n, t in named:  # exact
+        assert torch.equal(got[n], t)
+    assert stats["buckets"] == out["buckets"] >= 8
+    assert stats["overlapped_buckets"] >= 1  # bucket k+1 had arrived before bucket k finished loading
+
+    fetcher = {e[0] for e in order.log if e[1] == "broadcast"}
+    assert len(fetcher) == 1 and fetcher != {threading.current_thread().name}  # received in another thread...
+    assert {e[-1] for e in order.log if e[1] == "broadcast"} == {"vllm-stream"}  # ...on the loader's stream
+    assert {(e[0], e[-1]) for e in order.log if e[1] == "load"} == {(threading.current_thread().name, "vllm-stream")}
+    assert {e[-1] for e in order.log if e[1] in ("record", "wait")} == {"vllm-stream"}
+
+    # every receive into a buffer that held an earlier bucket waited for an event recorded after its last load
+    last_read: dict[int, int] = {}  # buffer address -> log position of the last load that read it
+    recorded: dict[int, int] = {}  # event -> log position
+    waited: list[tuple[int, int]] = []  # (event, log position) not yet consumed by a broadcast
+    buckets_seen: set[int] = set()
+    reused = calls = 0
+    for pos, (_, what, *rest) in enumerate(order.log):
+        if what == "load":
+            last_read[rest[0]] = pos
+        elif what == "record":
+            recorded[rest[0]] = pos
+        elif what == "wait":
+            waited.append((rest[0], pos))
+        elif what == "broadcast":
+            calls += 1
+            if calls % 3:  # per bucket: the header, the metadata, then the bucket buffer
+                continue
+            ptr = rest[0]
+            if ptr in buckets_seen:
+                reused += 1
+                assert waited, f"log {pos}: receive into reused buffer {ptr:#x} without waiting for an event"
+                event, _ = waited.pop()
+                assert last_read[ptr] < recorded[event] < pos, (
+                    f"log {pos}: reused buffer {ptr:#x} waited for event {event} recorded at {recorded[event]}, "
+                    f"but its last load was at {last_read[ptr]}")
+            waited.clear()
+            buckets_seen.add(ptr)
+    assert reused >= 3 and stats["fresh_buffers"] < stats["buckets"]  # the pool cycled: the check above ran
+
+
+def test_nccl_weight_groups_are_built_in_blocking_wait_mode_with_a_stand_in_for_process_group_nccl(monkeypatch):
+    """torch reads TORCH_NCCL_BLOCKING_WAIT in each ProcessGroupNCCL's constructor: set there (no watchdog that
+    tears the process down; wait() raises in the caller on a timeout), restored after, the timeout per group."""
+    import torch.distributed as dist
+
+    from da3po_megatron.rollout import collective
+
+    seen = {}
+
+    class StandInProcessGroupNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, store, rank, size, opts):
+            import os
+
+            seen.update(env=os.environ.get("TORCH_NCCL_BLOCKING_WAIT"), timeout=opts._timeout, rank=rank, size=size)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInProcessGroupNCCL, raising=False)
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    collective.nccl_group(store=None, rank=1, world_size=3, timeout=timedelta(seconds=42))
+    assert seen == {"env": "1", "timeout": timedelta(seconds=42), "rank": 1, "size": 3}
+    import os
+
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ  # Megatron's and vLLM's later groups keep their mode
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
+    collective.nccl_group(store=None, rank=0, world_size=2, timeout=timedelta(seconds=1))
+    assert seen["env"] == "1" and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+
+
+def test_a_receiver_gone_mid_sync_makes_the_sender_raise_naming_its_stage_and_bucket():
+    named = [(f"t{i}", torch.full((256,), float(i))) for i in range(30)]  # 1 KiB each, 1 KiB buckets
+    sender, pg = _pair("gone", timeout_s=2.0)
+    sender.stage = 1
+
+    def receive_two_buckets_then_leave() -> None:
+        from da3po_megatron.rollout.collective import broadcast
+
+        for _ in range(2):
+            header = torch.empty(3, dtype=torch.int64)
+            broadcast(pg, header)
+            broadcast(pg, torch.empty(int(header[1]), dtype=torch.uint8))
+            broadcast(pg, torch.empty(int(header[2]), dtype=torch.uint8))
+        destroy_group(pg)  # the worker leaves (its process died, its group timed out)
+
+    leaving = threading.Thread(target=receive_two_buckets_then_leave)
+    leaving.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"the sender of PP stage 1 broke at bucket \d+ of that stage") as e:
+            sender.send(iter(named), 1024)
+        print(e.value)
+        assert int(str(e.value).split("bucket ")[1].split()[0]) >= 2  # the two received buckets went through
+    finally:
+        leaving.join()
+        sender.close()
