@@ -33,7 +33,9 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     r = _run(tmp_path, GPU_CHECK_SKIP="kernel_tests,bench_loss_16k,convert_verify")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     assert _summary(tmp_path) == {"kernel_tests": "SKIP", "bench_loss_8k": "PASS", "bench_loss_16k": "SKIP",
-                                  "train_step": "PASS", "convert_verify": "SKIP", "ipc_sync": "PASS"}
+                                  "train_step": "PASS", "resume": "PASS", "te_spec": "SKIP", "convert_verify": "SKIP",
+                                  "ipc_sync": "PASS"}
+    assert "te_spec                SKIP no CUDA" in (tmp_path / "out" / "summary.txt").read_text()
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(files) <= 8, files
     assert {"env.txt", "summary.txt", "bench_loss_8k.json", "bench_loss_8k.txt", "train_step.txt"} <= set(files)
@@ -41,6 +43,8 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     assert "| reference" in (tmp_path / "out" / "bench_loss_8k.txt").read_text()
     train = (tmp_path / "out" / "train_step.txt").read_text()
     assert '"loss_backend": "kernel"' in train and '"loss_backend": "fused_linear"' in train
+    assert '"loss_backend_ran": "kernel:chunked"' in train  # what the step reports it ran (--expect-loss-backend)
+    assert '"check": "resume", "ok": true' in train and '"optimizer": "torch.optim.adamw.AdamW"' in train
     assert "| ipc_sync |" in train and "| pack |" in train  # the weight-sync IPC leg, appended to the same file
 
 

@@ -51,6 +51,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loss-backend", default="torch", choices=["torch", "kernel", "fused_linear"],
                     help="policy loss path: Megatron cross-entropy + torch loss, the fused kernel on logits, or the "
                          "fused-linear kernel on the final hidden states (no logits tensor)")
+    ap.add_argument("--expect-loss-backend", default=None,
+                    help="fail (exit 3) unless the train step reports this loss implementation, e.g. kernel:triton "
+                         "(what tools/gpu_check.sh requires on CUDA)")
     ap.add_argument("--recompute", default=None, choices=[None, "full", "selective"])
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
@@ -148,6 +151,7 @@ def run(args: argparse.Namespace) -> dict:
         "world": world, "tp": args.tp, "pp": args.pp, "dp": w.dp, "dtype": args.dtype,
         "batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
         "max_tokens_per_microbatch": args.max_tokens, "loss_backend": args.loss_backend,
+        "loss_backend_ran": metrics.get("loss_backend"),  # what the train step reports ("auto" resolved)
         "num_microbatches": metrics.get("num_microbatches"), "start_s": round(start_s, 2),
         "step_s": round(step_s, 4), "tokens_per_step": tokens,
         "train_tokens_per_s": round(tokens * 1 / step_s, 1),
@@ -199,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
+    if args.expect_loss_backend and result["loss_backend_ran"] != args.expect_loss_backend:
+        print(f"error: the train step ran {result['loss_backend_ran']}, not {args.expect_loss_backend}",
+              file=sys.stderr)
+        return 3
     return 0
 
 

@@ -109,11 +109,16 @@ fi
 step bench_loss_8k 150 "$out/bench_loss_8k.txt" "$PY" tools/bench_loss.py "${bench[@]}" --json "$out/bench_loss_8k.json"
 step bench_loss_16k 120 "$out/bench_loss_16k.txt" "$PY" tools/bench_loss.py "${bench_big[@]}"
 
-# 3. One bf16 policy train step on CUDA through megatron-core (local spec), with MFU; skipped without megatron-core.
+# 3. One bf16 policy train step on CUDA through megatron-core (local spec), with MFU, failing unless the step reports
+# the Triton kernel as what computed its loss; skipped without megatron-core.
 have_mcore=0  # steps 3 and 4 need megatron-core (importing it takes seconds of device time: test once)
 "$PY" -c "import megatron.core" 2>/dev/null && have_mcore=1
 if [[ $have_mcore == 1 ]]; then
+    # the loss implementation the policy must really run: the Triton kernel on CUDA (backend=auto picks it only when
+    # kernels/dispatch.py's probe passes), the chunked torch path on a CPU machine (GPU_CHECK_SMALL there)
+    export LOSS_KERNEL=kernel:triton
     if [[ $small == 1 ]]; then
+        LOSS_KERNEL=kernel:chunked
         train=(--tiny --batch 4 --prompt-len 8 --response-len 24 --steps 1 --warmup 0)
     else
         train=(--tiny --tiny-hidden 2048 --tiny-layers 8 --dtype bfloat16 --batch 32 --prompt-len 512
@@ -122,10 +127,24 @@ if [[ $have_mcore == 1 ]]; then
     # the fused kernel on logits, then the fused-linear path (no logits tensor): time and peak memory side by side
     # shellcheck disable=SC2016  # $0 / $@ are expanded by the inner bash, on purpose
     step train_step 200 "$out/train_step.txt" bash -c \
-        '"$0" tools/bench_train_step.py "$@" --loss-backend kernel && "$0" tools/bench_train_step.py "$@" --loss-backend fused_linear' \
+        '"$0" tools/bench_train_step.py "$@" --loss-backend kernel --expect-loss-backend "$LOSS_KERNEL" &&
+         "$0" tools/bench_train_step.py "$@" --loss-backend fused_linear' \
         "$PY" "${train[@]}"
+    # 3b. A save and a resume of the optimizer state on this device: 2 steps, checkpoint, a fresh policy loads it,
+    # 2 more == 4 uninterrupted (TE's FusedAdam when TE imports, else torch's AdamW; the JSON says which).
+    step resume 150 "$out/resume.txt" "$PY" tools/check_gpu_stack.py resume
+    cat "$out/resume.txt" >> "$out/train_step.txt" && rm -f "$out/resume.txt"
+    # 3c. The TE layer spec against the local spec on the same weights (log-probs); SKIP without TE.
+    step te_spec 150 "$out/te_spec.txt" "$PY" tools/check_gpu_stack.py te-spec
+    if grep -q '^SKIP: ' "$out/te_spec.txt" 2>/dev/null; then  # it exits 0 with the reason: record a SKIP instead
+        sed -i '$d' "$summary"
+        record te_spec SKIP "$(grep -m1 '^SKIP: ' "$out/te_spec.txt" | cut -c7-)"
+    fi
+    cat "$out/te_spec.txt" >> "$out/train_step.txt" && rm -f "$out/te_spec.txt"
 else
     record train_step SKIP "megatron-core not importable (run 'tools/gpu_check.sh prepare' here and carry .devwhl)"
+    record resume SKIP "megatron-core not importable"
+    record te_spec SKIP "megatron-core not importable"
 fi
 
 # 4. The bridge on CUDA: a tiny Qwen3 converted HF -> Megatron (TP=1) and its logits compared with transformers'.
@@ -138,10 +157,11 @@ else
     record convert_verify SKIP "megatron-core not importable"
 fi
 
-# 5. The weight-sync IPC leg (rollout/ipc.py without vLLM, absent from the image): a Qwen3-1.7B-shaped bf16 model
-# packed into flat CUDA buckets and handed to a second process as CUDA-IPC handles, seconds and GB/s against the
-# device copy bandwidth; NCCL's leg needs two GPUs, so only its packing stage is measured here. Logged into the
-# train-step file (the device tool brings back at most 8 files).
+# 5. The colocated IPC weight sync (rollout/ipc.py's routing and worker code; vLLM is absent from the image, its
+# load_weights is a copy_ into a transformers model): a Qwen3-1.7B-shaped bf16 policy synced into an "engine" process
+# on the same GPU through CUDA-IPC handles keyed by GPU UUID, seconds and GB/s against the device copy bandwidth,
+# failing unless the engine's log-probs equal the policy's after the sync (< 1e-4; they differ before). Logged into
+# the train-step file (the device tool brings back at most 8 files).
 if [[ $small == 1 ]]; then
     sync_args=(--small --layers 2 --repeats 1)
 else
@@ -149,6 +169,15 @@ else
 fi
 step ipc_sync 150 "$out/sync.log" "$PY" tools/bench_ipc_sync.py "${sync_args[@]}"
 cat "$out/sync.log" >> "$out/train_step.txt" && rm -f "$out/sync.log"
+
+# 5b. The collective receive on CUDA tensors (rollout/collective_receive.py + stream_order.CudaOrder): one process
+# pair on one GPU over gloo (NCCL refuses two ranks on one device), the worker thread on a non-default stream and each
+# load queued behind a slow kernel, failing on any wrong byte; plus a one-rank NCCL group built the way the
+# weight-sync groups are (blocking wait). Logged into the train-step file.
+small_args=()
+[[ $small == 1 ]] && small_args=(--small)
+step collective_cuda 120 "$out/collective.log" "$PY" tools/check_collective_cuda.py "${small_args[@]}"
+cat "$out/collective.log" >> "$out/train_step.txt" && rm -f "$out/collective.log"
 
 echo "=== summary ($((SECONDS - t_start))s)"
 cat "$summary"
