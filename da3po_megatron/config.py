@@ -316,8 +316,16 @@ class TrainerConfig:
     keep_best_mode: Literal["max", "min"] = doc("max", "Whether a larger or a smaller keep_best_metric is better.")
     resume: bool = doc(True, "Resume from run_dir/checkpoints/latest when it exists.")
     max_consecutive_skipped_updates: int = doc(
-        3, "Optimizer updates in a row that may be skipped for a non-finite loss or gradient (on any rank; "
-           "megatron/nonfinite.py) before the run stops with an error, ahead of the weight sync and any checkpoint.")
+        3, "Optimizer updates in a row that may be refused -- a non-finite loss or gradient on any rank, or an update "
+           "larger than max_update_ratio (megatron/update_guard.py) -- before the run stops with an error, ahead of "
+           "the weight sync and any checkpoint.")
+    max_update_ratio: float = doc(
+        0.1, "Refuse an optimizer update whose relative size ||delta theta|| / ||theta|| (L2 over all weights, "
+             "computed before it is applied; unitless, logged as train/update_ratio) exceeds this; 0 = measure only. "
+             "Default: far above healthy RL steps and far below a blown-up update (measured: docs/reliability.md).")
+    lock_lease_s: float = doc(
+        120.0, "Seconds without a heartbeat after which another trainer may take run_dir/LOCK over (trainer/lock.py; "
+               "a dead trainer on the same host is taken over at once). Heartbeat every lease/6.")
     tensorboard: bool = doc(True, "Write TensorBoard events to run_dir/tb (JSONL metrics are always written).")
     wandb_project: str = doc("", "Weights & Biases project ('' = off).")
     experiment_name: str = doc("", "Run name in logs ('' = basename of run_dir).")

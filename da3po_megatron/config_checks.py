@@ -85,6 +85,9 @@ def validate(cfg: Config) -> None:
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "> 0")
     _check(cfg.trainer.max_consecutive_skipped_updates >= 1, "trainer.max_consecutive_skipped_updates",
            cfg.trainer.max_consecutive_skipped_updates, ">= 1")
+    _check(cfg.trainer.max_update_ratio >= 0, "trainer.max_update_ratio", cfg.trainer.max_update_ratio,
+           ">= 0 (0 = measure only)")
+    _check(cfg.trainer.lock_lease_s > 0, "trainer.lock_lease_s", cfg.trainer.lock_lease_s, "> 0")
     dc = cfg.data
     _check(dc.train_batch_size >= 1, "data.train_batch_size", dc.train_batch_size, ">= 1")
     ac = cfg.actor

@@ -52,42 +52,8 @@ def test_stop_signals_first_requests_a_checkpoint_second_sigint_exits_now(tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------------- non-finite
-def _nonfinite_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    from da3po_megatron.megatron.nonfinite import check_finite_weights, nonfinite_update
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model = torch.nn.Linear(3, 2)
-    model(torch.ones(1, 3)).sum().backward()
-    results = {"clean": nonfinite_update([torch.tensor(1.0)], model)}
-    # only rank 1 sees a NaN loss: every rank must skip
-    results["loss_on_rank1"] = nonfinite_update([torch.tensor(float("nan") if rank == 1 else 1.0)], model)
-    # only rank 0 has an inf gradient (the last stage of a pipeline holds no loss: an empty list)
-    if rank == 0:
-        model.weight.grad[0, 0] = float("inf")
-    results["grad_on_rank0"] = nonfinite_update([], model)
-    with torch.no_grad():
-        model.bias[0] = float("nan") if rank == 1 else 0.0
-    try:
-        check_finite_weights(model, "3.1")
-        results["weights"] = "passed"
-    except FloatingPointError as e:
-        results["weights"] = str(e)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-def test_nonfinite_on_one_rank_skips_the_update_on_all_ranks(tmp_path):
-    import torch.multiprocessing as mp
-
-    from da3po_megatron.megatron.runtime import free_port
-
-    mp.spawn(_nonfinite_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in (0, 1):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert r["clean"] == [] and r["loss_on_rank1"] == ["loss"] and r["grad_on_rank0"] == ["grad"], r
-        assert "weights became non-finite in optimizer update 3.1" in r["weights"]
+# the update guard itself (non-finite loss / grads on one rank skip on all; too-large updates; non-finite weights) is
+# tested on a real megatron-core model and optimizer in tests/test_update_guard.py
 
 
 def test_nonfinite_reward_or_advantage_names_the_prompt_advantage_fn_mocked(monkeypatch):

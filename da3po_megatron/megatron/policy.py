@@ -61,10 +61,10 @@ from da3po_megatron.megatron.loss_backends import (
     microbatch_loss,
 )
 from da3po_megatron.megatron.model import build_gpt_model, transformer_config, use_te
-from da3po_megatron.megatron.nonfinite import check_finite_weights, nonfinite_update
 from da3po_megatron.megatron.optimizer import build_ddp_optimizer
 from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_parallel, node_ip
 from da3po_megatron.megatron.schedule import ForwardSchedule
+from da3po_megatron.megatron.update_guard import check_finite_weights, guarded_step
 
 log = logging.getLogger(__name__)
 
@@ -287,10 +287,12 @@ class PolicyWorker:
         self.model.train()
         t0 = time.perf_counter()
         stats = torch.zeros(6, dtype=torch.float64, device=self.device)
-        grad_norms: list[float] = []
+        grad_norms: list[float] = []  # of every update whose gradient was finite (applied or refused for its size)
+        ratios: list[float] = []  # ||delta theta|| / ||theta|| of every update it was computed for (update_guard.py)
+        applied = 0
         n_mb = 0
         skipped = trailing = 0
-        nonfinite = {"loss": 0, "grad": 0}
+        nonfinite = {"loss": 0, "grad": 0, "update_ratio": 0}
         for _ in range(b.ppo_epochs):
             for rows in minis:
                 shard = self.schedule.dp_shard(batch, rows)
@@ -307,13 +309,16 @@ class PolicyWorker:
                 out = self.schedule.run(mbs, loss, self.loss_backend, forward_only=False)
                 self.scheduler.step(1)
                 lr = float(self.optimizer.param_groups[0]["lr"])
-                bad = nonfinite_update([d["stats"][0] for d in out], self.model, self.device)  # all ranks agree
-                nonfinite.update({k: nonfinite[k] + 1 for k in bad})
-                ok, grad_norm, _ = self.optimizer.step() if not bad else (False, None, None)
+                u = guarded_step(self.optimizer, [d["stats"][0] for d in out], self.cfg.trainer.max_update_ratio,
+                                 self.device)  # non-finite or too large: refused on all ranks (update_guard.py)
+                nonfinite.update({k: nonfinite[k] + 1 for k in u.refused if k in nonfinite})
+                ok = u.applied
                 if ok:
-                    check_finite_weights(self.model, f"{self.step + 1}.{len(grad_norms) + 1}", self.device)
+                    applied += 1
+                    check_finite_weights(self.model, f"{self.step + 1}.{applied}", self.device)
                 skipped, trailing = skipped + (not ok), 0 if ok else trailing + 1
-                grad_norms += [float(grad_norm)] if ok and grad_norm is not None else []
+                grad_norms += [u.grad_norm] if math.isfinite(u.grad_norm) else []
+                ratios += [u.update_ratio] if not math.isnan(u.update_ratio) else []
                 n_mb += len(mbs)
                 if ok and self.is_last_stage and self.tp_rank == 0:
                     for d in out:
@@ -336,9 +341,11 @@ class PolicyWorker:
             "tokens_per_s": total_tokens / elapsed if elapsed > 0 else float("inf"),
             "num_microbatches": n_mb,
             "num_updates": updates,
-            "skipped_updates": skipped,  # non-finite loss / grads (nonfinite.py) or Megatron's fp16 found_inf
+            "update_ratio": max(ratios) if ratios else float("nan"),  # the step's largest ||delta theta||/||theta||
+            "skipped_updates": skipped,  # non-finite loss / grads, too large (update_guard.py), or fp16 found_inf
             "nonfinite_loss_updates": nonfinite["loss"],
             "nonfinite_grad_updates": nonfinite["grad"],
+            "update_ratio_refused_updates": nonfinite["update_ratio"],
             "trailing_skipped_updates": trailing,
             "step": self.step,
             "time_s": elapsed,

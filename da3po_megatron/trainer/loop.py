@@ -96,6 +96,17 @@ def fill_batch(run: Run, step: int) -> StepRollout:
     return StepRollout(groups, generated, stats, weight_step, timer.seconds)
 
 
+def after_previous_step(run: Run, previous: dict[str, float]) -> str:
+    """What the step before a dynamic-sampling failure did to the policy: its update ratio and accuracy (a keep rate
+    that collapses right after an update points at the update, not at the prompts)."""
+    if not previous:
+        return ""
+    p = {k: previous.get(k, float("nan")) for k in ("train/update_ratio", "train/lr", "train/grad_norm", "acc/mean")}
+    return (f" The previous step ({previous['step']}) had update ratio ||dtheta||/||theta|| "
+            f"{p['train/update_ratio']:.3g} (trainer.max_update_ratio={run.cfg.trainer.max_update_ratio:g}), lr "
+            f"{p['train/lr']:.3g}, grad norm {p['train/grad_norm']:.3g} and accuracy {p['acc/mean']:.3f}.")
+
+
 def collect(run: Run, step: int) -> StepRollout:
     """The batch of ``step``: generation + rewards + dynamic sampling, in rounds or streamed."""
     return stream_batch(run, step) if run.cfg.rollout.mode == "streaming" else fill_batch(run, step)
@@ -127,6 +138,7 @@ def run_steps(run: Run) -> None:
     cfg = run.cfg
     if run.step == 0 and run.should_evaluate(0):  # the starting policy, for before/after comparisons
         run.logger.log(0, run.evaluate())
+    previous: dict[str, float] = {}  # the last completed step's metrics (named when dynamic sampling fails)
     for step in range(run.step + 1, cfg.trainer.total_steps + 1):
         t_step, timer = time.perf_counter(), PhaseTimer(run, step)
         with run.stop.abandonable():  # a stop request in phases 1-3 abandons the step (nothing of it is kept)
@@ -136,7 +148,7 @@ def run_steps(run: Run) -> None:
                 rollout = run.pending.pop(0) if run.pending else collect(run, step)
             except DynamicSamplingError as e:  # keep what was measured: the filter's counts say why
                 run.logger.log(step, {**e.stats, "dynamic_sampling/failed": 1.0})
-                raise
+                raise DynamicSamplingError(str(e) + after_previous_step(run, previous), e.stats) from None
             prefetch = Prefetch(lambda s=step + 1: collect(run, s)) if (
                 cfg.rollout.staleness == 1 and step < cfg.trainer.total_steps) else None
             if prefetch is None:
@@ -177,6 +189,7 @@ def run_steps(run: Run) -> None:
             with timer("eval"):
                 metrics.update(run.evaluate())
         run.logger.log(step, metrics)
+        previous = {**metrics, "step": step}
         best = run.best_candidate(metrics)  # trainer.keep_best_metric improved: keep this step's checkpoint
         if run.should_checkpoint(step) or run.preempted() or best is not None:
             run.save_checkpoint(best_value=best)

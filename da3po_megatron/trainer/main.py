@@ -6,6 +6,12 @@ decides filled in) and exits. Explicit values that override the preset are repor
 ``note: algorithm.clip_ratio_high=0.3 overrides the gspo preset (0.0004)``. The console shows our progress lines;
 third-party logs (Transformer-Engine/Apex fallbacks, vLLM start-up, Ray workers) go to ``run_dir/logs/`` unless
 ``--verbose`` (``trainer/console.py``).
+
+Run integrity (docs/reliability.md): the trainer holds ``run_dir/LOCK`` while it runs (``trainer/lock.py``; a second
+trainer on the same directory exits with status 2 naming the holder; ``--force-unlock`` takes a lock whose holder you
+know is gone), and a resume compares the config with the checkpoint's (``trainer/config_drift.py``; changes to what
+defines the run are refused with status 2 unless ``--allow-config-change``, recorded in
+``run_dir/config_changes.jsonl``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--describe", action="store_true", help="list every config field with its documentation")
     ap.add_argument("--verbose", action="store_true", help="also show third-party logs (megatron-core, vLLM, Ray "
                                                            "workers) on the console; they always go to run_dir/logs/")
+    ap.add_argument("--force-unlock", action="store_true", help="take run_dir/LOCK over whatever its holder (only "
+                                                                 "when you know that trainer is gone)")
+    ap.add_argument("--allow-config-change", action="store_true", help="resume although the config changes what "
+                    "defines the run (model, algorithm, DAA, data, seed, layout); recorded in "
+                    "run_dir/config_changes.jsonl")
     args = ap.parse_args(argv)
     if args.describe:
         print("\n".join(describe()))
@@ -41,6 +52,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
+    from da3po_megatron.trainer.config_drift import ConfigDriftError, check_resume_config
+    from da3po_megatron.trainer.lock import RunDirLock, RunDirLocked
+
+    lock = RunDirLock(cfg.trainer.run_dir, lease_s=cfg.trainer.lock_lease_s)
+    try:  # before anything of the run is read or written
+        lock.acquire(force=args.force_unlock)
+    except RunDirLocked as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        try:
+            check_resume_config(cfg, allow=args.allow_config_change)
+        except ConfigDriftError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        return _train(cfg, args)
+    finally:
+        lock.release()
+
+
+def _train(cfg, args: argparse.Namespace) -> int:
+    """The run itself, under the lock: logs, ``train``, and one line + exit status per kind of failure."""
     from da3po_megatron.data.datasets import BadRowError
     from da3po_megatron.megatron.memory import MemoryBudgetError
     from da3po_megatron.rewards import RewardPoolError
@@ -49,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from da3po_megatron.trainer.inputs import InputError
     from da3po_megatron.trainer.loop import DynamicSamplingError, train
     from da3po_megatron.trainer.placement import PlacementError
+    from da3po_megatron.trainer.updates import UpdateSizeError
 
     log_dir = configure(cfg.trainer.run_dir, verbose=args.verbose or os.environ.get("DA3PO_VERBOSE") == "1")
     print(f"logs: third-party output in {log_dir}/" + ("" if args.verbose else " (--verbose to see it here)"),
@@ -62,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, NoIntactCheckpointError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except UpdateSizeError as e:  # updates refused for their size (trainer.max_update_ratio): before a sync or save
+        print(f"update error: {e}", file=sys.stderr)
+        return 1
     except FloatingPointError as e:  # non-finite updates / rewards / weights: stopped before a sync or save
         print(f"non-finite error: {e}", file=sys.stderr)
         return 1

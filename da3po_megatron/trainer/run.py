@@ -266,28 +266,11 @@ class Run:
         return replace(batch, old_logprobs=[list(x) for x in policy_lp], token_weights=weights), mismatch
 
     def check_update(self, step: int, train_metrics: dict[str, Any]) -> None:
-        """Skipped optimizer updates (non-finite loss / gradient on some rank, see ``megatron/nonfinite.py``): warn
-        with the step and what was non-finite, count them, and stop -- before the weight sync and any checkpoint --
-        once ``trainer.max_consecutive_skipped_updates`` updates in a row were skipped (counted at step ends)."""
-        skipped, n = int(train_metrics.get("skipped_updates", 0)), int(train_metrics.get("num_updates", 0))
-        t = self.totals
-        t["skipped_updates"] += skipped
-        t["consecutive_skipped_updates"] = t["consecutive_skipped_updates"] + n if skipped == n else \
-            int(train_metrics.get("trailing_skipped_updates", 0))
-        if not skipped:
-            return
-        what = ", ".join(f"{k} in {int(train_metrics.get(f'nonfinite_{k}_updates', 0))}" for k in ("loss", "grad")
-                         if train_metrics.get(f"nonfinite_{k}_updates"))
-        print(f"warning: step {step}: skipped {skipped} of {n} optimizer updates: non-finite {what or 'loss scale'} "
-              f"(weights unchanged by them; {t['consecutive_skipped_updates']} in a row, limit "
-              f"trainer.max_consecutive_skipped_updates={self.cfg.trainer.max_consecutive_skipped_updates})",
-              flush=True)
-        if t["consecutive_skipped_updates"] >= self.cfg.trainer.max_consecutive_skipped_updates:
-            raise FloatingPointError(
-                f"step {step}: {t['consecutive_skipped_updates']} optimizer updates in a row skipped for a non-finite "
-                f"{what or 'loss scale'} (trainer.max_consecutive_skipped_updates="
-                f"{self.cfg.trainer.max_consecutive_skipped_updates}); stopping before the weights are synced or "
-                "saved. Lower optim.lr, check the data and rewards, or resume from the last checkpoint.")
+        """Refused optimizer updates (non-finite, or too large: ``megatron/update_guard.py``): counted, warned, and
+        the run stopped before the sync after too many in a row (``trainer/updates.py``)."""
+        from da3po_megatron.trainer.updates import check_update
+
+        check_update(self.totals, step, train_metrics, self.cfg.trainer)
 
     def sync_weights(self) -> dict[str, float]:
         """Policy -> every engine through the transport chosen at start-up (``rollout.weight_transfer``)."""
