@@ -34,7 +34,7 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     assert _summary(tmp_path) == {"kernel_tests": "SKIP", "bench_loss_8k": "PASS", "bench_loss_16k": "SKIP",
                                   "train_step": "PASS", "resume": "PASS", "te_spec": "SKIP", "convert_verify": "SKIP",
-                                  "ipc_sync": "PASS"}
+                                  "ipc_sync": "PASS", "collective_cuda": "PASS"}
     assert "te_spec                SKIP no CUDA" in (tmp_path / "out" / "summary.txt").read_text()
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(files) <= 8, files
@@ -46,6 +46,7 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     assert '"loss_backend_ran": "kernel:chunked"' in train  # what the step reports it ran (--expect-loss-backend)
     assert '"check": "resume", "ok": true' in train and '"optimizer": "torch.optim.adamw.AdamW"' in train
     assert "| ipc_sync |" in train and "| pack |" in train  # the weight-sync IPC leg, appended to the same file
+    assert '"check": "collective_cuda"' in train and "wrong tensors: 0" in train  # the collective receive step
 
 
 def test_a_failing_step_is_recorded_and_the_script_exits_non_zero(tmp_path):
