@@ -198,7 +198,9 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
     from da3po_megatron.bridge.megatron_io import load_hf_weights
     from da3po_megatron.config import ModelConfig
     from da3po_megatron.megatron.checkpoint import load_model, save_model
-    from da3po_megatron.megatron.model import build_gpt_model
+    from da3po_megatron.megatron.model import build_gpt_model, import_megatron_core
+
+    import_megatron_core()  # before megatron-core is first imported here: a broken Transformer-Engine is hidden
     from da3po_megatron.megatron.runtime import ParallelLayout, destroy_parallel, init_parallel
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
