@@ -110,3 +110,12 @@ def test_gpu_install_refuses_another_python_before_touching_anything(tmp_path: P
                     f"refusing it (venv created: {venv.exists()})")
     assert proc.returncode != 0 and "3.12" in err and "gpu-py312.lock" in err, err
     assert not venv.exists()
+
+
+def test_an_unreachable_index_fails_the_check_instead_of_skipping_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the package index the resolution is not checked, and the tests above say so by failing."""
+    monkeypatch.setattr(gpu_lock, "INDEX", "http://127.0.0.1:9/simple")  # the discard port: nothing listens there
+    gpu_lock.project_files.cache_clear()
+    with pytest.raises(pytest.fail.Exception, match="PyPI is unreachable.*never skips.*127.0.0.1:9"):
+        _resolve()
+    gpu_lock.project_files.cache_clear()
