@@ -11,8 +11,9 @@ synchronize) loads them into a second Qwen3 model built from another seed -- the
 Checks and prints: the engine's log-probs of a fixed token batch before the sync differ from the policy's, after it
 equal them (max |diff| < 1e-4, the CPU tests' tolerance); seconds and GB/s of the whole sync, of the packing alone,
 and the device copy bandwidth (one ``copy_`` of a model-sized buffer) measured in the same run, as one Markdown table.
-``tools/gpu_check.sh`` runs it (step ipc_sync); on CPU (``--small``) the same code runs with a tiny model and the
-buffers passed through shared memory (no CUDA IPC: ``da3po_ipc_load`` needs CUDA, so the load is called directly).
+``tools/gpu_check.sh`` runs it (step ipc_sync); on CPU (``--small``) the same code runs with a tiny model, the engine
+in a thread and the buffers passed as they are (no CUDA IPC: ``da3po_ipc_load`` needs CUDA, so the load is called
+directly).
 
     python tools/bench_ipc_sync.py                 # Qwen3-1.7B shape: hidden 2048, FFN 6144, 28 layers, bf16
     python tools/bench_ipc_sync.py --small --layers 2
@@ -123,9 +124,16 @@ def main(argv=None) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
 
-    ctx = mp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=engine, args=(q_in, q_out, shape, args.layers, dtype, device, ids), daemon=True)
+    if cuda:  # the engine in a process of its own: CUDA IPC between two processes
+        ctx = mp.get_context("spawn")
+        q_in, q_out = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=engine, args=(q_in, q_out, shape, args.layers, dtype, device, ids), daemon=True)
+    else:  # CPU: no IPC to exercise; a thread spares CI a second interpreter importing transformers
+        import queue
+        import threading
+
+        q_in, q_out = queue.Queue(), queue.Queue()
+        proc = threading.Thread(target=engine, args=(q_in, q_out, shape, args.layers, dtype, device, ids), daemon=True)
     proc.start()
     ready, engine_uuid, before = q_out.get(timeout=600)
     assert ready == "ready"

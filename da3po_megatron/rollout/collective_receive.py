@@ -71,6 +71,10 @@ def receive_stage(pg: Any, dev: torch.device, load: Callable[[dict[str, torch.Te
     the receive and the load did overlap)."""
     import queue
 
+    for key in ("bytes", "buckets", "fresh_buffers", "overlapped_buckets"):
+        stats.setdefault(key, 0)
+    for key in ("transfer_s", "load_s"):
+        stats.setdefault(key, 0.0)
     order = order or order_for(dev)
     loader_stream = order.current_stream()  # captured here, in the loading thread: vLLM's current stream
     pool = BufferPool(dev, keep=3, order=order, stream=loader_stream)

@@ -28,6 +28,7 @@ On CPU (gloo, host tensors) every operation is synchronous on the host: :class:`
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,11 +66,10 @@ class CudaOrder(DeviceOrder):
     def current_stream(self) -> Any:
         return torch.cuda.current_stream()
 
-    def use(self, stream: Any) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(stream.device))
-        stack.enter_context(torch.cuda.stream(stream))
-        return stack
+    @contextlib.contextmanager
+    def use(self, stream: Any) -> Iterator[None]:
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            yield
 
     def record(self, stream: Any) -> Any:
         event = torch.cuda.Event()
