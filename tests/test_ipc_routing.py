@@ -101,3 +101,61 @@ def test_handles_merge_by_gpu_and_a_worker_picks_its_own_or_names_the_gpus_that_
         pick_handle(merged, GPU[2], where="engine worker 3")
     with pytest.raises(ValueError, match="two ranks exported a handle for GPU"):
         merge_handles([{GPU[0]: 1}, {GPU[0]: 2}])
+
+
+def test_ipc_push_ships_each_bucket_to_the_worker_of_its_gpu_with_stand_ins_for_cuda_ipc(monkeypatch):
+    """The GPU-only push and load code of rollout/ipc.py run end to end in this process, so a slip in them shows here
+    and not first on a GPU: CUDA-IPC export / rebuild, the GPU UUIDs and device syncs are stand-ins (the "handle" is
+    the buffer itself), the routing, packing, shipping, handle pick (and the device index rewrite) and load are the
+    real code."""
+    import torch
+    import torch.multiprocessing.reductions as reductions
+
+    from da3po_megatron.rollout import ipc
+
+    monkeypatch.setattr(ipc, "require_ipc", lambda what: None)
+    monkeypatch.setattr(ipc, "gpu_uuid", lambda index=None: GPU[0])
+    monkeypatch.setattr(ipc, "_cuda_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    # reduce_tensor's 15 rebuild args (reductions.py:221-375); the stand-in puts the buffer where the handle goes
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (None, (None,) * 7 + (t,) + (None,) * 7))
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: args[7] if args[6] == 0 else None)  # own index
+
+    g = torch.Generator().manual_seed(0)
+    named = [(f"model.layers.{i}.w", torch.randn(40, generator=g)) for i in range(12)]
+    loaded: dict[str, torch.Tensor] = {}
+
+    class Worker(ipc.IpcReceiverMixin):  # the worker extension's IPC half; load_weights is the stand-in
+        def _da3po_cuda_index(self):
+            return 0
+
+        def da3po_load_bucket(self, tensors):
+            loaded.update({k: v.clone() for k, v in tensors.items()})
+            return {"tensors": len(tensors)}
+
+    worker = Worker()
+    calls = []
+
+    class Client:  # the engines' side of RolloutClient: one call per bucket, run in place
+        num_engines = 1
+
+        def _call(self, i, method, handles, meta):
+            calls.append((i, method, sorted(handles)))
+            return worker.da3po_ipc_load(handles, meta)
+
+        def _gather(self, pending, what):
+            return [v for _, v in pending]
+
+    class Rank:  # a policy rank: TP 0, PP 0, DP 0, its HF stream
+        tp_rank = pp_rank = dp_rank = 0
+
+        def hf_stream(self):
+            return iter(named)
+
+    routes = plan_ipc_routes([ipc._ipc_place(Rank())], [[GPU[0]]])
+    stats = ipc._ipc_push(Rank(), Client(), 512, None, routes)
+    assert stats["buckets"] == len(calls) >= 4 and stats["tensors"] == len(named)
+    assert {c[:2] for c in calls} == {(0, "ipc_load_bucket")} and all(c[2] == [GPU[0]] for c in calls)
+    for n, t in named:
+        assert torch.equal(loaded[n], t)

@@ -93,6 +93,10 @@ class IpcReceiverMixin:
         return out
 
 
+def _cuda_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _ipc_place(worker: Any) -> dict:
     """On every policy rank: where it runs (global rank, GPU UUID, TP / PP / DP ranks) for the routing plan."""
     import torch.distributed as dist
@@ -126,7 +130,7 @@ def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | 
     stage = int(getattr(worker, "pp_rank", 0))
     group = getattr(worker, "dp_group", None) if len(routes.holders[stage]) > 1 else None
     uuid = gpu_uuid()
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = _cuda_device()
     for buf, meta in iter_flat_buckets(stream, bucket_bytes, device, dtype):
         torch.cuda.synchronize(device)  # the packing copies are done before another process reads the buffer
         mine = {uuid: reduce_tensor(buf)[1]} if routes.exports(rank) else {}
