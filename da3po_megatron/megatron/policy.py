@@ -285,6 +285,7 @@ class PolicyWorker:
                                  f"rollout.n {self.cfg.rollout.n} = {size} responses per mini-batch)")
         lengths = batch.lengths()
         self.model.train()
+        self.loss_backend.ran.clear()  # the step reports what computed its losses (``loss_backend`` below)
         t0 = time.perf_counter()
         stats = torch.zeros(6, dtype=torch.float64, device=self.device)
         grad_norms: list[float] = []  # of every update whose gradient was finite (applied or refused for its size)
@@ -325,6 +326,7 @@ class PolicyWorker:
                         stats += d["stats"].double()
         elapsed = time.perf_counter() - t0
         dist.all_reduce(stats)  # only last-stage TP-rank-0 ranks contributed: sums over DP ranks
+        ran = self._loss_implementations_ran()
         updates = len(minis) * b.ppo_epochs
         n_tok = max(stats[5].item(), 1.0)
         self.step += 1
@@ -349,7 +351,17 @@ class PolicyWorker:
             "trailing_skipped_updates": trailing,
             "step": self.step,
             "time_s": elapsed,
+            "loss_backend": ran,  # what computed the loss in this step ("auto" resolved), e.g. "kernel:triton"
         }
+
+    def _loss_implementations_ran(self) -> str:
+        """What computed log-probs and losses on any rank since the last call (collective; the last stage is the one
+        that computes them), joined by "+", e.g. "kernel:triton"; clears the record."""
+        names = self.loss_backend.IMPLEMENTATIONS
+        flags = torch.tensor([float(n in self.loss_backend.ran) for n in names], device=self.device)
+        self.loss_backend.ran.clear()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return "+".join(n for n, f in zip(names, flags.tolist()) if f) or "none"
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path, fully_parallel: bool = False) -> None:
