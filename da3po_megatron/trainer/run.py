@@ -345,6 +345,7 @@ class Run:
         m.update(B.theory_stats(generated, groups, cfg.algorithm.advantage_eps))
         m.update({k: float(v) for k, v in mismatch.items()})
         m.update({f"train/{k}": float(v) for k, v in train_metrics.items() if isinstance(v, int | float)})
+        m["train/loss_backend"] = train_metrics.get("loss_backend")  # what computed the loss, e.g. "kernel:triton"
         m.update({f"sync/{k}": float(v) for k, v in sync.items() if isinstance(v, int | float)})
         m.update({f"time/{k}": v for k, v in phase_seconds.items()})
         m["time/step"] = step_seconds
