@@ -174,6 +174,8 @@ EOF
     for g in $(seq 0 $((FAKE_GPUS - 1))); do
       [[ -c $ROOT/fakedev/nvidia$g ]] || mknod "$ROOT/fakedev/nvidia$g" c 1 3  # same major/minor as /dev/null
     done
+    # gres/gpu needs File= in Slurm 22.05: with only "Name=gpu Count=N" slurmd reports 0 GPUs and slurmctld sets the
+    # node INVAL ("gres/gpu count reported lower than configured (0 < 2)"; measured 2026-12-01), hence dummy devices
     gres="$MARK
 NodeName=node[1-$NODES] Name=gpu File=$ROOT/fakedev/nvidia[0-$((FAKE_GPUS - 1))]"
     [[ $(cat "$GRESCONF" 2>/dev/null) == "$gres" ]] || { echo "$gres" >"$GRESCONF"; changed=1; }

