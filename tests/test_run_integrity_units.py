@@ -161,3 +161,15 @@ def test_refused_updates_are_named_with_ratio_lr_and_grad_norm_and_stop_after_th
             "trainer.max_update_ratio=0.1 in 2 (lr 1e+03, grad norm 0.53)") in capsys.readouterr().out
     with pytest.raises(UpdateSizeError, match="step 2: 4 optimizer updates in a row refused, the last for their size"):
         check_update(totals, 2, m, t)
+
+
+def test_the_heartbeat_is_rewritten_every_sixth_of_the_lease(tmp_path):
+    from da3po_megatron.trainer.lock import RunDirLock
+
+    lock = RunDirLock(tmp_path, lease_s=0.6).acquire()
+    first = json.loads((tmp_path / "LOCK").read_text())
+    time.sleep(0.5)
+    later = json.loads((tmp_path / "LOCK").read_text())
+    lock.release()
+    assert later["token"] == first["token"] and later["started"] == first["started"]
+    assert later["heartbeat"] > first["heartbeat"] + 0.2
