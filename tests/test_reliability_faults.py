@@ -10,12 +10,20 @@ the train step), the next launch resumes from what the previous one left, a dama
 from, and the last launch has a reward worker killed mid-step and an engine killed with ``restart_on_failure=true``
 (replaced, the weights replayed into it); in the end the per-step metrics equal the reference's. After every launch
 no process of it is left. (Each fault used to have a launch of its own; CI's 40-minute budget folded them here.)
+
+Run integrity (issue 29) rides on the same launches: a second trainer started on the reference's run directory while
+it runs is refused at once (status 2, naming the holder), every launch after a SIGKILL takes the dead trainer's
+``run_dir/LOCK`` over, and the finished kill-sequence directory is resumed with a changed algorithm (refused, status
+2, the fields listed) and then with ``--allow-config-change`` and a changed ``trainer.total_steps`` (a one-line notice;
+the change recorded in ``config_changes.jsonl``). A blown-up update (``optim.lr=1e3``) is refused before the weight
+sync and the run stops naming its update ratio, learning rate and gradient norm.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -38,19 +46,32 @@ STEPS = 4
 pytestmark = pytest.mark.slow
 
 
-def launch(model: Path, run_dir: Path, fault: str = "", *overrides: str, timeout: int = 400
-           ) -> tuple[subprocess.CompletedProcess, float]:
-    """One `da3po train` process (own session, a tag in its environment to find every process it started)."""
+def start(model: Path, run_dir: Path, fault: str = "", *overrides: str, flags: tuple[str, ...] = ()
+          ) -> tuple[subprocess.Popen, str, float]:
+    """Start one `da3po train` process (own session, a tag in its environment to find every process it started)."""
     tag = uuid.uuid4().hex
     env = {**ENV, "DA3PO_FAULT_INJECT": fault, "DA3PO_TEST_RUN_TAG": tag}
-    cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", "--config", str(ROOT / "examples/tiny_cpu_da3po.yaml"),
-           f"model.path={model}", f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", *TINY, *overrides]
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                       start_new_session=True)
+    cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", *flags, "--config",
+           str(ROOT / "examples/tiny_cpu_da3po.yaml"), f"model.path={model}", f"trainer.run_dir={run_dir}",
+           f"trainer.total_steps={STEPS}", *TINY, *overrides]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    return p, tag, time.monotonic()
+
+
+def launch(model: Path, run_dir: Path, fault: str = "", *overrides: str, timeout: int = 400,
+           flags: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
+    """One `da3po train` process, run to its end; then no process of it may be left."""
+    return finish(*start(model, run_dir, fault, *overrides, flags=flags), timeout=timeout)
+
+
+def finish(proc: subprocess.Popen, tag: str, t0: float, timeout: int = 400
+           ) -> tuple[subprocess.CompletedProcess, float]:
+    out, err = proc.communicate(timeout=timeout)
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     seconds = time.monotonic() - t0
     left = leftover(tag, wait_s=30, ignore=RAY_AGENTS if p.returncode == -9 else ())
-    assert not left, f"processes of the run left behind after '{fault}': {left}"
+    assert not left, f"processes of the run left behind after '{proc.args}': {left}"
     if p.returncode == -9:
         KILLED.append((tag, time.monotonic()))
     return p, seconds
@@ -112,8 +133,21 @@ def model(request):
 @pytest.fixture(scope="module")
 def reference(model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    p, seconds = launch(model, run_dir)
+    first = start(model, run_dir)
+    # a second trainer on the same run directory while the first runs: refused at once, naming the holder (its
+    # metrics below are the reference of every comparison, so it also shows that the second wrote nothing)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "LOCK").exists() and first[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    second, second_s = launch(model, run_dir, timeout=120)
+    assert second.returncode == 2, tail(second)
+    assert f"is in use by another trainer: host {socket.gethostname()}, pid {first[0].pid}, started" in \
+        second.stderr, tail(second)
+    assert "resumed from" not in second.stdout and "policy (" not in second.stdout
+    print(f"second trainer on the reference's run_dir: exit 2 in {second_s:.1f} s")
+    p, seconds = finish(*first)
     assert p.returncode == 0, tail(p)
+    assert not (run_dir / "LOCK").exists()  # released at the end
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     # DA3PO at work (this is the suite's, and CI's, DA3PO run): dynamic sampling fills the 4-group batch, over
@@ -151,6 +185,8 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     for phase in phases:  # every launch from here on resumes from step 1's checkpoint
         p, seconds = launch(model, run_dir, f"kill@{phase}@2")
         assert p.returncode == -9, tail(p)
+        if table[-1][1] == -9:  # the previous launch was SIGKILLed: its lock is taken over at once (pid dead)
+            assert f"run_dir lock: took over {run_dir / 'LOCK'}" in p.stdout and "is gone" in p.stdout, tail(p)
         assert f"fault injection: kill@{phase}@2" in p.stdout
         assert (ckpts / "latest").read_text().strip() == "step_000001", phase
         assert "resumed from" in p.stdout and "at step 1" in p.stdout, tail(p)
@@ -160,6 +196,7 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     # SIGTERM while generating step 2: abandoned; step 1 is already saved; exit 0
     p, seconds = launch(model, run_dir, "term@generate@2")
     assert p.returncode == 0, tail(p)
+    assert f"run_dir lock: took over {run_dir / 'LOCK'}" in p.stdout, tail(p)  # from the last SIGKILLed launch
     assert "received SIGTERM: abandoning the step in progress" in p.stdout
     assert "stop requested (SIGTERM): step 1 checkpointed; exiting" in p.stdout
     table.append(("SIGTERM at generate", p.returncode, seconds))
@@ -192,6 +229,33 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     for a, b in zip(reference, got):
         assert stable(a) == stable(b), f"step {a['step']} differs after the faults"
     assert got[-1]["reward/errors_total"] == 0
+
+    # resuming the finished run as DAPO: refused before anything starts, every defining field listed
+    p, seconds = launch(model, run_dir, "", "algorithm.name=dapo", "daa.lambda_=3.0",
+                        f"trainer.total_steps={STEPS + 1}")
+    assert p.returncode == 2, tail(p)
+    assert f"config error: resuming {run_dir} from step_{STEPS:06d} (step {STEPS}) would change what defines the " \
+        "run:\n  " in p.stderr, tail(p)
+    for line in ("algorithm.name: 'da3po' -> 'dapo'", "daa.enable: True -> False", "daa.lambda_: 2.0 -> 3.0",
+                 "--allow-config-change"):
+        assert line in p.stderr, tail(p)
+    assert f"trainer.total_steps: {STEPS} -> {STEPS + 1}" in p.stderr.split("also changed, allowed:")[1]
+    assert "resumed from" not in p.stdout and [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
+    table.append(("resume with algorithm.name=dapo: refused", p.returncode, seconds))
+    # ... allowed with --allow-config-change (recorded), and a longer run: one notice line, one more step
+    p, seconds = launch(model, run_dir, "", "algorithm.name=dapo", f"trainer.total_steps={STEPS + 1}",
+                        flags=("--allow-config-change",))
+    assert p.returncode == 0, tail(p)
+    assert f"note: resume changes trainer.total_steps: {STEPS} -> {STEPS + 1}\n" in p.stdout, tail(p)
+    assert "warning: resume changes algorithm.name: 'da3po' -> 'dapo' (allowed by --allow-config-change)" in p.stdout
+    assert f"resumed from {ckpts / f'step_{STEPS:06d}'} at step {STEPS}" in p.stdout, tail(p)
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 2))
+    rec = [json.loads(x) for x in (run_dir / "config_changes.jsonl").read_text().splitlines()]
+    # the kill sequence's last launch turned engine restarts on (harmless: recorded, not refused); then this one
+    assert [r["allow_config_change"] for r in rec] == [False, True] and rec[-1]["step"] == STEPS
+    assert rec[0]["changes"] == [{"key": "rollout.restart_on_failure", "old": False, "new": True, "kind": "harmless"}]
+    assert {"key": "algorithm.name", "old": "da3po", "new": "dapo", "kind": "defining"} in rec[-1]["changes"]
+    table.append(("resume as dapo with --allow-config-change, total_steps + 1", p.returncode, seconds))
     print("\n".join(f"{what}: exit {rc}, {s:.1f} s" for what, rc, s in table))
     no_agents_left_after_kills()
 
@@ -209,3 +273,18 @@ def test_nonfinite_loss_skips_the_update_warns_and_stops_after_the_limit_before_
     # step 3: 4 in a row >= 3: stop before the sync, with the step in the message; step 2's checkpoint is the last
     assert "non-finite error: step 3: 4 optimizer updates in a row skipped for a non-finite loss" in p.stderr
     assert (run_dir / "checkpoints/latest").read_text().strip() == "step_000002"
+
+
+def test_a_blown_up_update_is_refused_before_the_sync_and_the_run_stops_naming_ratio_lr_and_grad_norm(model, tmp_path):
+    run_dir = tmp_path / "run"
+    # a learning rate seven orders of magnitude too large (the demo's is 1e-4): every update of step 1 is refused
+    p, seconds = launch(model, run_dir, "", "optim.lr=1e3", "trainer.max_consecutive_skipped_updates=2")
+    assert p.returncode == 1, tail(p)
+    assert "warning: step 1: skipped 2 of 2 optimizer updates: update ratio ||dtheta||/||theta||" in p.stdout, tail(p)
+    err = p.stderr.split("update error: ")[1]
+    assert err.startswith("step 1: 2 optimizer updates in a row refused, the last for their size: update ratio "), err
+    ratio = float(err.split("||dtheta||/||theta|| ")[1].split()[0])
+    assert ratio > 100 and "(lr 1e+03, grad norm " in err, err
+    assert not (run_dir / "checkpoints/latest").exists()
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()
+    print(f"blown-up update (lr 1e3): update ratio {ratio:.3g}, exit 1 after {seconds:.1f} s")
