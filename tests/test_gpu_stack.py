@@ -208,3 +208,60 @@ def test_triton_probe_names_a_broken_kernel_call(monkeypatch):
     from da3po_megatron.kernels.dispatch import probe_triton
 
     assert probe_triton("cpu") == "AttributeError: 'Tensor' object has no attribute 'targets'"
+
+
+# ---------------------------------------------------------------------------------------------------- update guard
+
+class _LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor any torch op allocates while active (views of its inputs do not count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:  # views allocate nothing
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+class _MegatronLikeOptimizer:
+    """What ``update_guard`` reads of megatron's optimizer: the inner torch optimizer and the grad-stats group."""
+
+    def __init__(self, inner, tp_group=None):
+        self.optimizer, self.tp_group = inner, tp_group
+
+    def get_grad_stats_parallel_group(self):
+        return None
+
+
+def test_update_guard_allocates_nothing_the_size_of_a_parameter_buffer():
+    """Issue 26 finding 5: on e6f0361 ``nonfinite.py`` ran ``torch.isfinite(t).all()`` over whole grad and parameter
+    buffers -- a bool tensor the size of the buffer each update (~2 G elements for a TP=2 shard of a 4B model). The
+    weight check and the update-size prediction now work in sums and 1M-element chunks (megatron/update_guard.py)."""
+    from da3po_megatron.megatron.update_guard import CHUNK, check_finite_weights, update_norms
+
+    n = 3 * CHUNK + 12345
+    p = torch.nn.Parameter(torch.randn(n))
+    p.tensor_model_parallel = True  # a TP shard: counted by megatron's grad-norm filter without a TP group
+    model = torch.nn.Module()
+    model.register_parameter("w", p)
+    inner = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1)
+    p.grad = torch.randn(n)
+    inner.step()  # a stepped optimizer: its moments exist
+    p.grad = torch.randn(n)
+    with _LargestOutput() as mode:
+        check_finite_weights(model, "1.1")
+    assert mode.largest < n // 8, mode.largest
+    with _LargestOutput() as mode:
+        norms = update_norms(_MegatronLikeOptimizer(inner))
+    assert norms is not None and mode.largest <= CHUNK, mode.largest
+    # and the prediction is the update AdamW then applies
+    before = p.detach().double()
+    inner.step()
+    delta = (p.detach().double() - before).norm().item()  # float32 weights ~1 hold a ~1e-3 step to ~1e-4 relative
+    assert norms[0] == pytest.approx(delta, rel=1e-3) and norms[1] == pytest.approx(before.norm().item(), rel=1e-5)
