@@ -83,10 +83,10 @@ class PolicyGroup:
         env_vars = {"OMP_NUM_THREADS": str(max(1, int(num_cpus_per_rank))), **(env or {})}
         opts["runtime_env"] = {"env_vars": env_vars}
         if placement is not None:
-            from ray.util.placement_group import placement_group
+            from ray.util.placement_group import placement_group as make_placement_group  # (the argument's name)
 
             bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
-            self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement.upper())
+            self._pg = make_placement_group([dict(bundle) for _ in range(world_size)], strategy=placement.upper())
             ready, _ = ray.wait([self._pg.ready()], timeout=start_timeout_s)
             if not ready:
                 raise PolicyGroupError(f"placement group of {world_size} x {bundle} ({placement}) not ready after "
