@@ -192,7 +192,7 @@ def test_pinned_bundles_give_distinct_gpus_colocated_pairs_one_and_the_driver_no
     assert choose_transport("auto", has_cuda=seen["policy"]["cuda"], colocate=False,
                             policy_hosts=[d["host"] for d in policy], engine_hosts=[d["host"] for d in engines]) == \
         "bytes"
-    res.remove()
+    res.close()
 
     # colocated: engine i in rank i's bundle, both on the same GPU id; no sleep mode without CUDA in the engine
     cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml",
@@ -204,7 +204,7 @@ def test_pinned_bundles_give_distinct_gpus_colocated_pairs_one_and_the_driver_no
     policy, engines = start(res, plan, colocate=True)
     assert [d["gpu_ids"] for d in policy] == [d["gpu_ids"] for d in engines], (policy, engines)
     assert len({d["gpu_ids"][0] for d in policy}) == 2  # the two ranks on different GPUs
-    res.remove()
+    res.close()
 
     # more GPUs than the cluster has: refused before anything is reserved
     cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", [*base, "parallel.data_parallel_size=4"])

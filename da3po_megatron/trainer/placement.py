@@ -312,7 +312,8 @@ class Reservation:
     policy: Any
     engines: Any
 
-    def remove(self) -> None:
+    def close(self) -> None:
+        """Remove the placement groups (what ``Run.shutdown`` calls on the way out)."""
         from ray.util.placement_group import remove_placement_group
 
         for pg in (self.policy, self.engines):
@@ -360,7 +361,7 @@ def reserve(plan: Plan, timeout_s: float, name: str = "da3po") -> Reservation:
         ready, _ = ray.wait([pg.ready()], timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             report = _pending_report(plan)
-            res.remove()
+            res.close()
             kinds = plan.rank_node if tag == "policy" else plan.engine_node
             bundles = plan.policy_bundles if tag == "policy" else plan.engine_bundles
             where = ", ".join(f"{'rank' if tag == 'policy' else 'engine'} {i}: {b} on {plan.host(kinds[i])}"

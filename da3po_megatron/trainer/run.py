@@ -451,8 +451,7 @@ class Run:
             obj = getattr(self, part, None)
             if obj is not None:
                 try:
-                    (obj.shutdown if hasattr(obj, "shutdown") else obj.close if hasattr(obj, "close") else
-                     obj.remove)()
+                    (obj.shutdown if hasattr(obj, "shutdown") else obj.close)()
                 except Exception as e:  # closing must not hide the real error of a failed run
                     print(f"warning: closing {part} failed: {e}", flush=True)
         if getattr(self, "logger", None) is not None:
