@@ -57,20 +57,12 @@ def _import(module: str) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 -- any import failure is the finding
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-    return None
+            if module == "megatron.core":  # as a policy rank imports it: a broken Transformer-Engine hidden
+                from da3po_megatron.megatron.model import import_megatron_core
 
-
-def _import_megatron() -> str | None:
-    """``_import("megatron.core")`` the way a policy rank imports it (a broken Transformer-Engine hidden, said once)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from da3po_megatron.megatron.model import import_megatron_core
-
-            import_megatron_core()
+                import_megatron_core()
+            else:
+                importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 -- any import failure is the finding
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     return None
@@ -101,7 +93,7 @@ def package_checks() -> list[Check]:
             out.append(Check(dist, status, f"not installed ({what}){'; ' + hint if hint else ''}; "
                                            "install with `bash scripts/install.sh cpu` (or gpu)"))
             continue
-        err = _import_megatron() if module == "megatron.core" else _import(module)
+        err = _import(module)
         if err:
             out.append(Check(dist, FAIL if required else WARN, f"{ver} installed but `import {module}` fails: {err}"))
         elif pin and ver != pin:
