@@ -375,10 +375,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = read_yaml(Path(path)) if path else {}
     for item in overrides or []:
         keys, value = parse_override(item)
-        try:  # a wrong key on the command line is reported as the command line's, not the YAML file's
+        try:  # a wrong key or value on the command line is reported as the command line's, not the YAML file's
             build(Config, nest(keys, value))
         except ConfigError as e:
-            if "unknown config key" in str(e) or "is not a section" in str(e) or "expected a mapping" in str(e):
+            if "unknown config key" in str(e) or "is not a section" in str(e) or "expected a mapping" in str(e) \
+                    or str(e).startswith(".".join(keys)):  # the value's own error, e.g. daa.lambda_=abc
                 raise ConfigError(f"command line override {item!r}: {e}") from None
         node = data
         for k in keys[:-1]:

@@ -109,6 +109,8 @@ def validate(cfg: Config) -> None:
     _check(o.lr_warmup_steps < cfg.optimizer_steps, "optim.lr_warmup_steps", o.lr_warmup_steps,
            f"< the run's {cfg.optimizer_steps} optimizer steps (trainer.total_steps x mini-batches x ppo_epochs)")
     _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
+    _check(cfg.trainer.save_every >= 0, "trainer.save_every", cfg.trainer.save_every,
+           ">= 0 (0 = only at the end and on a stop request)")
     best, ev = cfg.trainer.keep_best_metric, cfg.eval
     _check(not best or (best.startswith("eval/") and ev.every > 0 and bool(ev.benchmarks)), "trainer.keep_best_metric",
            best, f"'' or an eval/... metric key with evaluations on (eval.every={ev.every}, eval.benchmarks="

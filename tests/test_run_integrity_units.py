@@ -173,3 +173,246 @@ def test_the_heartbeat_is_rewritten_every_sixth_of_the_lease(tmp_path):
     lock.release()
     assert later["token"] == first["token"] and later["started"] == first["started"]
     assert later["heartbeat"] > first["heartbeat"] + 0.2
+
+
+# ---------------------------------------------------------------------------------------------------- issue 35
+# A finished run as the trainer leaves it, at test size: checkpoints written by the real CheckpointManager (manifest,
+# COMPLETE, `latest`), each trainer_state.pt holding the config it was trained with, metrics.jsonl rows 1..6, and the
+# run record run_dir/config.yaml that the first launch writes (trainer/run.py -> config_drift.write_run_record; a
+# version without it -- 27dab78 -- has no record, which is the point of the first test).
+def _finished_run(run_dir: Path, overrides: tuple[str, ...] = (), steps: tuple[int, ...] = (4, 6),
+                  step_overrides: dict[int, tuple[str, ...]] | None = None) -> Path:
+    from da3po_megatron.trainer import config_drift
+    from da3po_megatron.trainer.checkpoint import CheckpointManager
+
+    cfg = load_config(EXAMPLE, [f"trainer.run_dir={run_dir}", "trainer.total_steps=6", *overrides])
+    ckpts = CheckpointManager(run_dir, keep_last=5)
+
+    def policy(p: Path) -> None:
+        (p / "model").mkdir(parents=True)
+        (p / "model" / "shard_0.distcp").write_bytes(os.urandom(2000))
+
+    for s in steps:
+        c = load_config(EXAMPLE, [f"trainer.run_dir={run_dir}", "trainer.total_steps=6", *overrides,
+                                  *(step_overrides or {}).get(s, ())])
+        ckpts.save(s, policy, {"step": s, "config": to_dict(c)})
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        f.write("".join(json.dumps({"step": s, "acc/mean": s / 10}) + "\n" for s in range(1, max(steps) + 1)))
+    if hasattr(config_drift, "write_run_record"):
+        config_drift.write_run_record(cfg)
+    return run_dir
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_a_damaged_latest_checkpoint_does_not_skip_the_config_check_on_resume(tmp_path, capsys):
+    """Point 1 (issue 35): truncating step 6's trainer_state.pt used to make the resume note that it 'could not read
+    the config' and train DAPO steps after DA3PO ones in one run directory."""
+    from da3po_megatron.trainer.config_drift import ConfigDriftError, check_resume_config
+
+    run_dir = _finished_run(tmp_path / "run")
+    state = run_dir / "checkpoints/step_000006/trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    changed = load_config(EXAMPLE, [f"trainer.run_dir={run_dir}", "algorithm.name=dapo", "daa.lambda_=3.0",
+                                    "trainer.total_steps=8"])
+    t0 = time.monotonic()
+    with pytest.raises(ConfigDriftError) as e:
+        check_resume_config(changed)
+    msg = str(e.value)
+    print(f"refused in {time.monotonic() - t0:.2f} s:\n{msg}")
+    assert f"resuming {run_dir} from step_000006 (step 6) would change what defines the run" in msg
+    assert "algorithm.name: 'da3po' -> 'dapo'" in msg and "daa.lambda_: 2.0 -> 3.0" in msg
+    assert f"compared with the run record {run_dir / 'config.yaml'}" in msg
+    assert not (run_dir / "config_changes.jsonl").exists()
+
+
+def test_a_fallback_checkpoint_is_checked_against_its_own_recorded_config(tmp_path):
+    """Point 1: the checkpoint finally loaded (after verification fell back past a damaged one) is checked against
+    the config it records: here step 6 was trained as DAPO after an allowed change (the run record says DAPO), step 4
+    as DA3PO; with step 6 damaged, a DAPO resume would continue DA3PO's step 4 as DAPO."""
+    from da3po_megatron.trainer.checkpoint import CheckpointManager
+    from da3po_megatron.trainer.config_drift import (
+        ConfigDriftError,
+        check_checkpoint_config,
+        check_resume_config,
+        read_run_record,
+    )
+
+    run_dir = _finished_run(tmp_path / "run", ("algorithm.name=dapo",),
+                            step_overrides={4: ("algorithm.name=da3po",)})
+    assert read_run_record(run_dir)["algorithm"]["name"] == "dapo"
+    shard = run_dir / "checkpoints/step_000006/policy/model/shard_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    cfg = load_config(EXAMPLE, [f"trainer.run_dir={run_dir}", "trainer.total_steps=6", "algorithm.name=dapo"])
+    assert check_resume_config(cfg) == []  # the record agrees ...
+    lines: list[str] = []
+    chosen = CheckpointManager(run_dir).latest(log=lines.append)  # ... but the checkpoint loaded is step 4
+    assert chosen == run_dir / "checkpoints/step_000004" and any("is damaged" in x for x in lines)
+    with pytest.raises(ConfigDriftError) as e:
+        check_checkpoint_config(cfg, chosen)
+    msg = str(e.value)
+    assert "from step_000004 (step 4) would change what defines the run" in msg
+    assert "algorithm.name: 'da3po' -> 'dapo'" in msg and f"{chosen / 'trainer_state.pt'}" in msg
+    # a run of an older version (no record) whose latest is unreadable: the note, then the same refusal
+    legacy = _finished_run(tmp_path / "legacy")
+    (legacy / "config.yaml").unlink()
+    state = legacy / "checkpoints/step_000006/trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:50])
+    dapo = load_config(EXAMPLE, [f"trainer.run_dir={legacy}", "trainer.total_steps=6", "algorithm.name=dapo"])
+    assert check_resume_config(dapo) == []
+    chosen = CheckpointManager(legacy).latest(log=lines.append)
+    with pytest.raises(ConfigDriftError, match="from step_000004 .*\n  algorithm.name: 'da3po' -> 'dapo'"):
+        check_checkpoint_config(dapo, chosen)
+    # allowed: recorded with what it was compared with
+    check_checkpoint_config(dapo, chosen, allow=True, log=lines.append)
+    rec = json.loads((legacy / "config_changes.jsonl").read_text().splitlines()[-1])
+    assert rec["step"] == 4 and rec["allow_config_change"] and "step_000004/trainer_state.pt" in rec["compared_with"]
+
+
+def test_the_run_record_is_written_atomically_once_and_loads_back_as_the_same_config(tmp_path):
+    from da3po_megatron.trainer.config_drift import adopt_checkpoint_record, read_run_record, write_run_record
+
+    cfg = load_config(EXAMPLE, [f"trainer.run_dir={tmp_path}", "daa.lambda_=2.5"])
+    path = write_run_record(cfg)
+    assert path == tmp_path / "config.yaml" and read_run_record(tmp_path) == to_dict(cfg)
+    assert write_run_record(cfg) is None  # unchanged: not rewritten
+    assert to_dict(load_config(path)) == to_dict(cfg)  # usable as --config
+    assert not list(tmp_path.glob(".config.yaml.*"))  # no temporary left
+    # a run of an older version: adopted from its latest checkpoint on the first resume
+    old = _finished_run(tmp_path / "old", ("daa.lambda_=1.5",))
+    (old / "config.yaml").unlink()
+    assert adopt_checkpoint_record(old) and read_run_record(old)["daa"]["lambda_"] == 1.5
+
+
+def test_a_fresh_start_in_a_used_run_dir_moves_the_previous_run_aside_instead_of_emptying_its_metrics(tmp_path):
+    """Point 2 (issue 35): `trainer.resume=false` in a finished run's directory used to empty metrics.jsonl and keep
+    the checkpoints, so the next plain launch resumed the old step 6 after the fresh run's rows. The real CLI, stopped
+    by a missing model directory right after the launch's own start (before Ray)."""
+    run_dir = _finished_run(tmp_path / "run")
+    (run_dir / "config_changes.jsonl").write_text('{"step": 4}\n')
+    cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", "--config", str(EXAMPLE), f"trainer.run_dir={run_dir}",
+           "trainer.resume=false", f"model.path={tmp_path / 'no-model'}", "optim.lr=1e6"]
+    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    print(p.stdout[-1500:], p.stderr[-1500:])
+    assert p.returncode == 2 and "is not a Hugging Face checkpoint directory" in p.stderr
+    (aside,) = run_dir.glob("previous-*")
+    assert f"trainer.resume=false: {run_dir} held a previous run" in p.stdout
+    assert f"moved it aside to {aside}" in p.stdout
+    assert "checkpoints step_000004..step_000006" in p.stdout
+    assert _steps(aside / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]  # the old run, whole
+    assert (aside / "checkpoints/latest").read_text().strip() == "step_000006"
+    assert (aside / "config.yaml").exists() and (aside / "config_changes.jsonl").exists()
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+    assert not (run_dir / "LOCK").exists()
+    # the next plain launch finds nothing to resume: the old step 6 cannot be continued after the fresh run's rows
+    from da3po_megatron.trainer.checkpoint import CheckpointManager
+
+    assert CheckpointManager(run_dir).latest() is None
+
+
+def test_metrics_rows_a_resume_drops_are_kept_in_metrics_dropped(tmp_path):
+    """Point 2: the rows after the resumed checkpoint (steps the run redoes, a failed step's record) leave
+    metrics.jsonl for metrics.dropped.jsonl; a restart from step 0 keeps none of them in metrics.jsonl."""
+    import io
+
+    from da3po_megatron.trainer.metrics import MetricsLogger
+
+    run_dir = _finished_run(tmp_path / "run")
+    out = io.StringIO()
+    MetricsLogger(run_dir, 8, start_step=4, tensorboard=False, stream=out).close()
+    assert _steps(run_dir / "metrics.jsonl") == [1, 2, 3, 4]
+    assert _steps(run_dir / "metrics.dropped.jsonl") == [5, 6]
+    assert "2 row(s) after step 4 (steps 5, 6) moved from metrics.jsonl to metrics.dropped.jsonl" in out.getvalue()
+    (run_dir / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text() + '{"step": 5, "acc/m')  # cut
+    MetricsLogger(run_dir, 8, start_step=0, tensorboard=False, stream=out).close()
+    assert (run_dir / "metrics.jsonl").read_text() == ""
+    dropped = [json.loads(x) for x in (run_dir / "metrics.dropped.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in dropped] == [5, 6, 1, 2, 3, 4, None] and all("dropped_at" in r for r in dropped)
+    assert dropped[-1]["unparsable"] == '{"step": 5, "acc/m'
+
+
+FORCE = """
+import sys, time
+from da3po_megatron.trainer.lock import RunDirLock
+RunDirLock(sys.argv[1], lease_s=60, log=lambda m: None).acquire(force=True)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_trainer_whose_lock_was_force_unlocked_stops_before_its_next_write(tmp_path):
+    """Point 4: the first trainer learns of the takeover at its next write (not up to lease/6 later at a heartbeat),
+    writes nothing -- no checkpoint saved, none pruned -- and the message names --force-unlock and the new holder."""
+    from da3po_megatron.trainer.checkpoint import CheckpointManager
+    from da3po_megatron.trainer.lock import RunDirLock, RunDirLockLost, guard
+
+    run_dir = _finished_run(tmp_path / "run", steps=(1, 2, 3))
+    lost: list[str] = []
+    lock = RunDirLock(run_dir, lease_s=600, on_lost=lost.append).acquire()
+    ckpts = CheckpointManager(run_dir, keep_last=1)
+    ckpts.before_write = guard(run_dir)
+    ckpts.before_write()  # held: passes
+    second = subprocess.Popen([sys.executable, "-c", FORCE, str(run_dir)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert second.stdout.readline().strip() == "held"
+        before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        with pytest.raises(RunDirLockLost):
+            ckpts.save(4, lambda p: p.mkdir(), {"step": 4})
+        with pytest.raises(RunDirLockLost):
+            ckpts.prune()
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # nothing written or pruned
+        assert len(lost) == 1, lost
+        assert f"now names host {lock.host}, pid {second.pid}" in lost[0]
+        assert "it took this run directory over with --force-unlock" in lost[0] and "heartbeat" not in \
+            lost[0].split(";")[1], lost[0]
+    finally:
+        second.kill()
+        second.wait()
+        lock.release()
+
+
+def test_save_every_and_a_bad_override_value_are_named(tmp_path):
+    from da3po_megatron.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.save_every = -1 is out of range: allowed >= 0"):
+        load_config(EXAMPLE, ["trainer.save_every=-1"])
+    with pytest.raises(ConfigError) as e:
+        load_config(EXAMPLE, ["daa.lambda_=abc"])
+    assert str(e.value).startswith("command line override 'daa.lambda_=abc': daa.lambda_: expected a number")
+    assert str(EXAMPLE.name) not in str(e.value)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 2 MiB filesystem (tmpfs; needs root, as tests/test_reliability_units.py's)."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (root needed): {p.stderr}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_under_torch_save_is_named_enospc_with_the_path_and_the_free_space(small_tmpfs):
+    """Point 4: torch.save on a full disk raises "unexpected pos ..." / "file write failed", not ENOSPC (what a
+    policy rank's save reported); the error still says the disk is full, where, and how much is free."""
+    from da3po_megatron.trainer.checkpoint import CheckpointManager, CheckpointWriteError
+
+    def policy(p: Path) -> None:
+        p.mkdir()
+        torch.save({"w": torch.zeros(1_000_000)}, p / "model.pt")  # 4 MB into 2 MiB
+
+    with pytest.raises(CheckpointWriteError) as e:
+        CheckpointManager(small_tmpfs).save(1, policy, {"step": 1})
+    msg = str(e.value)
+    print(msg)
+    assert "the disk is full (No space left on device, ENOSPC, on the filesystem of " \
+        f"{small_tmpfs / 'checkpoints'})" in msg
+    assert "MiB of 0.0 GiB when it failed" in msg and "MiB now" in msg

@@ -89,9 +89,28 @@ def verify_checkpoint(directory: str | Path) -> list[str]:
     return problems
 
 
-def _is_disk_full(e: BaseException) -> bool:
-    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
-        "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
+# how a full disk reads after it went through torch.save (PytorchStreamWriter: "unexpected pos 704 vs 598", "file
+# write failed") or a policy rank (the rank's OSError as text inside PolicyGroupError)
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "[Errno 28]", "[Errno 122]", "unexpected pos",
+                   "file write failed")
+_DISK_FULL_FREE = 64 * 2**20  # less free than this when a write failed: the disk is full, whatever the message
+
+
+def _is_disk_full(e: BaseException, free_bytes: int | None = None) -> bool:
+    chain: list[BaseException] = []
+    while e is not None and e not in chain:  # the error and what caused it
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return any((isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
+               or any(t in str(x) for t in _DISK_FULL_TEXT) for x in chain) or \
+        (free_bytes is not None and free_bytes < _DISK_FULL_FREE)
+
+
+def _free(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 class CheckpointManager:
@@ -100,6 +119,7 @@ class CheckpointManager:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.protect = protect  # names of step directories that pruning keeps, besides the last keep_last
+        self.before_write: Callable[[], Any] = lambda: None  # before a save or prune (trainer/lock.py's guard)
 
     def latest(self, verify: bool = True, log: Callable[[str], Any] = print) -> Path | None:
         """The newest intact checkpoint (None when there is none yet). The one ``latest`` points to is verified;
@@ -143,6 +163,7 @@ class CheckpointManager:
     def save(self, step: int, save_policy: Callable[[Path], Any], trainer_state: dict[str, Any]) -> Path:
         """Write checkpoint ``step`` atomically; returns its final path. On failure (e.g. disk full) the temporary
         directory is removed and :class:`CheckpointWriteError` raised; ``latest`` keeps pointing to the previous."""
+        self.before_write()
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"step_{step:06d}"
         tmp = self.root / f".tmp-{name}"
@@ -156,13 +177,17 @@ class CheckpointManager:
             write_manifest(tmp)
             (tmp / COMPLETE).write_text(f"{step}\n")
         except Exception as e:
+            free_at_failure = _free(self.root)
             shutil.rmtree(tmp, ignore_errors=True)
             prev = self.root / "latest"
             prev_name = prev.read_text().strip() if prev.exists() else "none"
-            what = "the disk is full" if _is_disk_full(e) else f"{type(e).__name__}"
+            total = shutil.disk_usage(self.root).total
+            free = f"free: {(free_at_failure or 0) / 2**20:.0f} MiB of {total / 2**30:.1f} GiB when it failed, " \
+                f"{shutil.disk_usage(self.root).free / 2**20:.0f} MiB now"
+            what = f"the disk is full (No space left on device, ENOSPC, on the filesystem of {self.root})" \
+                if _is_disk_full(e, free_at_failure) else f"{type(e).__name__}"
             raise CheckpointWriteError(
-                f"writing checkpoint step {step} to {tmp} failed: {what} (free: "
-                f"{shutil.disk_usage(self.root).free / 2**20:.0f} MiB); the partial write was removed, and "
+                f"writing checkpoint step {step} to {tmp} failed: {what} ({free}); the partial write was removed, and "
                 f"{self.root / 'latest'} still points to the previous checkpoint ({prev_name}). Detail: "
                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}") from e
         if final.exists():  # the same step saved again: keep the old one aside until the new one is in place
@@ -183,6 +208,7 @@ class CheckpointManager:
         self._prune(keep=None)
 
     def _prune(self, keep: Path | None) -> None:
+        self.before_write()
         protected = set(self.protect())
         steps = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE).exists())
         for old in steps[:-self.keep_last]:

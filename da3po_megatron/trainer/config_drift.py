@@ -22,11 +22,26 @@ changed value has no effect, and the warning says so.
 
 Every resume with a change appends one line to ``run_dir/config_changes.jsonl`` (time, step, checkpoint, whether
 ``--allow-config-change`` was given, each change with its kind), so a run's history says what changed when.
+
+Where the run's config is recorded, so that a damaged checkpoint cannot hide it (issue 35):
+
+- ``run_dir/config.yaml``, the **run record**: the resolved config the run trains with, written atomically
+  (write-then-``os.replace``) at the first launch and rewritten by a resume that changes something (after the check
+  passed, so it names what the next checkpoint will hold); loadable with ``--config``. A run directory of an older
+  version gets it from its newest readable checkpoint on its first resume.
+- every checkpoint's ``trainer_state.pt["config"]``, the config that checkpoint was trained with.
+
+A resume is checked twice: before anything starts (:func:`check_resume_config`, against the run record: a damaged
+``latest`` no longer skips the check), and once the checkpoint to load is known (:func:`check_checkpoint_config`,
+called by ``trainer/run.py`` after the verification that may fall back to an older checkpoint): against that
+checkpoint's own record whenever it defines the run differently from the run record (a fallback across an allowed
+change) or there is no run record. Either refuses the same way.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +49,7 @@ from typing import Any
 from da3po_megatron.config import Config, to_dict
 
 CHANGES_FILE = "config_changes.jsonl"
+RECORD_FILE = "config.yaml"
 
 # what defines the run: a change is refused without --allow-config-change (prefixes of dotted keys)
 DEFINING = ("model.path", "model.params_dtype", "model.make_vocab_size_divisible_by", "algorithm.", "daa.", "data.",
@@ -43,7 +59,8 @@ DEFINING = ("model.path", "model.params_dtype", "model.make_vocab_size_divisible
 DEFINING_EXCEPT = ("algorithm.max_generation_rounds", "data.on_bad_row")
 # cannot change what a step computes: a one-line notice
 HARMLESS = ("trainer.total_steps", "trainer.run_dir", "trainer.resume", "trainer.save_every", "trainer.keep_last",
-            "trainer.keep_best_metric", "trainer.keep_best_mode", "trainer.tensorboard", "trainer.wandb_project",
+            "trainer.keep_best_metric", "trainer.keep_best_mode", "trainer.async_save",
+            "trainer.save_hf_every", "trainer.profile.", "trainer.tensorboard", "trainer.wandb_project",
             "trainer.experiment_name", "trainer.lock_lease_s", "trainer.max_consecutive_skipped_updates",
             "trainer.max_update_ratio", "eval.", "ray.", "rollout.num_engines", "rollout.gpu_memory_utilization",
             "rollout.kv_cache_memory_bytes", "rollout.weight_sync_bucket_mb", "rollout.weight_transfer",
@@ -98,36 +115,117 @@ def _line(c: dict[str, Any]) -> str:
     return f"{c['key']}: {c['old']!r} -> {c['new']!r}"
 
 
-def checkpoint_config(run_dir: str | Path) -> tuple[Path, int, dict[str, Any]] | None:
-    """(checkpoint, step, resolved config) of the checkpoint a resume of ``run_dir`` would start from (``latest``),
-    read without verifying it (the trainer verifies before loading); None when there is none or it has no config."""
+def _latest_name(run_dir: str | Path) -> str | None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    try:
+        return pointer.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _step_of(name: str) -> int:
+    try:
+        return int(name.rsplit("_", 1)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def checkpoint_config(run_dir: str | Path, path: Path | None = None, quiet: bool = False
+                      ) -> tuple[Path, int, dict[str, Any]] | None:
+    """(checkpoint, step, resolved config) of the checkpoint ``path`` (default: the one ``latest`` names), read
+    without verifying it (the trainer verifies before loading); None when there is none or it has no config."""
     from da3po_megatron.megatron.checkpoint import safe_load
 
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
+    if path is None:
+        name = _latest_name(run_dir)
+        if name is None:
+            return None
+        path = Path(run_dir) / "checkpoints" / name
     try:
         state = safe_load(path / "trainer_state.pt")
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint is the resume's business (verified, fallen back)
-        print(f"note: could not read the config recorded in {path} ({type(e).__name__}); config changes are not "
-              "checked for this resume", flush=True)
+        if not quiet:
+            print(f"note: could not read the config recorded in {path} ({type(e).__name__}); the run record "
+                  f"{Path(run_dir) / RECORD_FILE} and the checkpoint the resume falls back to are checked instead",
+                  flush=True)
         return None
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
         return None
     return path, int(state.get("step", 0)), state["config"]
 
 
-def check_resume_config(cfg: Config, allow: bool = False, log=print) -> list[dict[str, Any]]:
-    """Compare ``cfg`` with the config of the checkpoint a resume would load; print every change, record them in
-    ``run_dir/config_changes.jsonl``, and raise :class:`ConfigDriftError` for changes to what defines the run unless
-    ``allow``. Returns the changes (empty when nothing changed or there is nothing to resume)."""
-    if not cfg.trainer.resume:
-        return []
-    found = checkpoint_config(cfg.trainer.run_dir)
+# ---------------------------------------------------------------------------------------------------- run record
+def read_run_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run record ``run_dir/config.yaml`` (None when the run has none yet). An unreadable record raises
+    :class:`ConfigDriftError`: it is what a resume is checked against, so it is never silently skipped."""
+    import yaml
+
+    path = Path(run_dir) / RECORD_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        data = e
+    if not isinstance(data, dict):
+        raise ConfigDriftError(
+            f"{path}: the run record is unreadable ({data if isinstance(data, Exception) else 'not a mapping'}); "
+            "every checkpoint holds a copy of the config it was trained with (trainer_state.pt['config']): restore the "
+            "file, or pass --allow-config-change to resume and rewrite it")
+    return data
+
+
+def write_run_record(cfg: Config) -> Path | None:
+    """Write ``run_dir/config.yaml`` atomically (a private file, fsync, ``os.replace``) when it is missing or differs
+    from ``cfg``; returns its path when written."""
+    import yaml
+
+    run_dir = Path(cfg.trainer.run_dir)
+    path = run_dir / RECORD_FILE
+    data = to_dict(cfg)
+    try:
+        if read_run_record(run_dir) == data:
+            return None
+    except ConfigDriftError:
+        pass  # unreadable: replaced (a resume past it needed --allow-config-change)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RECORD_FILE}.{os.getpid()}.tmp")
+    head = (f"# The run record of {run_dir}: the resolved config this run trains with (da3po train, "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%S')}). A resume is checked against it; changes are listed in "
+            f"{CHANGES_FILE}.\n")
+    with open(tmp, "w") as f:
+        f.write(head + yaml.safe_dump(data, sort_keys=False))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def adopt_checkpoint_record(run_dir: str | Path) -> bool:
+    """A run directory of an older version (checkpoints, no run record): write the record from the newest readable
+    checkpoint's config (``latest``'s, or the newest step before it). True when written."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    if (run_dir / RECORD_FILE).exists() or _latest_name(run_dir) is None:
+        return False
+    found = checkpoint_config(run_dir, quiet=True)
     if found is None:
-        return []
-    path, step, old = found
+        return False
+    path = run_dir / RECORD_FILE
+    tmp = path.with_name(f".{RECORD_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(f"# The run record of {run_dir}, taken from {found[0].name}'s trainer_state.pt (a run of an older "
+                   "version)\n" + yaml.safe_dump(found[2], sort_keys=False))
+    os.replace(tmp, path)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------- the checks
+def _check(cfg: Config, old: dict[str, Any], name: str, step: int, allow: bool, log, against: str
+           ) -> list[dict[str, Any]]:
+    """Compare ``cfg`` with ``old`` (``against``: what it is, for the record), print, record, refuse."""
     changes = config_changes(old, to_dict(cfg))
     if not changes:
         return []
@@ -135,9 +233,10 @@ def check_resume_config(cfg: Config, allow: bool = False, log=print) -> list[dic
     if defining and not allow:
         notes = [c for c in changes if c["kind"] != "defining"]
         raise ConfigDriftError(
-            f"resuming {cfg.trainer.run_dir} from {path.name} (step {step}) would change what defines the run:\n  "
+            f"resuming {cfg.trainer.run_dir} from {name} (step {step}) would change what defines the run:\n  "
             + "\n  ".join(_line(c) for c in defining)
             + ("\n(also changed, allowed: " + "; ".join(_line(c) for c in notes) + ")" if notes else "")
+            + f"\n(compared with {against})"
             + "\nResume with the checkpoint's values, start another trainer.run_dir, or pass --allow-config-change "
               f"to continue anyway (recorded in {Path(cfg.trainer.run_dir) / CHANGES_FILE}).")
     for c in changes:
@@ -152,8 +251,51 @@ def check_resume_config(cfg: Config, allow: bool = False, log=print) -> list[dic
             log(f"warning: resume changes {_line(c)}" + (" (allowed by --allow-config-change)"
                                                           if c["kind"] == "defining" else "")
                 + f": steps after {step} train differently from those before")
-    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "resumed_from": str(path), "step": step,
-              "allow_config_change": allow, "changes": changes}
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "resumed_from": str(Path(cfg.trainer.run_dir) /
+                                                                             "checkpoints" / name),
+              "step": step, "compared_with": against, "allow_config_change": allow, "changes": changes}
     with open(Path(cfg.trainer.run_dir) / CHANGES_FILE, "a") as f:
         f.write(json.dumps(record, default=str) + "\n")
     return changes
+
+
+def check_resume_config(cfg: Config, allow: bool = False, log=print) -> list[dict[str, Any]]:
+    """Before anything of a resume starts: compare ``cfg`` with the run record ``run_dir/config.yaml`` (a run of an
+    older version: with the newest readable checkpoint's config, adopted as its record); print every change, record
+    them in ``run_dir/config_changes.jsonl``, and raise :class:`ConfigDriftError` for changes to what defines the run
+    unless ``allow``. Returns the changes (empty when nothing changed or there is nothing to resume)."""
+    if not cfg.trainer.resume:
+        return []
+    run_dir = Path(cfg.trainer.run_dir)
+    name = _latest_name(run_dir)
+    if name is None:
+        return []  # no checkpoint: nothing is resumed (the run starts at step 0; its record is rewritten)
+    adopt_checkpoint_record(run_dir)
+    try:
+        old = read_run_record(run_dir)
+    except ConfigDriftError:
+        if not allow:
+            raise
+        old = None
+    if old is None:  # no record and latest unreadable: the checkpoint actually loaded is checked (trainer/run.py)
+        checkpoint_config(run_dir)
+        return []
+    return _check(cfg, old, name, _step_of(name), allow, log, f"the run record {run_dir / RECORD_FILE}")
+
+
+def check_checkpoint_config(cfg: Config, path: Path, allow: bool = False, log=print) -> list[dict[str, Any]]:
+    """The checkpoint ``path`` a resume loads (after verification and any fallback) against its own recorded config,
+    when that defines the run differently from the run record (which :func:`check_resume_config` compared with) or
+    there is no run record. Refuses like :func:`check_resume_config`."""
+    run_dir = Path(cfg.trainer.run_dir)
+    found = checkpoint_config(run_dir, path)
+    if found is None:
+        return []
+    _, step, old = found
+    try:
+        record = read_run_record(run_dir)
+    except ConfigDriftError:
+        record = None
+    if record is not None and not any(c["kind"] == "defining" for c in config_changes(record, old)):
+        return []  # what defines the run is the record's, already compared
+    return _check(cfg, old, path.name, step, allow, log, f"the config recorded in {path / 'trainer_state.pt'}")

@@ -15,6 +15,12 @@ thread) and ``lease_s``. A lock whose holder is gone is taken over, and the take
 - any host: its heartbeat is older than its lease (a node that died or was cut off cannot release anything);
 - ``--force-unlock``: at once, whatever the holder (the rare manual case, e.g. a frozen node whose clock is wrong).
 
+A trainer whose lock was taken over (``--force-unlock``, or its heartbeat went stale on a frozen node) learns it at
+its next heartbeat and -- sooner -- before each of its writes: :func:`guard` is called before every metrics row and
+before a checkpoint save or prune starts (``trainer/run.py``), reads the lock (one small file) and, when it names
+another trainer, stops this process (SIGKILL: nothing more is written, no checkpoint pruned) with a message naming
+the new holder and how it took over (the new holder records ``took_over`` in its lock: from whom, and why).
+
 A requeued Slurm job keeps its job id: when the holder is the same job (an earlier start of it, still in its grace
 period), the new start waits up to one lease for it to release or go stale instead of failing the requeue.
 
@@ -51,6 +57,27 @@ DEFAULT_LEASE_S = 120.0
 
 class RunDirLocked(RuntimeError):
     """Another trainer holds ``run_dir/LOCK`` (its description is the message)."""
+
+
+class RunDirLockLost(RuntimeError):
+    """This trainer's lock was taken over by another trainer (raised by :func:`guard` when ``on_lost`` returns)."""
+
+
+_HELD: dict[Path, RunDirLock] = {}  # the locks this process holds, by resolved run directory
+
+
+def guard(run_dir: str | Path) -> Callable[[], None]:
+    """A check to call before each write into ``run_dir``: a no-op when this process holds no lock on it (a test or
+    tool driving the trainer without ``da3po train``); otherwise it reads the lock and, when another trainer holds
+    it now, calls the lock's ``on_lost`` (default: stop this process) and raises :class:`RunDirLockLost`."""
+    key = Path(run_dir).resolve()
+
+    def check() -> None:
+        lock = _HELD.get(key)
+        if lock is not None and not lock.check():
+            raise RunDirLockLost(lock.lost_message or f"{lock.path}: lost")
+
+    return check
 
 
 def _proc_start(pid: int) -> int | None:
@@ -119,6 +146,8 @@ class RunDirLock:
         self.token = uuid.uuid4().hex
         self.host = socket.gethostname()
         self.info: dict[str, Any] = {}
+        self.took_over: dict[str, Any] | None = None  # whom this lock was taken from, and why (recorded in LOCK)
+        self.lost_message = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -129,7 +158,8 @@ class RunDirLock:
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
                 "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", ""),
                 "started": self.info.get("started", now), "heartbeat": now, "lease_s": self.lease_s,
-                "token": self.token, "argv": " ".join(sys.argv)[:300]}
+                "token": self.token, "argv": " ".join(sys.argv)[:300],
+                **({"took_over": self.took_over} if self.took_over else {})}
 
     def _private(self, info: dict[str, Any]) -> Path:
         tmp = self.path.with_name(f".{LOCK}.{self.host}.{os.getpid()}.{self.token[:8]}")
@@ -220,6 +250,8 @@ class RunDirLock:
             if reason is not None:
                 if self._take_over(info):
                     self.log(f"run_dir lock: took over {self.path} from {describe(info, now)}: {reason}")
+                    self.took_over = {"host": info.get("host"), "pid": info.get("pid"), "token": info.get("token"),
+                                      "reason": reason, "at": now}
                 continue
             job = os.environ.get("SLURM_JOB_ID", "")
             if job and info.get("slurm_job_id") == job:  # an earlier start of this (requeued) job
@@ -237,13 +269,17 @@ class RunDirLock:
                 f"stop it, or use another trainer.run_dir; if you are sure it is gone (e.g. a dead node whose lease "
                 f"has not expired), rerun with --force-unlock")
         self._stop.clear()
+        self.lost_message = ""
         self._thread = threading.Thread(target=self._beat, name="run-dir-lock-heartbeat", daemon=True)
         self._thread.start()
+        _HELD[self.path.parent.resolve()] = self
         return self
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it still names this process."""
         self._stop.set()
+        if _HELD.get(self.path.parent.resolve()) is self:
+            del _HELD[self.path.parent.resolve()]
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
@@ -258,13 +294,36 @@ class RunDirLock:
         self.release()
 
     # ------------------------------------------------------------------ heartbeat
+    def _lost(self, info: dict[str, Any] | None) -> bool:
+        """The lock no longer names this process: say by whom and how it was taken, call ``on_lost`` (once)."""
+        if self.lost_message:
+            return False
+        if not info:
+            how = "the file is gone or unreadable: removed by hand or by another trainer"
+            holder = "nobody"
+        else:
+            holder = describe(info)
+            t = info.get("took_over") or {}
+            if t.get("token") == self.token and t.get("reason") == "--force-unlock":
+                how = "it took this run directory over with --force-unlock"
+            elif t.get("token") == self.token:
+                how = f"it took this run directory over because {t.get('reason')}"
+            else:
+                how = "another trainer took this run directory over"
+        self.lost_message = f"run_dir lock lost: {self.path} now names {holder}; {how}"
+        self.on_lost(self.lost_message)
+        return False
+
+    def check(self) -> bool:
+        """Whether the lock still names this process (False, and ``on_lost`` once, when it does not)."""
+        if self.lost_message:
+            return False
+        info = self.read()
+        return True if info and info.get("token") == self.token else self._lost(info)
+
     def heartbeat(self) -> bool:
         """Rewrite the lock with a fresh heartbeat; False (and ``on_lost``) when it no longer names this process."""
-        info = self.read()
-        if not info or info.get("token") != self.token:
-            holder = describe(info) if info else "nobody (the file is gone or unreadable)"
-            self.on_lost(f"run_dir lock lost: {self.path} now names {holder}; another trainer took this run "
-                         "directory over (this trainer's heartbeat had stopped for longer than the lease)")
+        if not self.check():
             return False
         tmp = self._private(self._record())
         try:

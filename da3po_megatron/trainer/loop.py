@@ -112,13 +112,14 @@ def collect(run: Run, step: int) -> StepRollout:
     return stream_batch(run, step) if run.cfg.rollout.mode == "streaming" else fill_batch(run, step)
 
 
-def train(cfg: Config) -> Run:
-    """Run (or resume) training as configured; returns the finished :class:`Run` (closed).
+def train(cfg: Config, allow_config_change: bool = False) -> Run:
+    """Run (or resume) training as configured; returns the finished :class:`Run` (closed). ``allow_config_change``:
+    ``--allow-config-change`` (``trainer/config_drift.py``).
 
     A stop request (SIGTERM / SIGUSR1 / SIGINT / ``run_dir/PREEMPT``, see ``trainer/signals.py``) abandons the step
     in progress while it is in phases 1-3 (a resumed run redoes it exactly), or lets it finish from phase 4 on; then
     the last completed step is checkpointed and the run ends."""
-    run = Run(cfg)
+    run = Run(cfg, allow_config_change)
     try:
         try:
             run_steps(run)
@@ -147,6 +148,7 @@ def run_steps(run: Run) -> None:
             try:
                 rollout = run.pending.pop(0) if run.pending else collect(run, step)
             except DynamicSamplingError as e:  # keep what was measured: the filter's counts say why
+                run.save_checkpoint()  # the last completed step first (a no-op when it is saved): not redone
                 run.logger.log(step, {**e.stats, "dynamic_sampling/failed": 1.0})
                 raise DynamicSamplingError(str(e) + after_previous_step(run, previous), e.stats) from None
             prefetch = Prefetch(lambda s=step + 1: collect(run, s)) if (

@@ -9,9 +9,14 @@ third-party logs (Transformer-Engine/Apex fallbacks, vLLM start-up, Ray workers)
 
 Run integrity (docs/reliability.md): the trainer holds ``run_dir/LOCK`` while it runs (``trainer/lock.py``; a second
 trainer on the same directory exits with status 2 naming the holder; ``--force-unlock`` takes a lock whose holder you
-know is gone), and a resume compares the config with the checkpoint's (``trainer/config_drift.py``; changes to what
-defines the run are refused with status 2 unless ``--allow-config-change``, recorded in
-``run_dir/config_changes.jsonl``).
+know is gone), and a resume compares the config with the run record ``run_dir/config.yaml`` and with the checkpoint
+it loads (``trainer/config_drift.py``; changes to what defines the run are refused with status 2 unless
+``--allow-config-change``, recorded in ``run_dir/config_changes.jsonl``). ``trainer.resume=false`` in a directory
+that holds a run moves that run aside to ``run_dir/previous-<time>/`` (``trainer/history.py``): no launch deletes a
+run's checkpoints or metrics.
+
+``main`` returns the exit status and never exits the process: a failed start-up closes what it opened (actors,
+placement groups, reward pool; the lock here), so an in-process caller ends promptly.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     from da3po_megatron.trainer.config_drift import ConfigDriftError, check_resume_config
+    from da3po_megatron.trainer.history import move_previous_run_aside
     from da3po_megatron.trainer.lock import RunDirLock, RunDirLocked
 
     lock = RunDirLock(cfg.trainer.run_dir, lease_s=cfg.trainer.lock_lease_s)
@@ -63,9 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         try:
+            if not cfg.trainer.resume:  # a fresh start: a previous run in this directory is kept, aside
+                move_previous_run_aside(cfg.trainer.run_dir)
             check_resume_config(cfg, allow=args.allow_config_change)
         except ConfigDriftError as e:
             print(f"config error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # the run directory cannot be read or written (permissions, a full disk)
+            print(f"error: {cfg.trainer.run_dir}: {e}", file=sys.stderr)
             return 2
         return _train(cfg, args)
     finally:
@@ -78,6 +89,7 @@ def _train(cfg, args: argparse.Namespace) -> int:
     from da3po_megatron.megatron.memory import MemoryBudgetError
     from da3po_megatron.rewards import RewardPoolError
     from da3po_megatron.trainer.checkpoint import CheckpointWriteError, NoIntactCheckpointError
+    from da3po_megatron.trainer.config_drift import ConfigDriftError
     from da3po_megatron.trainer.console import configure
     from da3po_megatron.trainer.inputs import InputError
     from da3po_megatron.trainer.loop import DynamicSamplingError, train
@@ -89,7 +101,10 @@ def _train(cfg, args: argparse.Namespace) -> int:
           flush=True)
 
     try:
-        run = train(cfg)
+        run = train(cfg, allow_config_change=args.allow_config_change)
+    except ConfigDriftError as e:  # the checkpoint a resume fell back to defines the run otherwise: nothing started
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except BadRowError as e:  # names file, row and field; data.on_bad_row=skip skips and counts instead
         print(f"data error: {e}\n(set data.on_bad_row=skip to skip and count malformed rows)", file=sys.stderr)
         return 2

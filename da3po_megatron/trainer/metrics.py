@@ -1,14 +1,21 @@
 """Metrics sinks and console progress: JSONL always, TensorBoard and Weights & Biases when configured.
 
 ``run_dir/metrics.jsonl`` holds one JSON object per step (``{"step": 3, "reward/mean": ..., ...}``); it is the source
-of ``tools/plot_curves.py`` and of the algorithm comparison. On resume the file is truncated to the steps before the
-checkpoint, so a resumed run's log equals an uninterrupted one.
+of ``tools/plot_curves.py`` and of the algorithm comparison. On resume the rows after the checkpoint's step (steps the
+resumed run redoes, or the record of a failed step) leave the file, so a resumed run's log equals an uninterrupted
+one; they are appended to ``run_dir/metrics.dropped.jsonl`` (each with ``"dropped_at"``), never deleted. A fresh
+start (``trainer.resume=false``) in a used directory moves the previous run aside first (``trainer/history.py``), so
+rows of two runs never meet in one file.
+
+``before_write`` (``trainer/lock.py``'s guard) runs before every row: a trainer whose run-directory lock was taken
+over stops before it writes.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,8 +45,9 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, tensorboard: bool = True,
                  wandb_project: str = "", run_name: str = "", config: dict | None = None,
-                 stream=sys.stdout) -> None:
+                 stream=sys.stdout, before_write=lambda: None) -> None:
         self.run_dir = Path(run_dir)
+        self.before_write = before_write
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps = total_steps
@@ -61,17 +69,43 @@ class MetricsLogger:
                                      resume="allow")
 
     def _truncate_after(self, step: int) -> None:
-        """Keep only records with step <= ``step`` (resume from a checkpoint taken at ``step``)."""
+        """Keep only records with step <= ``step`` (resume from a checkpoint taken at ``step``; 0: none); the others
+        go to ``metrics.dropped.jsonl`` first (a crash in between leaves a row in both files, never in neither)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if step > 0 and line.strip() and json.loads(line).get("step", 0) <= step]
+        kept, dropped = [], []
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut by a kill during its write: kept aside as it is
+                dropped.append(json.dumps({"dropped_at": self._now(), "unparsable": line}))
+                continue
+            if step > 0 and row.get("step", 0) <= step:
+                kept.append(line)
+            else:
+                dropped.append(json.dumps({**row, "dropped_at": self._now()}))
+        if not dropped:
+            return
+        with open(self.run_dir / "metrics.dropped.jsonl", "a") as f:
+            f.write("".join(line + "\n" for line in dropped))
+            f.flush()
+            os.fsync(f.fileno())
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)
+        steps = sorted({json.loads(x).get("step", "?") for x in dropped}, key=str)
+        print(f"metrics: {len(dropped)} row(s) after step {step} (steps {', '.join(map(str, steps))}) moved from "
+              f"{self.path.name} to metrics.dropped.jsonl (the resumed run redoes them)", file=self.stream, flush=True)
+
+    @staticmethod
+    def _now() -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%S")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        self.before_write()
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tb is not None:

@@ -55,7 +55,19 @@ from da3po_megatron.trainer.streaming import rollout_from_dict, rollout_to_dict
 
 
 class Run:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, allow_config_change: bool = False) -> None:
+        """Build the run; a failure on the way (bad input, placement, start-up, a restore that raises) closes what was
+        already opened -- actors, placement groups, transport, reward pool -- before the error propagates, so an
+        in-process caller of ``trainer.main.main()`` returns with nothing of the run left (issue 35, point 3).
+        ``allow_config_change``: ``--allow-config-change`` (the checkpoint finally loaded is checked too,
+        ``trainer/config_drift.py``)."""
+        try:
+            self._start(cfg, allow_config_change)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cfg: Config, allow_config_change: bool) -> None:
         from da3po_megatron.bridge.export import load_policy_hf
         from da3po_megatron.megatron.actor_group import PolicyGroup
         from da3po_megatron.rewards import RewardPool
@@ -95,6 +107,13 @@ class Run:
         self.best = BestCheckpoint(self.ckpt.root, t.keep_best_metric, t.keep_best_mode) if t.keep_best_metric else None
         self.ckpt.protect = self.best.protected if self.best else self.ckpt.protect
         latest = self.ckpt.latest() if t.resume else None  # verified (a damaged one: the previous) before any actor
+        from da3po_megatron.trainer.config_drift import check_checkpoint_config, write_run_record
+        from da3po_megatron.trainer.lock import guard
+
+        if latest is not None:  # the checkpoint finally chosen (maybe a fallback) against its own recorded config
+            check_checkpoint_config(cfg, latest, allow=allow_config_change)
+        write_run_record(cfg)  # run_dir/config.yaml: at the first launch, and after an accepted change
+        self.ckpt.before_write = guard(self.run_dir)  # a trainer whose lock was taken over stops before it writes
 
         init_ray(cfg)
         self.stop.install()  # after ray.init, which replaces the SIGTERM handler with one that exits at once
@@ -157,7 +176,8 @@ class Run:
         self.completed_state = self.trainer_state()  # what a checkpoint of the last completed step holds
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.total_steps, start_step=self.step,
                                     tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
-                                    run_name=cfg.trainer.experiment_name, config=to_dict(cfg))
+                                    run_name=cfg.trainer.experiment_name, config=to_dict(cfg),
+                                    before_write=self.ckpt.before_write)
 
     # ------------------------------------------------------------------------------------------------ generation
     def next_prompts(self, k: int) -> list[Example]:
@@ -456,5 +476,6 @@ class Run:
                     print(f"warning: closing {part} failed: {e}", flush=True)
         if getattr(self, "logger", None) is not None:
             self.logger.close()
-        if (self.run_dir / "PREEMPT").exists():
-            (self.run_dir / "PREEMPT").unlink()
+        preempt = self.run_dir / "PREEMPT" if hasattr(self, "run_dir") else None
+        if preempt is not None and preempt.exists():
+            preempt.unlink()
