@@ -5,7 +5,7 @@ PYTEST_ARGS ?= --durations=25
 # PYTEST_WORKERS: pytest-xdist workers for everything but the Slurm tests, which then run alone; its default (2) and
 # why are in scripts/run_tests.sh. `make test PYTEST_WORKERS=0` runs the first pass serially too.
 
-.PHONY: install demo test lint theory clean
+.PHONY: install demo test lint theory clean ci-time
 
 install:  ## create .venv if missing and install the CPU stack (idempotent)
 	bash scripts/install.sh cpu $(VENV)

@@ -79,3 +79,32 @@ LONG_FILES_FIRST = (
 def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ARG001 - pytest hook signature
     rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept within a file
+
+
+# The checkout stays as the suite found it (tests/_hermetic.py): checked once per session, by the controller.
+from _hermetic import CheckoutGuard  # noqa: E402
+
+_CHECKOUT = CheckoutGuard(Path(__file__).resolve().parents[1])
+_DURATIONS: list[dict] = []
+
+
+def pytest_sessionstart(session) -> None:
+    _CHECKOUT.start(session.config)
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Every phase's duration (under pytest-xdist the controller receives the workers' reports), for
+    ``tools/ci_time.py``; written at the end of the session when ``DA3PO_TEST_DURATIONS`` names a file."""
+    _DURATIONS.append({"nodeid": report.nodeid, "when": report.when, "seconds": round(report.duration, 3),
+                       "outcome": report.outcome, "worker": getattr(report, "node", None) and
+                       getattr(report.node, "gateway", None) and report.node.gateway.id})
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ARG001 - pytest hook signature
+    import json
+
+    out = os.environ.get("DA3PO_TEST_DURATIONS")
+    if out and not hasattr(session.config, "workerinput"):
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"exitstatus": int(session.exitstatus), "tests": _DURATIONS}) + "\n")
+    _CHECKOUT.finish(session)

@@ -152,7 +152,8 @@ def test_malformed_row_stops_with_file_row_and_field_or_is_skipped_and_counted(t
     bad = tmp_path / "train.jsonl"
     bad.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?"}\n{"prompt": "3+3?", "answer": "6"}\n')
     cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", "--config", str(ROOT / "examples/tiny_cpu_da3po.yaml"),
-           "data.format=generic", f"data.train_files=[{bad}]", "reward.kind=math"]
+           "data.format=generic", f"data.train_files=[{bad}]", "reward.kind=math",
+           f"trainer.run_dir={tmp_path / 'run'}"]  # never the recipe's runs/ (after `make demo`: its run)
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert f"{bad}: row 1 (line 2), field 'answer'" in p.stderr
