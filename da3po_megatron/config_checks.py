@@ -69,6 +69,17 @@ def validate(cfg: Config) -> None:
            "auto, bytes, collective or ipc")
     _check(r.weight_transfer != "ipc" or r.colocate, "rollout.weight_transfer", r.weight_transfer,
            "'ipc' only with rollout.colocate=true (CUDA IPC shares one GPU's memory)")
+    if r.weight_transfer == "ipc":  # the IPC routing of the first sync, on the layout the run will have (issue 34)
+        from da3po_megatron.rollout.ipc_routing import check_colocated_layout
+
+        try:
+            check_colocated_layout(cfg.policy_world_size, p.tensor_model_parallel_size,
+                                   p.pipeline_model_parallel_size, r.num_engines, p.context_parallel_size)
+        except ValueError as e:
+            raise ConfigError(f"rollout.weight_transfer = 'ipc' with parallel.tensor_model_parallel_size = "
+                              f"{p.tensor_model_parallel_size}, parallel.pipeline_model_parallel_size = "
+                              f"{p.pipeline_model_parallel_size} and rollout.num_engines = {r.num_engines}: "
+                              f"{e}") from None
     _check(r.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, "> 0")
     ov = a.overlong
     _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,

@@ -159,3 +159,55 @@ def test_ipc_push_ships_each_bucket_to_the_worker_of_its_gpu_with_stand_ins_for_
     assert {c[:2] for c in calls} == {(0, "ipc_load_bucket")} and all(c[2] == [GPU[0]] for c in calls)
     for n, t in named:
         assert torch.equal(loaded[n], t)
+
+
+def test_colocated_engines_start_after_the_policy_and_wake_after_its_cache_release_recorded_with_stand_in_actors(
+        monkeypatch):
+    """Colocated on CUDA (issue 34, items 2 and 3), as a recorded call sequence: the engines are started only after
+    the policy's checkpoint prewarm finished and every rank returned its cached blocks (vLLM sizes its KV cache from
+    the device-wide free memory it profiles), and at each step boundary the policy releases its cache before the
+    engines' weights wake and again before their KV cache does. The policy group and the engines' client are
+    recording stand-ins (no CUDA here); the ordering code is the real one (``trainer/colocation.py``,
+    ``rollout/ipc.py: ipc_sync``). On 27dab78 the engines started beside the policy's build and no release ran."""
+    from da3po_megatron.rollout import ipc
+    from da3po_megatron.trainer.colocation import engines_after_policy, start_engines_after_policy
+
+    log: list[tuple[str, str]] = []
+
+    class Policy:
+        def run_on_all(self, fn, *args):
+            log.append(("policy", fn.__name__))
+            if fn is ipc._ipc_place:
+                return [{"rank": 0, "uuid": GPU[0], "tp": 0, "pp": 0, "dp": 0}]
+            if fn is ipc._ipc_push:
+                return [{"bytes": 8, "buckets": 1, "tensors": 1, "max_bucket_bytes": 8}]
+            return [fn(None, *args)]
+
+    class Client:
+        def call_all(self, method):
+            log.append(("engines", method))
+            return [[GPU[0]]]
+
+        def wake_up(self, tags=None):
+            log.append(("engines", f"wake_up {tags}"))
+
+        def __getattr__(self, method):  # begin / finish / abort_weight_update
+            return lambda *a, **k: log.append(("engines", method))
+
+    assert engines_after_policy(colocate=True, engine_cuda=True)
+    assert not engines_after_policy(colocate=True, engine_cuda=False)  # CPU: a fixed KV cache, side by side
+    assert not engines_after_policy(colocate=False, engine_cuda=True)  # engines on GPUs of their own
+    client = start_engines_after_policy(Policy(), lambda: log.append(("policy", "prewarm finished")),
+                                        lambda: log.append(("engines", "start")) or Client())
+    assert log == [("policy", "prewarm finished"), ("policy", "release_cached_memory"), ("engines", "start")]
+    print("start-up:", log)
+
+    log.clear()
+    monkeypatch.setattr(ipc, "require_ipc", lambda what: None)
+    ipc.ipc_sync(Policy(), client)
+    print("step boundary:", log)
+    assert log == [("policy", "_ipc_place"), ("engines", "worker_gpu_uuids"), ("policy", "release_cached_memory"),
+                   ("engines", "wake_up ['weights']"), ("engines", "begin_weight_update"), ("policy", "_ipc_push"),
+                   ("engines", "finish_weight_update"), ("policy", "release_cached_memory"),
+                   ("engines", "wake_up ['kv_cache']")]
+    assert ipc.release_cached_memory() == {"reserved_before": 0, "reserved_after": 0}  # no CUDA: nothing to release

@@ -141,12 +141,27 @@ def test_a_sender_dying_mid_sync_fails_naming_engine_and_bucket_and_engines_refu
     assert hf_max_diff(dirs[1], client.generate(PROMPTS, SAMPLING)) < TOL
 
 
-def test_engine_tp2_workers_each_join_the_group_and_receive_the_weights(ray_session, dirs, client):
+def test_engine_tp2_in_its_placement_group_bundle_starts_joins_the_group_and_receives_the_weights(ray_session, dirs,
+                                                                                                     client):
+    """The TP=2 engine sits in a placement-group bundle reserved as the trainer reserves it (``placement.reserve``):
+    inside a placement group vLLM 0.32 picks its ray executor for TP > 1 unless told otherwise, which refuses a
+    bundle of several GPUs (and, on CPU, any ray executor: on 27dab78 this engine failed to start with "current
+    platform cpu does not support ray"); the engine runs its workers with the "mp" executor instead."""
     client.shutdown()  # room for the TP=2 engine's two workers on 2 cores
     from transformers import AutoModelForCausalLM
 
-    tp2 = RolloutClient.ray(EngineConfig(dirs[0], dtype="float32", kv_cache_memory_bytes=32 * 2**20,
-                                         tensor_parallel_size=2), num_engines=1)
+    from da3po_megatron.trainer.placement import Resources, cluster_nodes, plan_placement, reserve
+
+    need = Resources(world_size=1, tp=1, cpus_per_rank=1, gpus_per_rank=0, num_engines=1, cpus_per_engine=1,
+                     gpus_per_engine=0)
+    reservation = reserve(plan_placement(need, cluster_nodes()), timeout_s=120)
+    try:
+        tp2 = RolloutClient.ray(EngineConfig(dirs[0], dtype="float32", kv_cache_memory_bytes=32 * 2**20,
+                                             tensor_parallel_size=2), num_engines=1, num_cpus_per_engine=1,
+                                num_gpus_per_engine=0, placement_group=reservation.engines)
+    except BaseException:
+        reservation.close()
+        raise
     try:
         model = AutoModelForCausalLM.from_pretrained(dirs[2], dtype=torch.float32)
         sender = StreamSender(lambda: hf_state_tensors(model))
@@ -157,3 +172,4 @@ def test_engine_tp2_workers_each_join_the_group_and_receive_the_weights(ray_sess
         transport.teardown(tp2)
     finally:
         tp2.shutdown()
+        reservation.close()

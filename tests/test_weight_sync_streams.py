@@ -169,12 +169,35 @@ def test_receive_runs_on_the_loader_stream_and_reuse_waits_for_the_last_load_wit
     assert reused >= 3 and stats["fresh_buffers"] < stats["buckets"]  # the pool cycled: the check above ran
 
 
-def test_nccl_weight_groups_are_built_in_blocking_wait_mode_with_a_stand_in_for_process_group_nccl(monkeypatch):
-    """torch reads TORCH_NCCL_BLOCKING_WAIT in each ProcessGroupNCCL's constructor: set there (no watchdog that
-    tears the process down; wait() raises in the caller on a timeout), restored after, the timeout per group."""
+def test_nccl_weight_groups_are_built_in_blocking_wait_mode_replacing_a_value_set_at_process_start_with_a_stand_in_for_process_group_nccl(  # noqa: E501
+        monkeypatch):
+    """torch reads TORCH_NCCL_BLOCKING_WAIT in each ProcessGroupNCCL's constructor: set there (no watchdog that tears
+    the process down; wait() raises in the caller on a timeout), the timeout per group -- without changing the shape
+    of the C environment while other threads may read it (issue 34, item 5): the actors have the name from process
+    start (engines: their runtime_env, ``client.actor_env``; policy ranks: ``actor_group``), so building the group only
+    replaces its value in place (glibc: one pointer of ``environ``, old string kept) and restores it; the array and
+    its names stay exactly as they were while a second thread reads it. A process without the name (a tool) gets it
+    added once with a warning and keeps it. On 27dab78 the name was added and removed again around every group."""
+    import ctypes
+    import os
+    import warnings
+
     import torch.distributed as dist
 
     from da3po_megatron.rollout import collective
+    from da3po_megatron.rollout.client import actor_env
+    from da3po_megatron.rollout.types import EngineConfig
+
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    environ = ctypes.POINTER(ctypes.c_char_p).in_dll(libc, "environ")
+
+    def c_environ() -> tuple[int, list[bytes]]:  # the array getenv walks: its address and its names, in order
+        names, i = [], 0
+        while environ[i] is not None:
+            names.append(environ[i].split(b"=", 1)[0])
+            i += 1
+        return ctypes.cast(environ, ctypes.c_void_p).value, names
 
     seen = {}
 
@@ -183,20 +206,38 @@ def test_nccl_weight_groups_are_built_in_blocking_wait_mode_with_a_stand_in_for_
             _timeout = None
 
         def __init__(self, store, rank, size, opts):
-            import os
-
-            seen.update(env=os.environ.get("TORCH_NCCL_BLOCKING_WAIT"), timeout=opts._timeout, rank=rank, size=size)
+            seen.update(env=libc.getenv(b"TORCH_NCCL_BLOCKING_WAIT"), timeout=opts._timeout, rank=rank, size=size)
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInProcessGroupNCCL, raising=False)
     monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
-    collective.nccl_group(store=None, rank=1, world_size=3, timeout=timedelta(seconds=42))
-    assert seen == {"env": "1", "timeout": timedelta(seconds=42), "rank": 1, "size": 3}
-    import os
+    assert actor_env(EngineConfig("/m"))["TORCH_NCCL_BLOCKING_WAIT"] == "0"  # what an engine actor starts with
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")  # ... this process, as such an actor, from its start
+    stop, reads = threading.Event(), set()
 
-    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ  # Megatron's and vLLM's later groups keep their mode
-    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
-    collective.nccl_group(store=None, rank=0, world_size=2, timeout=timedelta(seconds=1))
-    assert seen["env"] == "1" and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+    def reader() -> None:  # another thread reading the C environment meanwhile (NCCL's, Ray's threads may)
+        while not stop.is_set():
+            reads.add(libc.getenv(b"TORCH_NCCL_BLOCKING_WAIT"))
+
+    other = threading.Thread(target=reader)
+    other.start()
+    before = c_environ()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            collective.nccl_group(store=None, rank=1, world_size=3, timeout=timedelta(seconds=42))
+        after = c_environ()
+    finally:
+        stop.set()
+        other.join()
+    print(f"constructor saw {seen['env']}; environ array {before[0]:#x} -> {after[0]:#x}, "
+          f"{len(before[1])} -> {len(after[1])} names; the other thread read {sorted(reads)}")
+    assert seen == {"env": b"1", "timeout": timedelta(seconds=42), "rank": 1, "size": 3}
+    assert after == before and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"  # same array, same names, value back
+    assert reads <= {b"0", b"1"}
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT")  # a process that did not get it at start
+    with pytest.warns(UserWarning, match=r"\['TORCH_NCCL_BLOCKING_WAIT'\] not in this process's environment at start"):
+        collective.nccl_group(store=None, rank=0, world_size=2, timeout=timedelta(seconds=1))
+    assert seen["env"] == b"1" and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"  # kept: never removed again
 
 
 def test_a_receiver_gone_mid_sync_makes_the_sender_raise_naming_its_stage_and_bucket():
@@ -223,4 +264,47 @@ def test_a_receiver_gone_mid_sync_makes_the_sender_raise_naming_its_stage_and_bu
         assert int(str(e.value).split("bucket ")[1].split()[0]) >= 2  # the two received buckets went through
     finally:
         leaving.join()
+        sender.close()
+
+
+def test_a_failed_load_leaves_no_receiving_thread_alive_and_the_pool_freed():
+    """A load that raises in the middle of a stream (here bucket 1 of 30: a stand-in load, the group and the receive
+    code are real): receive_stage raises naming stage and bucket, and by the time it has returned its receiving
+    thread has ended and the stream's buffer pool holds nothing. On 27dab78 the thread got one slot back, received one
+    more bucket and then waited forever for the next slot, holding the pool's buffers (one more per failed sync)."""
+    import gc
+
+    from da3po_megatron.rollout.collective import BufferPool
+
+    named = [(f"t{i}", torch.full((256,), float(i))) for i in range(30)]  # 1 KiB each, 1 KiB buckets
+    sender, pg = _pair("failed-load", timeout_s=2.0)
+    sent: dict = {}
+
+    def send() -> None:
+        try:
+            sent["stats"] = sender.send(iter(named), 1024)
+        except Exception as e:  # noqa: BLE001 - the receiver gave up: the sender's broadcast fails
+            sent["error"] = e
+
+    sending = threading.Thread(target=send, name="sender")
+    sending.start()
+    loads: list[int] = []
+
+    def load(tensors: dict[str, torch.Tensor]) -> None:
+        loads.append(len(tensors))
+        if len(loads) == 2:
+            raise ValueError("a stand-in load that raises")
+
+    stats: dict = {}
+    try:
+        with pytest.raises(RuntimeError, match=r"from PP stage 0 broke at bucket 1 .*ValueError: a stand-in load"):
+            receive_stage(pg, torch.device("cpu"), load, 0, stats)
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("da3po-recv-stage")]
+        gc.collect()
+        held = [len(p._bufs) for p in gc.get_objects() if type(p) is BufferPool and p.keep == 3]
+        print(f"after the failed load: receiving threads alive {alive}, receiving pools' buffers {held}")
+        assert alive == [] and not any(held)
+    finally:
+        destroy_group(pg)  # the worker's group goes (the engine's teardown after a failed sync)
+        sending.join()
         sender.close()

@@ -50,7 +50,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--small", action="store_true", help="tiny sizes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from da3po_megatron.rollout.collective import broadcast, destroy_group, make_group
+    from da3po_megatron.rollout.collective import NCCL_ENV_AT_START, broadcast, destroy_group, make_group
+
+    for key, value in NCCL_ENV_AT_START.items():  # as an actor has them from its start (collective.scoped_env)
+        os.environ.setdefault(key, value)
     from da3po_megatron.rollout.collective_receive import receive_stage
     from da3po_megatron.rollout.stream_order import order_for
 

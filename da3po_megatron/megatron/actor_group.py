@@ -80,7 +80,10 @@ class PolicyGroup:
             num_gpus_per_rank = 1.0 if ray.cluster_resources().get("GPU", 0) >= world_size else 0.0
         opts: dict[str, Any] = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, max_restarts=0,
                                     max_concurrency=1)
-        env_vars = {"OMP_NUM_THREADS": str(max(1, int(num_cpus_per_rank))), **(env or {})}
+        env_vars = {"OMP_NUM_THREADS": str(max(1, int(num_cpus_per_rank))),
+                    # in the environment from process start, so the weight-sync NCCL groups only ever replace its
+                    # value (rollout/collective.py: NCCL_ENV_AT_START, scoped_env); 0 is torch's default
+                    "TORCH_NCCL_BLOCKING_WAIT": os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0"), **(env or {})}
         opts["runtime_env"] = {"env_vars": env_vars}
         if placement is not None:
             from ray.util.placement_group import placement_group as make_placement_group  # (the argument's name)

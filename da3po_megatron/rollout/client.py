@@ -20,6 +20,7 @@ our own code.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -66,6 +67,17 @@ def assemble(completions: list[Completion], num_prompts: int, n: int,
             raise RolloutError(f"prompt {i}{where} got samples {[c.sample_index for c in g]}, expected n={n} "
                                f"samples 0..{n - 1}")
     return groups
+
+
+def actor_env(config: EngineConfig, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment an engine actor starts with (its Ray ``runtime_env``, set before its process starts):
+    :func:`~da3po_megatron.rollout.engine.engine_env`, the names the weight-sync NCCL groups override
+    (:data:`~da3po_megatron.rollout.collective.NCCL_ENV_AT_START`, so their construction only replaces a value, see
+    ``collective.scoped_env``), then ``extra``."""
+    from da3po_megatron.rollout.collective import NCCL_ENV_AT_START
+
+    at_start = {k: os.environ.get(k, v) for k, v in NCCL_ENV_AT_START.items()}
+    return {**at_start, **engine_env(config), **(extra or {})}
 
 
 # -------------------------------------------------------------------------------------------- client
@@ -164,7 +176,7 @@ class RolloutClient:
         import ray
 
         o = self._actor_options
-        env = {**engine_env(self.config), **o["env"]}
+        env = actor_env(self.config, o["env"])
         opts: dict[str, Any] = dict(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"], max_concurrency=1,
                                     runtime_env={"env_vars": env}, max_restarts=0)
         if o["name_prefix"]:

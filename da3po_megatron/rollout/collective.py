@@ -108,23 +108,41 @@ def make_group(host: str, port: int, rank: int, world_size: int, *, backend: str
 
 NCCL_GROUP_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 """Read by each ``ProcessGroupNCCL`` when it is constructed; set only while the weight-sync groups are built."""
+NCCL_ENV_AT_START = {"TORCH_NCCL_BLOCKING_WAIT": "0"}
+"""In the environment of every process that builds weight-sync groups before it starts (the engine actors'
+``runtime_env``: :func:`~da3po_megatron.rollout.engine.engine_env`; the policy actors':
+``megatron/actor_group.py``): torch's own default (0: no blocking wait), so Megatron's and vLLM's groups keep their
+mode, and the name is in the C environment from the first instruction on -- :func:`scoped_env` then only ever
+replaces its value, never adds or removes it (why that matters: :func:`scoped_env`)."""
 _ENV_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def scoped_env(overrides: dict[str, str]) -> Iterator[None]:
-    """Set ``overrides`` in ``os.environ`` for the ``with`` block, then restore what was there (one at a time)."""
+    """Set ``overrides`` in ``os.environ`` for the ``with`` block, then restore what was there (one at a time).
+
+    Thread safety. This runs in processes with other threads (Ray's, NCCL's, vLLM's), and glibc's ``getenv`` takes no
+    lock. ``os.environ[k] = v`` is ``setenv(k, v, 1)``; for a name already in the environment glibc replaces one
+    pointer of the ``environ`` array in place and never frees the old string ("we can never free the strings",
+    ``__add_to_environ`` in glibc ``stdlib/setenv.c``: ``*ep = np``), so a concurrent ``getenv`` reads the old or the
+    new value, both valid. A name not yet there makes glibc ``realloc`` the array (a concurrent reader may walk freed
+    memory: the segfault torch's ProcessGroupNCCL warns of), and ``unsetenv`` shifts the array under a reader. So the
+    project's actors get every overridden name at process start (:data:`NCCL_ENV_AT_START`) and here a name is only
+    ever replaced; one that is missing (a tool's or test's own process) is added with a warning, and then kept, set
+    to its previous default, rather than removed again."""
     with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in overrides}
+        missing = [k for k in overrides if k not in os.environ]
+        if missing:
+            import warnings
+
+            warnings.warn(f"scoped_env: {missing} not in this process's environment at start (the project's actors get "
+                          f"them through NCCL_ENV_AT_START): added now, while other threads may run", stacklevel=3)
+        saved = {k: os.environ.get(k, NCCL_ENV_AT_START.get(k, "")) for k in overrides}
         os.environ.update(overrides)
         try:
             yield
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            os.environ.update(saved)  # value replacements only: the names stay
 
 
 def nccl_group(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
@@ -233,6 +251,11 @@ class BufferPool:
             elif free:  # a free buffer too small for this size: replaced (its memory is released)
                 self._bufs[free[0]], self._released[free[0]] = buf, None
             return buf[:nbytes]
+
+    def clear(self) -> None:
+        """Drop every pooled buffer (the end of a stream, or a failed one: its memory goes once no view is left)."""
+        with self._lock:
+            self._bufs, self._released = [], []
 
     def mark_released(self, record: Callable[[], Any]) -> int:
         """Called by the consumer after each load (the loading thread, after dropping its views): every handed-out

@@ -29,7 +29,7 @@ from da3po_megatron.rollout.stream_order import DeviceOrder, order_for
 
 # ------------------------------------------------------------------------------------------------ receiver
 def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: Any, pool: BufferPool,
-                    order: DeviceOrder, loader_stream: Any) -> None:
+                    order: DeviceOrder, loader_stream: Any, stop: threading.Event) -> None:
     """Receiving thread of one stage's stream: put ``(buffer, meta, seconds when received)`` per bucket, then None;
     an error is put as is. ``slots`` (a semaphore of 2) bounds the buffers in hand: one being loaded, one being
     received. The buffers come from ``pool`` (three, released by the loading thread): vLLM's layerwise reload keeps
@@ -37,11 +37,16 @@ def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: An
     loads and k+2 arrives, bucket k's buffer is often still held; from bucket k+3 on the pool cycles through the three.
 
     Everything here -- allocations, broadcasts, the header's copy to the host -- runs on ``loader_stream``, the
-    loading thread's current stream (``order.use``): see :mod:`~da3po_megatron.rollout.stream_order`."""
+    loading thread's current stream (``order.use``): see :mod:`~da3po_megatron.rollout.stream_order`.
+
+    ``stop`` (set by the loading thread when it gives up: a failed load) ends the thread at its next slot or its next
+    received bucket, whichever comes first, instead of waiting forever for a slot nobody will release."""
     try:
         with order.use(loader_stream):
             while True:
                 slots.acquire()
+                if stop.is_set():
+                    return
                 t0 = time.perf_counter()
                 header = torch.empty(3, dtype=torch.int64, device=dev)
                 broadcast(pg, header)
@@ -56,6 +61,8 @@ def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: An
                 buf = pool.take(n_buf)
                 broadcast(pg, buf)
                 stats["transfer_s"] += time.perf_counter() - t0
+                if stop.is_set():
+                    return
                 out.put((buf, meta, time.perf_counter()))
                 del buf
     except BaseException as e:  # noqa: BLE001 - handed to the loading thread, which raises it with the bucket
@@ -63,12 +70,18 @@ def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: An
 
 
 def receive_stage(pg: Any, dev: torch.device, load: Callable[[dict[str, torch.Tensor]], Any], stage: int,
-                  stats: dict, order: DeviceOrder | None = None) -> None:
+                  stats: dict, order: DeviceOrder | None = None, join_s: float = 5.0) -> None:
     """Receive one stage's stream and ``load`` each bucket's tensors, in the calling (loading) thread: a receiving
     thread fetches bucket k+1 while this thread loads bucket k (at most two buffers in hand), on this thread's
     current stream. Raises naming the stage and the bucket. ``stats`` gains bytes, buckets, transfer_s, load_s,
     fresh_buffers and overlapped_buckets (buckets that had fully arrived before the previous one finished loading:
-    the receive and the load did overlap)."""
+    the receive and the load did overlap).
+
+    On a failure (a load that raises, a broken stream) the receiving thread is stopped and the pool emptied before
+    this returns: the thread ends at its next slot (released here) or as soon as the broadcast it is in returns --
+    joined for up to ``join_s``; a broadcast still waiting then ends with the group (the sender's next bucket, or the
+    group's timeout / teardown) -- and neither it nor a queued bucket keeps device buffers alive. (On 27dab78 it
+    waited forever for a slot, holding up to 3 x ``rollout.weight_sync_bucket_mb``, one more thread per failure.)"""
     import queue
 
     for key in ("bytes", "buckets", "fresh_buffers", "overlapped_buckets"):
@@ -80,7 +93,8 @@ def receive_stage(pg: Any, dev: torch.device, load: Callable[[dict[str, torch.Te
     pool = BufferPool(dev, keep=3, order=order, stream=loader_stream)
     received: queue.Queue = queue.Queue()
     slots = threading.Semaphore(2)
-    args = (pg, dev, received, stats, slots, pool, order, loader_stream)
+    stop = threading.Event()
+    args = (pg, dev, received, stats, slots, pool, order, loader_stream, stop)
     fetcher = threading.Thread(target=_receive_stream, args=args, daemon=True, name=f"da3po-recv-stage{stage}")
     fetcher.start()
     bucket = 0
@@ -112,9 +126,13 @@ def receive_stage(pg: Any, dev: torch.device, load: Callable[[dict[str, torch.Te
                            f"stage ({bucket} complete; last tensors {names[:3]}): {type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}") from e
     finally:
-        slots.release()  # a fetcher waiting for a slot after a failure gets one and ends with the broken group
-        fetcher.join(timeout=5)
+        stop.set()  # a no-op after the end marker (the thread has returned); after a failure it ends the thread
+        slots.release()  # a fetcher waiting for a slot gets one, sees ``stop`` and returns
+        fetcher.join(timeout=join_s)
+        while not received.empty():  # buckets received but never loaded: drop their buffers
+            received.get_nowait()
         stats["fresh_buffers"] += pool.fresh
+        pool.clear()
 
 
 class CollectiveReceiverMixin:

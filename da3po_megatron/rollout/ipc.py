@@ -8,9 +8,10 @@ after the step's generation so the policy could use their memory):
    and TP / PP / DP ranks, every engine the UUIDs of its workers' GPUs; each engine worker gets, per PP stage, the
    rank on its own GPU that holds that stage in full (TP rank 0 of a DP replica), or the sync is refused before
    anything is touched, naming the engine, worker, GPU and stage;
-2. ``wake_up(["weights"])`` -- the engines' weight memory comes back (vLLM sleep level 1 kept a host copy, level 2
-   none: the sync overwrites every weight anyway) -- and the layerwise-reload session opens on every engine (the
-   same one the "bytes" and "collective" transports use);
+2. every policy rank returns its cached device blocks (:func:`release_cached_memory`: ``torch.cuda.empty_cache``,
+   again before step 4's KV-cache wake-up), then ``wake_up(["weights"])`` -- the engines' weight memory comes back
+   (vLLM sleep level 1 kept a host copy, level 2 none: the sync overwrites every weight anyway) -- and the
+   layerwise-reload session opens on every engine (the same one the "bytes" and "collective" transports use);
 3. every holder of a stage packs its HF-named tensors into flat CUDA buffers of at most
    ``rollout.weight_sync_bucket_mb`` (:func:`~da3po_megatron.rollout.collective.iter_flat_buckets`); per bucket the
    routed ranks export theirs (``reduce_tensor``), the stage's holders all-gather ``{GPU UUID: handle}`` over their
@@ -93,6 +94,21 @@ class IpcReceiverMixin:
         return out
 
 
+def release_cached_memory(_worker: Any = None) -> dict:
+    """On a policy rank (``PolicyGroup.run_on_all``): return the caching allocator's unused blocks to the device
+    (``torch.cuda.empty_cache``) so a colocated engine can map them -- before the engines start
+    (``trainer/colocation.py``) and before they wake from sleep (:func:`ipc_sync`). Without it only the memory
+    estimate bounds what the policy keeps cached (peak plus fragmentation), and a level-2 wake-up, which re-maps the
+    engine's weights and KV cache, may run out of device memory. Returns the reserved bytes before and after (0 / 0
+    without CUDA: nothing to release)."""
+    if not torch.cuda.is_available():
+        return {"reserved_before": 0, "reserved_after": 0}
+    torch.cuda.synchronize()
+    before = int(torch.cuda.memory_reserved())
+    torch.cuda.empty_cache()
+    return {"reserved_before": before, "reserved_after": int(torch.cuda.memory_reserved())}
+
+
 def _cuda_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -104,7 +120,8 @@ def _ipc_place(worker: Any) -> dict:
     require_ipc("policy rank")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return {"rank": rank, "uuid": gpu_uuid(), "tp": int(getattr(worker, "tp_rank", 0)),
-            "pp": int(getattr(worker, "pp_rank", 0)), "dp": int(getattr(worker, "dp_rank", 0))}
+            "pp": int(getattr(worker, "pp_rank", 0)), "dp": int(getattr(worker, "dp_rank", 0)),
+            "cp": int(getattr(worker, "cp_rank", 0))}
 
 
 def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | None, routes: Any) -> dict:
@@ -166,6 +183,7 @@ def ipc_sync(policy_group: Any, client: Any, bucket_mb: float = 512, dtype: torc
     require_ipc("ipc_sync")
     t0 = time.perf_counter()
     routes = plan_ipc_routes(policy_group.run_on_all(_ipc_place), client.call_all("worker_gpu_uuids"))
+    policy_group.run_on_all(release_cached_memory)  # the training step's cached blocks go back before the wake-up
     client.wake_up(tags=["weights"])
     client.begin_weight_update()
     try:
@@ -175,6 +193,7 @@ def ipc_sync(policy_group: Any, client: Any, bucket_mb: float = 512, dtype: torc
         client.abort_weight_update()
         raise
     finally:
+        policy_group.run_on_all(release_cached_memory)  # and the freed bucket buffers before the KV cache's
         client.wake_up(tags=["kv_cache"])
     sent = [p for p in parts if p["buckets"]]
     stats: dict[str, float] = {k: float(sum(p[k] for p in sent)) for k in ("bytes", "buckets", "tensors")}

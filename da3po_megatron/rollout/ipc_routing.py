@@ -36,19 +36,21 @@ FIX = ("the IPC transport maps memory on the same GPU only; run the policy with 
 
 @dataclass(frozen=True)
 class RankPlace:
-    """Where one policy rank runs: its global rank, its GPU's UUID and its TP / PP / DP ranks."""
+    """Where one policy rank runs: its global rank, its GPU's UUID and its TP / PP / DP (and CP) ranks."""
 
     rank: int
     uuid: str
     tp: int
     pp: int
     dp: int
+    cp: int = 0
 
     @classmethod
     def of(cls, item: RankPlace | Mapping[str, Any]) -> RankPlace:
         if isinstance(item, RankPlace):
             return item
-        return cls(int(item["rank"]), str(item["uuid"]), int(item["tp"]), int(item["pp"]), int(item["dp"]))
+        return cls(int(item["rank"]), str(item["uuid"]), int(item["tp"]), int(item["pp"]), int(item["dp"]),
+                   int(item.get("cp", 0)))
 
 
 @dataclass
@@ -91,7 +93,7 @@ def plan_ipc_routes(ranks: Iterable[RankPlace | Mapping[str, Any]], engines: lis
         raise ValueError(f"ipc weight transport: policy ranks report PP stages {stages}, expected 0..{len(stages) - 1}")
     routes = IpcRoutes()
     for s in stages:
-        holders = [p for p in places if p.pp == s and p.tp == 0]
+        holders = [p for p in places if p.pp == s and p.tp == 0 and p.cp == 0]
         shipper = [p for p in holders if p.dp == 0]
         if len(shipper) != 1:
             raise ValueError(f"ipc weight transport: PP stage {s} needs exactly one rank with TP rank 0 and DP rank 0 "
@@ -114,7 +116,7 @@ def plan_ipc_routes(ranks: Iterable[RankPlace | Mapping[str, Any]], engines: lis
                                  "true, one policy rank on every engine GPU); use rollout.weight_transfer=bytes or "
                                  "collective for engines on GPUs of their own")
             for s in stages:
-                full = sorted((p for p in here if p.pp == s and p.tp == 0), key=lambda p: p.dp)
+                full = sorted((p for p in here if p.pp == s and p.tp == 0 and p.cp == 0), key=lambda p: p.dp)
                 if not full:
                     have = ", ".join(f"rank {p.rank} (TP rank {p.tp}, PP stage {p.pp})" for p in here)
                     raise ValueError(f"ipc weight transport: engine {e} worker {w} on GPU {uuid} needs PP stage {s}'s "
@@ -123,6 +125,28 @@ def plan_ipc_routes(ranks: Iterable[RankPlace | Mapping[str, Any]], engines: lis
                 rank = routes.by_stage[s].setdefault(uuid, full[0].rank)
                 routes.serves.setdefault(rank, []).append((e, w))
     return routes
+
+
+def colocated_layout(world_size: int, tp: int, pp: int, num_engines: int,
+                     cp: int = 1) -> tuple[list[RankPlace], list[list[str]]]:
+    """The layout a colocated run will have, predicted before any actor starts: policy rank ``r`` in placement-group
+    bundle ``r`` with Megatron's rank order (tp-cp-ep-dp-pp, TP fastest: ``megatron/runtime.py``), engine ``i`` in
+    rank ``i``'s one-GPU bundle (``trainer/placement.py``: colocated engines have TP = 1). GPUs are named by bundle
+    ("bundle r") in place of the UUIDs the actors report at the first sync."""
+    if world_size % (tp * cp * pp):
+        raise ValueError(f"policy world size {world_size} is not a multiple of TP x CP x PP = {tp} x {cp} x {pp}")
+    dp = world_size // (tp * cp * pp)
+    ranks = [RankPlace(r, f"bundle {r}", tp=r % tp, pp=r // (tp * cp * dp), dp=(r // (tp * cp)) % dp,
+                       cp=(r // tp) % cp) for r in range(world_size)]
+    return ranks, [[f"bundle {i}"] for i in range(num_engines)]
+
+
+def check_colocated_layout(world_size: int, tp: int, pp: int, num_engines: int, cp: int = 1) -> None:
+    """The start-up refusal of a colocated layout the IPC routing cannot serve: :func:`plan_ipc_routes` -- the same
+    decision the first ``ipc_sync`` takes from the actors' GPU UUIDs -- run on :func:`colocated_layout`. Raises its
+    ValueError (naming engine, bundle, stage and ranks, and the fix) in milliseconds, before the run reserves or
+    starts anything, instead of after start-up, a generation round and a training step."""
+    plan_ipc_routes(*colocated_layout(world_size, tp, pp, num_engines, cp))
 
 
 def merge_handles(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

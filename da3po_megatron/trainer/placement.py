@@ -15,7 +15,8 @@ Pure functions first (tested without Ray, ``tests/test_placement.py``):
   each TP group on a node of its own. Engines follow ``rollout.engine_placement``: ``other_nodes`` (only nodes without
   policy ranks: the paper's layout, engines on the second node), ``same_nodes`` (only nodes with policy ranks), or
   ``any``. Colocated (``rollout.colocate``): engine i shares policy rank i's one-GPU bundle, each taking half of it
-  (Ray gives both the same GPU id), which needs engine TP = 1, at most one engine per rank and 1 GPU per rank.
+  (Ray gives both the same GPU id), which needs engine TP = 1, at most one engine per rank and 1 GPU per rank; on
+  GPUs with the IPC weight transport also a layout it can serve (:func:`check_colocated_ipc`).
 
 Then the Ray side (:func:`cluster_nodes`, :func:`reserve`): one placement group for the policy (bundle i = rank i) and
 one for the engines (bundle i = engine i; none when colocated), each bundle pinned to its planned node with the node-id
@@ -69,6 +70,9 @@ class Resources:
     colocate: bool = False
     spread_policy: bool = False
     device: str = "cpu"  # what resolve_gpus decided: "gpu" or "cpu"
+    pp: int = 1  # parallel.pipeline_model_parallel_size, context_parallel_size: the colocated IPC check
+    cp: int = 1
+    weight_transfer: str = "auto"  # rollout.weight_transfer
 
     @property
     def total_gpus(self) -> float:
@@ -191,6 +195,23 @@ def check_totals(need: Resources, nodes: Sequence[Node]) -> None:
                              f"({len(nodes)} node(s): {_fmt_nodes(nodes, attr)}); {fix}")
 
 
+def check_colocated_ipc(need: Resources) -> None:
+    """Colocated on GPUs, ``rollout.weight_transfer`` auto or ipc syncs through CUDA IPC
+    (``weight_sync.choose_transport``), which maps memory on the same GPU only: every engine's GPU must hold a policy
+    rank with a full copy of every PP stage. Checked here, on the layout the plan will reserve
+    (``ipc_routing.check_colocated_layout``: the routing decision of the first sync), so policy TP > 1 with engines
+    on TP-rank-1 GPUs, or PP > 1, is a PlacementError in seconds rather than a failure at the first weight sync."""
+    from da3po_megatron.rollout.ipc_routing import check_colocated_layout
+
+    try:
+        check_colocated_layout(need.world_size, need.tp, need.pp, need.num_engines, need.cp)
+    except ValueError as e:
+        raise PlacementError(f"rollout.colocate=true on GPUs syncs the weights through CUDA IPC "
+                             f"(rollout.weight_transfer={need.weight_transfer}), which this layout cannot serve: "
+                             f"policy TP={need.tp}, PP={need.pp}, {need.num_engines} engine(s) in policy ranks 0.."
+                             f"{need.num_engines - 1}'s bundles: {e}") from None
+
+
 def plan_placement(need: Resources, nodes: Sequence[Node]) -> Plan:
     """Place every TP group on one node and every engine on a node its placement allows (first fit, nodes in the
     given order), or raise PlacementError naming what did not fit and where."""
@@ -216,6 +237,8 @@ def plan_placement(need: Resources, nodes: Sequence[Node]) -> Plan:
                                  "colocation shares one GPU between rank i and engine i; use 1")
         if need.device == "gpu" and need.gpus_per_engine != need.gpus_per_rank:
             raise PlacementError("rollout.colocate=true needs engines of one GPU (rollout.tensor_parallel_size=1)")
+        if need.device == "gpu" and need.weight_transfer in ("auto", "ipc"):
+            check_colocated_ipc(need)
     check_totals(need, nodes)
     free_cpu = [n.cpus for n in nodes]
     free_gpu = [n.gpus for n in nodes]
@@ -289,7 +312,9 @@ def resources_for_config(cfg: Any, cluster_gpus: float) -> Resources:
                      cpus_per_rank=float(ray_cfg.num_cpus_per_policy_rank), gpus_per_rank=rank_gpus,
                      num_engines=r.num_engines, cpus_per_engine=float(r.num_cpus_per_engine),
                      gpus_per_engine=engine_gpus, engine_placement=r.engine_placement, colocate=r.colocate,
-                     spread_policy=ray_cfg.spread_policy_nodes, device=device)
+                     spread_policy=ray_cfg.spread_policy_nodes, device=device,
+                     pp=cfg.parallel.pipeline_model_parallel_size, cp=cfg.parallel.context_parallel_size,
+                     weight_transfer=r.weight_transfer)
 
 
 # ------------------------------------------------------------------------------------------------- Ray side
