@@ -211,3 +211,21 @@ def test_colocated_engines_start_after_the_policy_and_wake_after_its_cache_relea
                    ("engines", "finish_weight_update"), ("policy", "release_cached_memory"),
                    ("engines", "wake_up ['kv_cache']")]
     assert ipc.release_cached_memory() == {"reserved_before": 0, "reserved_after": 0}  # no CUDA: nothing to release
+
+
+def test_context_parallel_ranks_other_than_cp_rank_0_neither_send_nor_ship_a_stage():
+    """CP ranks hold the same weights as CP rank 0 (CP splits the sequence): only CP rank 0 of TP rank 0 of DP
+    replica 0 sends a stage (``weight_sync.sender_stage``) or ships its IPC handles. On 27dab78 a CP-rank-1 rank was a
+    sender too (the stage pushed twice) and the IPC routing saw two shippers per stage."""
+    from types import SimpleNamespace
+
+    from da3po_megatron.rollout.ipc_routing import colocated_layout
+    from da3po_megatron.rollout.weight_sync import sender_stage
+
+    assert sender_stage(SimpleNamespace(tp_rank=0, dp_rank=0, pp_rank=1, cp_rank=0)) == 1
+    assert sender_stage(SimpleNamespace(tp_rank=0, dp_rank=0, pp_rank=1, cp_rank=1)) is None
+    assert sender_stage(SimpleNamespace(tp_rank=0, dp_rank=0, pp_rank=0)) == 0  # a sender without CP attributes
+    ranks, engines = colocated_layout(world_size=4, tp=1, pp=1, num_engines=1, cp=2)  # CP=2 x DP=2
+    assert [(r.cp, r.dp) for r in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # Megatron's order: CP before DP
+    routes = plan_ipc_routes(ranks, engines)
+    assert routes.shippers == {0: 0} and routes.holders == {0: [0, 2]}

@@ -181,6 +181,7 @@ class PolicyWorker:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
+        self.cp_rank = ps.get_context_parallel_rank()  # the weight-sync sender rule (rollout/weight_sync.sender_stage)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.is_last_stage = ps.is_pipeline_last_stage()

@@ -57,9 +57,12 @@ def sync_policy_to_engines(hf_stream: Iterable[tuple[str, torch.Tensor]], client
 
 
 def sender_stage(worker: Any) -> int | None:
-    """The PP stage this policy rank sends for, or None: the TP-rank-0 rank of DP replica 0 of each stage sends (its
-    export holds that stage's gathered tensors); every other rank only takes part in the export's collectives."""
-    if getattr(worker, "dp_rank", 0) != 0 or getattr(worker, "tp_rank", 0) != 0:
+    """The PP stage this policy rank sends for, or None: the TP-rank-0 rank of DP replica 0 and CP rank 0 of each
+    stage sends (its export holds that stage's gathered tensors); every other rank only takes part in the export's
+    collectives. Context-parallel ranks hold the same weights (CP splits the sequence, not the parameters), so
+    without the CP condition each CP rank of a stage would push the stage again (``parallel.context_parallel_size``
+    > 1 is refused by the config checks today; this keeps the sender rule right when it is allowed)."""
+    if any(getattr(worker, k, 0) != 0 for k in ("dp_rank", "tp_rank", "cp_rank")):
         return None
     return int(getattr(worker, "pp_rank", 0))
 
