@@ -230,6 +230,36 @@ def test_a_placement_group_that_cannot_be_placed_times_out_naming_what_is_pendin
         remove_placement_group(hog)
 
 
+def test_zero_gpu_bundles_on_the_drivers_host_without_an_nvidia_driver_are_answered_without_a_probe(
+        ray_with_logical_gpus, monkeypatch, tmp_path) -> None:
+    """The tiny CPU launch's two device probes (a Ray worker importing torch each, 2-4 s) are skipped where the
+    resources already give the answer; a GPU bundle, another node or a host with an NVIDIA driver is still probed."""
+    import dataclasses
+
+    from da3po_megatron.trainer import placement as P
+    from da3po_megatron.trainer.prepare import plan_for_cluster
+
+    cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", ["model.path=/x", "ray.device=cpu"])
+    plan = plan_for_cluster(cfg)
+    assert (plan.rank_gpus, plan.engine_gpus) == (0, 0)
+    res = P.reserve(plan, timeout_s=60)
+    try:
+        def no_probe(kind, _opts):
+            raise AssertionError(f"the {kind} bundle was probed")
+        monkeypatch.setattr(P, "_probe", no_probe)
+        seen = P.probe_devices(res, cfg.model)
+    finally:
+        res.close()
+    assert seen["policy"]["probed"] is False and seen["engine"]["probed"] is False
+    assert seen["policy"]["cuda"] is False and seen["policy"]["use_te"] is False
+    assert seen["policy"]["free_bytes"] > 0 and "available host memory of" in seen["policy"]["memory_where"]
+    node = plan.nodes[plan.rank_node[0]]
+    assert P.answer_without_probe("policy", node, 1.0) is None  # a GPU bundle
+    assert P.answer_without_probe("policy", dataclasses.replace(node, node_id="0" * 56), 0) is None  # another node
+    monkeypatch.setattr(P, "NVIDIA_DEVICE_FILES", (str(tmp_path),))  # a host with an NVIDIA driver
+    assert P.answer_without_probe("policy", node, 0) is None
+
+
 def test_engine_memory_and_sleep_mode_follow_what_the_engine_sees() -> None:
     from da3po_megatron.trainer.prepare import engine_config
 

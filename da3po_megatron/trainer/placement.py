@@ -422,39 +422,80 @@ def _probe(kind: str, te_setting: Any) -> dict[str, Any]:
 
             info["use_te"] = bool(use_te(te_setting))
     else:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        info.update(free_bytes=int(vm.available), total_bytes=int(vm.total),
-                    memory_where=f"available host memory of {info['host']} ({vm.total / 2**30:.1f} GiB total)")
-        info["use_te"] = False
+        _host_memory(info)
     return info
+
+
+def _host_memory(info: dict[str, Any]) -> dict[str, Any]:
+    """The answer of a process without CUDA: the host's available memory (where the memory plan's budget comes
+    from) and the local layer spec."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    info.update(free_bytes=int(vm.available), total_bytes=int(vm.total), use_te=False,
+                memory_where=f"available host memory of {info['host']} ({vm.total / 2**30:.1f} GiB total)")
+    return info
+
+
+NVIDIA_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
+
+
+def host_has_nvidia_driver() -> bool:
+    """Whether this host has an NVIDIA driver (its device files or /proc entry), read from the filesystem: no CUDA
+    call, so the driver process never creates a CUDA context."""
+    return any(os.path.exists(f) for f in NVIDIA_DEVICE_FILES)
+
+
+def answer_without_probe(kind: str, node: Node, gpus: float) -> dict[str, Any] | None:
+    """What a bundle's actor will see when the resources already say it, or None (then a probe asks).
+
+    Known without a probe: a bundle on the driver's own node that requests no GPU, on a host without an NVIDIA
+    driver. Its actor cannot see CUDA (Ray 2.60 leaves ``CUDA_VISIBLE_DEVICES`` alone for a zero-GPU actor,
+    ``_private/utils.py:275-305`` -- so on a GPU host it could, and a probe runs there), its memory is this host's.
+    A probe costs a Ray worker process that imports torch: 2-4 s of a tiny CPU launch."""
+    import socket
+
+    import ray
+
+    if gpus or node.node_id != ray.get_runtime_context().get_node_id() or host_has_nvidia_driver():
+        return None
+    info: dict[str, Any] = {"kind": kind, "host": socket.gethostname(), "node_id": node.node_id, "gpu_ids": [],
+                            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda": False,
+                            "probed": False}
+    return _host_memory(info)
 
 
 def probe_devices(res: Reservation, model_options: Any = None, timeout_s: float = 300.0) -> dict[str, dict]:
     """What a policy rank and an engine will see, asked of one Ray task each in their first bundle with the same
     resources as the actor (``max_calls=1``: the task's process exits afterwards, so a CUDA context it opened is
-    gone before the actors start). Returns ``{"policy": info, "engine": info}`` (see :func:`_probe`)."""
+    gone before the actors start). Returns ``{"policy": info, "engine": info}`` (see :func:`_probe`). A bundle whose
+    answer the resources already give (:func:`answer_without_probe`: no GPU requested, on the driver's node, a host
+    without an NVIDIA driver) is not probed; its answer says ``probed: False``."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     plan = res.plan
     probe = ray.remote(max_calls=1)(_probe)
-    refs = {
-        "policy": probe.options(num_cpus=plan.need.cpus_per_rank, num_gpus=plan.rank_gpus,
-                                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                    res.policy, placement_group_bundle_index=0)).remote("policy", model_options)}
-    if plan.engine_node:
-        pg = res.engines if res.engines is not None else res.policy
-        refs["engine"] = probe.options(num_cpus=plan.need.cpus_per_engine, num_gpus=plan.engine_gpus,
+    known = {"policy": answer_without_probe("policy", plan.nodes[plan.rank_node[0]], plan.rank_gpus)}
+    refs = {}
+    if known["policy"] is None:
+        refs["policy"] = probe.options(num_cpus=plan.need.cpus_per_rank, num_gpus=plan.rank_gpus,
                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                           pg, placement_group_bundle_index=0)).remote("engine", None)
-    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+                                           res.policy, placement_group_bundle_index=0)).remote("policy", model_options)
+    if plan.engine_node:
+        known["engine"] = answer_without_probe("engine", plan.nodes[plan.engine_node[0]], plan.engine_gpus)
+        if known["engine"] is None:
+            pg = res.engines if res.engines is not None else res.policy
+            refs["engine"] = probe.options(num_cpus=plan.need.cpus_per_engine, num_gpus=plan.engine_gpus,
+                                           scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                               pg, placement_group_bundle_index=0)).remote("engine", None)
+    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
     if pending:
         late = [k for k, r in refs.items() if r in pending]
         raise PlacementError(f"the device probe of the {' and '.join(late)} bundle 0 did not answer within "
                              f"{timeout_s:g} s (on {plan.host(plan.rank_node[0])})")
-    out = dict(zip(refs, ray.get(list(refs.values()))))
+    out = {k: v for k, v in known.items() if v is not None}
+    out.update(zip(refs, ray.get(list(refs.values()))))
     out.setdefault("engine", dict(out["policy"], kind="engine"))
     return out
 
