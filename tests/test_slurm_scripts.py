@@ -62,7 +62,7 @@ def test_train_sbatch_asks_for_requeue_and_a_warning_signal_to_the_batch_shell()
     assert signal and re.fullmatch(r"--signal=B:USR1@\d+", signal[0]), f"want --signal=B:USR1@<seconds>, got {signal}"
 
 
-@pytest.mark.parametrize("name", ["train.sbatch", "eval.sbatch", "bench.sbatch"])
+@pytest.mark.parametrize("name", ["train.sbatch", "eval.sbatch", "bench.sbatch", "compare.sbatch"])
 def test_gpu_scripts_request_gpus_per_node_and_say_how_to_change_it(name: str) -> None:
     """Without a GPU request Slurm allocates none, Ray starts with --num-gpus=0 and a GPU recipe's actors stay pending
     (issue 27): the scripts ask for GPUs themselves, and their header says how to override the count."""
@@ -76,7 +76,7 @@ def test_gpu_scripts_request_gpus_per_node_and_say_how_to_change_it(name: str) -
 def test_every_run_line_in_the_docs_and_recipes_names_a_gpu_request() -> None:
     files = [*REPO.glob("examples/**/*.yaml"), REPO / "README.md", *REPO.glob("docs/*.md")]
     bare = [f"{f.relative_to(REPO)}: {line.strip()}" for f in files for line in f.read_text().splitlines()
-            if re.search(r"sbatch\b.*slurm/(train|eval|bench)\.sbatch", line)
+            if re.search(r"sbatch\b.*slurm/(train|eval|bench|compare)\.sbatch", line)
             and not re.search(r"--gpus-per-node=\d+|--gres=gpu", line)]
     assert not bare, "run lines without --gpus-per-node:\n" + "\n".join(bare)
 
