@@ -2,8 +2,12 @@
 
 The CPU demo, the tests and the algorithm comparison all start from these: a real `transformers` checkpoint directory
 (config.json, model.safetensors, tokenizer files, generation_config.json) of a few hundred thousand parameters, in the
-three model families the bridge supports (Qwen3, Qwen2/2.5, Llama 3). vLLM's CPU attention needs head_dim >= 32, so
-every family keeps head_dim = 32.
+model families the bridge supports (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3). vLLM's CPU attention needs head_dim >= 32,
+so every family keeps head_dim = 32.
+
+The tiny Qwen3-MoE (``family="qwen3_moe"``, :func:`build_moe_model`): 8 experts, top-2, ``norm_topk_prob``, expert
+width 64, two layers of which layer 1 is dense through ``mlp_only_layers`` -- every MoE code path (router, experts,
+a dense layer beside them) at a few hundred thousand parameters.
 
 The tokenizer is character level: every printable ASCII character and newline is one token, plus the specials
 ``<pad> <s> </s> <|im_start|> <|im_end|>`` and a ChatML chat template. One token per digit makes the synthetic
@@ -26,7 +30,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-FAMILIES = ("qwen3", "qwen2", "llama")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+# The tiny MoE's shape (Qwen3-30B-A3B has 128 experts, top-8, expert width 768, no dense layer).
+MOE_DEFAULTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                    mlp_only_layers=[1], decoder_sparse_step=1)
 HEAD_DIM = 32
 
 
@@ -74,9 +81,11 @@ def hf_config(
     bos_token_id: int = 1,
     eos_token_id: int = 5,
     pad_token_id: int = 0,
+    **moe,
 ):
-    """A `transformers` config of the given family with head_dim 32 (Qwen2/Llama derive it as hidden / heads)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A `transformers` config of the given family with head_dim 32 (Qwen2/Llama derive it as hidden / heads).
+    ``moe``: Qwen3-MoE keys over :data:`MOE_DEFAULTS` (``num_experts``, ``mlp_only_layers``, ...)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -95,8 +104,13 @@ def hf_config(
         rms_norm_eps=1e-6,
         dtype="float32",
     )
+    if moe and family != "qwen3_moe":
+        raise ValueError(f"MoE options {sorted(moe)} need family='qwen3_moe', got {family!r}")
     if family == "qwen3":
         return Qwen3Config(head_dim=HEAD_DIM, rope_theta=1_000_000.0, **common)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(head_dim=HEAD_DIM, rope_theta=1_000_000.0, router_aux_loss_coef=0.0,
+                              **{**MOE_DEFAULTS, **moe}, **common)
     if hidden_size // num_heads != HEAD_DIM:
         raise ValueError(f"{family}: hidden_size / num_heads must be {HEAD_DIM} (vLLM CPU attention), got "
                          f"{hidden_size}/{num_heads}")
@@ -122,7 +136,7 @@ def build_model(
 
     out = Path(out_dir)
     tok = build_tokenizer(out)
-    if family != "qwen3":
+    if family not in ("qwen3", "qwen3_moe"):
         config_kwargs.setdefault("hidden_size", 128)
     cfg = hf_config(
         family,
@@ -143,6 +157,13 @@ def build_model(
     model.save_pretrained(str(out), safe_serialization=True)
     model.generation_config.save_pretrained(str(out))
     return out
+
+
+def build_moe_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **config_kwargs) -> Path:
+    """The tiny Qwen3-MoE checkpoint (:data:`MOE_DEFAULTS`; override any key, e.g. ``mlp_only_layers=[]``),
+    saved per expert as the Hub's Qwen3-MoE checkpoints are (``model.layers.N.mlp.experts.E.{gate,up,down}_proj``,
+    router ``model.layers.N.mlp.gate.weight``)."""
+    return build_model(out_dir, "qwen3_moe", seed, init_std, **config_kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 Directions::
 
-    da3po convert hf-to-megatron --hf HF_DIR --out CKPT_DIR --tp N --pp N [--force] [--verify]
+    da3po convert hf-to-megatron --hf HF_DIR --out CKPT_DIR --tp N --pp N [--ep N --etp N] [--force] [--verify]
     da3po convert megatron-to-hf --ckpt CKPT_DIR --out HF_DIR [--max-shard-size 5GB] [--force] [--verify]
 
 Megatron checkpoint layout (shared with the policy's checkpoints, :mod:`da3po_megatron.megatron.checkpoint`)::
@@ -10,6 +10,11 @@ Megatron checkpoint layout (shared with the policy's checkpoints, :mod:`da3po_me
     CKPT_DIR/model/      megatron.core.dist_checkpointing.save(model.sharded_state_dict(), ...)  (torch_dist)
     CKPT_DIR/hf/         HF config.json, generation_config.json, tokenizer files (copied back out by megatron-to-hf)
     CKPT_DIR/meta.json   format, layout, source, vocabulary sizes
+
+Mixture-of-Experts (Qwen3-MoE): ``--ep`` / ``--etp`` (expert model / expert tensor parallel sizes) split the experts;
+the world is then PP x lcm(TP, EP x ETP) processes (the expert ranks come out of the data-parallel ranks, as in
+training). A checkpoint saved at any TP x PP x EP converts back to HF (and so to any other EP) bit-exactly: experts
+are per-expert tensors in both formats (docs/moe.md).
 
 hf-to-megatron spawns TP x PP processes (gloo on CPU, NCCL on GPU); each builds its GPTModel stage, reads only its
 slices of the HF safetensors and saves its shard. Peak memory per process: its shard + one tensor slice.
@@ -120,9 +125,12 @@ def check_hf_checkpoint(hf_dir: str | Path, hf: dict[str, Any] | None = None) ->
         if rule.megatron == "output_layer.weight" and d.share_embeddings_and_output_weights:
             continue
         for layer in range(d.num_layers) if rule.per_layer else [None]:
-            names = mapping.hf_names(rule, layer)
-            mapping._check_hf_shapes(rule, names, reader, d)
-            used.update(names)
+            if not mapping.layer_has(rule, layer, d):
+                continue
+            for e in mapping.experts_of(rule, d):
+                names = mapping.hf_names(mapping.with_expert(rule, e), layer)
+                mapping._check_hf_shapes(mapping.with_expert(rule, e), names, reader, d)
+                used.update(names)
     return sorted(set(reader.names()) - used)
 
 
@@ -160,7 +168,7 @@ def _verify_rank(model, task: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(task.get("seed", 0))
     tokens = torch.randint(0, vocab, (task.get("batch", 3), task.get("seq_len", 24)), generator=gen)
     logits = _forward_logits(model, tokens)
-    if logits is None or ps.get_tensor_model_parallel_rank() != 0:
+    if logits is None or ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
         return
     from transformers import AutoModelForCausalLM
 
@@ -184,7 +192,7 @@ def _verify_export(model, task: dict[str, Any], rank: int) -> None:
 
     reader = SafetensorsReader(task["hf_dir"])
     checked, bad = 0, []
-    for hf_name, t in export_model(model, task["hf_dir"]):
+    for hf_name, t in export_model(model, task["hf_dir"], owner_only=True):
         src = reader.read(hf_name).to(DTYPES[task["params_dtype"]]).to(t.dtype)
         checked += 1
         if not torch.equal(t.cpu(), src):
@@ -205,7 +213,8 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     tp, pp = task["tp"], task["pp"]
-    init_parallel(ParallelLayout(tp, pp), rank=rank, world_size=world, master_port=port)
+    init_parallel(ParallelLayout(tp, pp, 1, task.get("ep", 1), task.get("etp")), rank=rank, world_size=world,
+                  master_port=port)
     try:
         # Verification always computes in float32 (see below); only the conversion builds in the saved dtype.
         options = ModelConfig(params_dtype=task["params_dtype"] if task["mode"] == "hf-to-megatron" else "float32",
@@ -238,14 +247,22 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
         destroy_parallel()
 
 
+def conversion_world(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """Processes of a conversion: PP x lcm(TP, EP x ETP) (one DP replica unless the experts need more ranks)."""
+    import math
+
+    return pp * math.lcm(tp, ep * (tp if etp is None else etp))
+
+
 def _spawn(task: dict[str, Any]) -> None:
     import torch.multiprocessing as mp
 
     from da3po_megatron.megatron.runtime import free_port
 
-    world = task["tp"] * task["pp"]
+    world = conversion_world(task["tp"], task["pp"], task.get("ep", 1), task.get("etp"))
     if torch.cuda.is_available() and world > torch.cuda.device_count():
-        raise ConversionError(f"TP x PP = {world} processes need {world} GPUs, {torch.cuda.device_count()} visible")
+        raise ConversionError(f"TP x PP (x EP) = {world} processes need {world} GPUs, {torch.cuda.device_count()} "
+                              "visible")
     try:
         mp.start_processes(_worker, args=(world, free_port(), task), nprocs=world, join=True, start_method="spawn")
     except mp.ProcessRaisedException as e:  # the worker's traceback is in the message; its last line is the error
@@ -288,13 +305,15 @@ def _check_verify(result_file: Path, tol: float | None, num_layers: int) -> dict
 
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, *, force: bool = False,
                    verify: bool = False, params_dtype: str | None = None, make_vocab_size_divisible_by: int = 1,
-                   verify_tol: float | None = None) -> dict[str, Any]:
-    """Convert an HF checkpoint directory into ``out/{model,hf,meta.json}`` at TP x PP; returns the meta dict."""
+                   verify_tol: float | None = None, ep: int = 1, etp: int | None = None) -> dict[str, Any]:
+    """Convert an HF checkpoint directory into ``out/{model,hf,meta.json}`` at TP x PP (x EP x ETP for MoE);
+    returns the meta dict."""
     t0 = time.perf_counter()
     hf_dir, out = resolve_hf_dir(hf_dir), Path(out)
     hf = load_hf_config(hf_dir)
     family, arch = model_family(hf), gpt_arch(hf)
-    arch.check_parallel_sizes(tp, pp)  # before anything is written or spawned
+    arch.check_parallel_sizes(tp, pp, ep, etp)  # before anything is written or spawned
+    world = conversion_world(tp, pp, ep, etp)
     dropped = check_hf_checkpoint(hf_dir, hf)
     if dropped:
         _say(f"note: {len(dropped)} HF tensors are not used by the mapping and are dropped: {dropped[:4]}")
@@ -304,9 +323,10 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     _prepare_out(out, force, [hf_dir])
     copied = copy_side_files(hf_dir, out / "hf")
     _say(f"{hf.get('architectures', [family])[0]} ({family}): {arch.num_layers} layers, hidden "
-         f"{arch.hidden_size} -> {out} at TP={tp} PP={pp}, params {dtype}; copied {len(copied)} HF side files")
+         f"{arch.hidden_size} -> {out} at TP={tp} PP={pp}{f' EP={ep} ETP={etp or tp}' if arch.is_moe else ''}, "
+         f"params {dtype}; copied {len(copied)} HF side files")
     with tempfile.TemporaryDirectory() as tmp:
-        task = dict(mode="hf-to-megatron", tp=tp, pp=pp, hf_dir=str(hf_dir), config_dir=str(out / "hf"),
+        task = dict(mode="hf-to-megatron", tp=tp, pp=pp, ep=ep, etp=etp, hf_dir=str(hf_dir), config_dir=str(out / "hf"),
                     model_dir=str(out / "model"), params_dtype=dtype,
                     make_vocab_size_divisible_by=make_vocab_size_divisible_by, verify=verify,
                     result=str(Path(tmp) / "verify.json"))
@@ -316,7 +336,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
             "format": FORMAT,
             "step": 0,
             "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                       "context_parallel_size": 1, "data_parallel_size": 1, "world_size": tp * pp},
+                       "context_parallel_size": 1, "data_parallel_size": world // (tp * pp), "world_size": world,
+                       "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp or tp},
             "converted_from": str(hf_dir.resolve()),
             "architecture": hf.get("architectures", [family])[0],
             "arch": arch.to_dict(),  # the model in Megatron terms (megatron.arch.GPTArch)
@@ -342,8 +363,9 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 
 def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, verify: bool = False,
                    max_shard_size: str | int = "5GB", dtype: str = "auto", verify_tp: int = 1, verify_pp: int = 1,
-                   verify_tol: float | None = None, hf_config: str | Path | None = None) -> dict[str, Any]:
-    """Convert ``ckpt/{model,hf}`` (any TP x PP) into an HF directory, streaming layer by layer.
+                   verify_tol: float | None = None, hf_config: str | Path | None = None, verify_ep: int = 1,
+                   verify_etp: int | None = None) -> dict[str, Any]:
+    """Convert ``ckpt/{model,hf}`` (any TP x PP x EP) into an HF directory, streaming layer by layer.
 
     ``ckpt`` may also be a run's step directory or ``latest`` pointer (see :func:`resolve_ckpt_dir`); ``hf_config``
     replaces ``ckpt/hf`` as the source of config.json and tokenizer files."""
@@ -364,7 +386,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
     out_dtype = DTYPES.get(want or "", saved_dtype)
     padded = reader.tensors["embedding.word_embeddings.weight"][0][0]
     if verify:  # a layout --verify cannot build must fail before the output is written, not after
-        arch.check_parallel_sizes(verify_tp, verify_pp)
+        arch.check_parallel_sizes(verify_tp, verify_pp, verify_ep, verify_etp)
         if padded % verify_tp:
             raise ConversionError(f"padded vocabulary {padded} is not divisible by --verify-tp {verify_tp}")
     _prepare_out(out, force, [ckpt])
@@ -382,10 +404,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
         writer.add(hf_name, t)
         n += 1
     files = writer.close()
-    expected = {n for r in mapping.rules(arch) for n in (mapping.hf_names(r, None) if not r.per_layer else
-                [h for i in range(arch.num_layers) for h in mapping.hf_names(r, i)])}
-    if arch.share_embeddings_and_output_weights:
-        expected.discard("lm_head.weight")
+    expected = set(mapping.hf_state_names(arch))
     missing = sorted(expected - writer.seen)
     if missing:
         raise ConversionError(f"checkpoint {ckpt / 'model'} lacks tensors for HF {missing[:6]}")
@@ -394,11 +413,13 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
     result: dict[str, Any] = {"tensors": n, "files": files, "bytes": writer.total_bytes}
     if verify:
         with tempfile.TemporaryDirectory() as tmp:
-            task = dict(mode="verify", tp=verify_tp, pp=verify_pp, hf_dir=str(out), config_dir=str(hf_side),
+            task = dict(mode="verify", tp=verify_tp, pp=verify_pp, ep=verify_ep, etp=verify_etp, hf_dir=str(out),
+                        config_dir=str(hf_side),
                         model_dir=str(ckpt / "model"), verify=True, result=str(Path(tmp) / "verify.json"),
                         params_dtype="bfloat16" if saved_dtype == torch.bfloat16 else "float32",  # verify in fp32
                         make_vocab_size_divisible_by=padded // verify_tp)
-            _say(f"verify: loading {ckpt / 'model'} at TP={verify_tp} PP={verify_pp}")
+            _say(f"verify: loading {ckpt / 'model'} at TP={verify_tp} PP={verify_pp}"
+                 + (f" EP={verify_ep}" if arch.is_moe else ""))
             _spawn(task)
             result["verify"] = _check_verify(Path(task["result"]), verify_tol, arch.num_layers)
     return result
@@ -423,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="output checkpoint directory (OUT/model, OUT/hf, OUT/meta.json)")
     a.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size (default 1)")
     a.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size (default 1)")
+    a.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE; default 1)")
+    a.add_argument("--etp", type=int, default=None, help="expert_tensor_parallel_size (MoE; default: --tp)")
     a.add_argument("--params-dtype", choices=("float32", "bfloat16"), default=None,
                    help="dtype of the saved parameters (default: bfloat16 if the HF config says so, else float32)")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
@@ -441,6 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the written tensors (default auto: the HF config's dtype)")
     b.add_argument("--verify-tp", type=int, default=1, help="TP of the Megatron model built by --verify (default 1)")
     b.add_argument("--verify-pp", type=int, default=1, help="PP of the Megatron model built by --verify (default 1)")
+    b.add_argument("--verify-ep", type=int, default=1, help="EP of the Megatron model built by --verify (MoE)")
+    b.add_argument("--verify-etp", type=int, default=None, help="ETP of the Megatron model built by --verify (MoE)")
     for p in (a, b):
         p.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
         p.add_argument("--verify", action="store_true",
@@ -458,11 +483,12 @@ def main(argv: list[str] | None = None) -> int:
             hf_to_megatron(args.hf, args.out, args.tp, args.pp, force=args.force, verify=args.verify,
                            params_dtype=args.params_dtype,
                            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                           verify_tol=args.verify_tol)
+                           verify_tol=args.verify_tol, ep=args.ep, etp=args.etp)
         else:
             megatron_to_hf(args.ckpt, args.out, force=args.force, verify=args.verify,
                            max_shard_size=args.max_shard_size, dtype=args.dtype, verify_tp=args.verify_tp,
-                           verify_pp=args.verify_pp, verify_tol=args.verify_tol, hf_config=args.hf_config)
+                           verify_pp=args.verify_pp, verify_tol=args.verify_tol, hf_config=args.hf_config,
+                           verify_ep=args.verify_ep, verify_etp=args.verify_etp)
     except (ConversionError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"da3po convert: error: {e}", file=sys.stderr)
         return 3 if isinstance(e, ConversionError) and str(e).startswith("verification failed") else 2

@@ -52,11 +52,13 @@ def to_hf(megatron_stream: Iterable[tuple[str, torch.Tensor]], arch: HFSpec) -> 
         yield from pairs
 
 
-def export_model(model: torch.nn.Module, arch: HFSpec) -> HFStream:
+def export_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False) -> HFStream:
     """The HF stream of a live GPTModel stage (bare or DDP-wrapped). Collective over the stage's TP group: every rank
-    iterates it to the end; items come out on TP rank 0 only (of every PP stage and DP replica)."""
+    iterates it to the end; items come out on TP rank 0 only (of every PP stage and DP replica). MoE experts come
+    out on the ranks that own them; ``owner_only``: every tensor once in the world (see
+    :func:`~da3po_megatron.bridge.megatron_io.iter_model`)."""
     arch = gpt_arch(arch)
-    return to_hf(iter_model(model, arch), arch)
+    return to_hf(iter_model(model, arch, owner_only=owner_only), arch)
 
 
 def export_checkpoint(model_dir: str | Path, arch: HFSpec, progress: Callable[[str], None] | None = None) -> HFStream:

@@ -1,5 +1,5 @@
 """The Hugging Face ``config.json`` -> :class:`~da3po_megatron.megatron.arch.GPTArch`: the one place that reads HF
-config keys (Qwen3, Qwen2/Qwen2.5, Llama 3).
+config keys (Qwen3, Qwen3-MoE, Qwen2/Qwen2.5, Llama 3).
 
 The architecture facts of each family are read from the HF config, never guessed:
 
@@ -7,6 +7,7 @@ The architecture facts of each family are read from the HF config, never guessed
 family      norm         QKV bias      QK-norm      notes
 ==========  ===========  ============  ===========  ======================================
 qwen3       RMSNorm      no            yes          explicit ``head_dim``; tied or untied
+qwen3_moe   RMSNorm      no            yes          Qwen3 attention + routed experts (no shared expert)
 qwen2       RMSNorm      yes           no           Qwen2 and Qwen2.5 share the layout
 llama       RMSNorm      no            no           Llama 3 (optional ``llama3`` RoPE scaling)
 ==========  ===========  ============  ===========  ======================================
@@ -14,6 +15,12 @@ llama       RMSNorm      no            no           Llama 3 (optional ``llama3``
 All use SwiGLU MLPs without biases, RoPE, and grouped-query attention; :func:`gpt_arch` refuses anything else it can
 see (another architecture, another activation, another RoPE scaling). The policy (:mod:`da3po_megatron.megatron`) is
 built from the :class:`GPTArch` this returns and never reads an HF config itself.
+
+Qwen3-MoE (``Qwen3MoeForCausalLM``, transformers 5 ``models/qwen3_moe``): ``num_experts`` routed experts of width
+``moe_intermediate_size``, ``num_experts_per_tok`` per token, ``norm_topk_prob``; layer i is sparse when
+``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0`` (``Qwen3MoeDecoderLayer.__init__``), else a dense
+MLP of ``intermediate_size``. ``router_aux_loss_coef`` is the pre-training load-balancing loss; RL does not use it
+(``docs/moe.md``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from da3po_megatron.megatron.arch import GPTArch
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
 }
@@ -55,7 +63,7 @@ def load_hf_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
 
 
 def model_family(hf: dict[str, Any]) -> str:
-    """'qwen3' | 'qwen2' | 'llama' from the config's architectures; a clear error otherwise."""
+    """'qwen3' | 'qwen3_moe' | 'qwen2' | 'llama' from the config's architectures; a clear error otherwise."""
     archs = hf.get("architectures") or []
     for a in archs:
         if a in SUPPORTED_ARCHITECTURES:
@@ -101,6 +109,14 @@ def gpt_arch(spec: HFSpec) -> GPTArch:
         raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r} (SwiGLU models only)")
     heads = int(hf["num_attention_heads"])
     pad = hf.get("pad_token_id")
+    moe: dict[str, Any] = {}
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # the Hub's key / transformers 5's
+    if family == "qwen3_moe" and experts > 0:
+        layers, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in hf.get("mlp_only_layers") or []}
+        moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+                   moe_router_topk=int(hf["num_experts_per_tok"]), moe_norm_topk_prob=bool(hf.get("norm_topk_prob")),
+                   moe_layer_pattern=tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers)))
     return GPTArch(
         num_layers=int(hf["num_hidden_layers"]),
         hidden_size=int(hf["hidden_size"]),
@@ -111,11 +127,12 @@ def gpt_arch(spec: HFSpec) -> GPTArch:
         vocab_size=int(hf["vocab_size"]),
         layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         add_qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         rotary_base=int(rope_theta(hf)),
         rope_scaling_factor=rope_scaling_factor(hf),
         max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
         init_method_std=float(hf.get("initializer_range", 0.02)),
         pad_token_id=int(pad) if isinstance(pad, int) else 0,
+        **moe,
     )

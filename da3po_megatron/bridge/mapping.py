@@ -1,7 +1,7 @@
 """The HF <-> Megatron parameter mapping, written once: names, QKV / gate-up layouts, TP shards, vocabulary padding.
 
-One declarative table (:func:`rules`) lists, for a model of a supported family (Qwen3, Qwen2/2.5, Llama 3; given as
-its :class:`~da3po_megatron.megatron.arch.GPTArch` or its Hugging Face config), every Megatron ``GPTModel``
+One declarative table (:func:`rules`) lists, for a model of a supported family (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3;
+given as its :class:`~da3po_megatron.megatron.arch.GPTArch` or its Hugging Face config), every Megatron ``GPTModel``
 parameter with the HF tensors it is made of, how they are combined (``kind``) and how the result is split across
 tensor-parallel ranks (``tp_dim``). Every use goes through it:
 
@@ -28,13 +28,24 @@ Layouts (Megatron's, megatron-core 0.16.1):
 * Tied embeddings: HF has no ``lm_head.weight``; a Megatron last pipeline stage without the embedding still owns an
   ``output_layer.weight`` copy, imported from ``model.embed_tokens.weight`` and skipped on export.
 
+* Mixture-of-Experts (Qwen3-MoE; :func:`rules` marks each per-layer rule for dense layers, MoE layers or both):
+  the router ``mlp.router.weight`` [E, h] is HF's ``mlp.gate.weight`` (replicated); expert ``e``'s
+  ``mlp.experts.local_experts.{e}.linear_fc1`` / ``linear_fc2`` (``SequentialMLP``, the local spec; the TE spec's
+  ``TEGroupedMLP`` names them ``mlp.experts.linear_fc1.weight{e}``, an alias) are HF's per-expert
+  ``mlp.experts.{e}.{gate,up,down}_proj.weight`` -- the layout of the Hub checkpoints and of transformers 5's
+  ``save_pretrained`` (it fuses them only in memory). Expert rules are split over the *expert* tensor-parallel
+  ranks (ETP) and carry the global expert number: a live model names its local experts 0..E/EP-1, which
+  :func:`expert_name` makes global (``ep_rank * E / EP + local``). An expert is a tensor of its own in every use:
+  no [E x ...] tensor of a layer is ever built.
+
 Why an own table and not mbridge: mbridge 0.15.1 is not a dependency of this project, and on CPU it needs five
 workarounds (TE forced off, local-spec norm names added by hand, ``rope_theta`` for transformers 5, config overrides,
 a ``.cuda()`` remap) -- more code than this table, which has three families of the same dense GQA+SwiGLU shape.
 The names and layouts follow Megatron-LM's ``tools/checkpoint`` loaders and verl / slime / mbridge's Qwen bridges.
 
-Deliberately left out: MoE, MLA, multi-token prediction, bias-ful MLPs, non-SwiGLU activations (the model builder
-rejects them), virtual pipeline stages (layer numbers are read from the built model, so they would work, untested).
+Deliberately left out: shared experts, expert biases, MLA, multi-token prediction, bias-ful MLPs, non-SwiGLU
+activations (the model builder rejects them), virtual pipeline stages (layer numbers are read from the built model,
+so they would work, untested).
 """
 
 from __future__ import annotations
@@ -53,6 +64,9 @@ _TE_ALIASES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# An expert's parameter: SequentialMLP (local spec) or TEGroupedMLP (TE spec; ``linear_fc1.weight{e}``)
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_GROUPED_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,9 @@ class Rule:
             ``vocab`` (one tensor, rows padded to the padded vocabulary).
         tp_dim: dimension split across TP ranks (None = replicated on every TP rank).
         per_layer: whether ``megatron`` / ``hf`` are per-layer templates.
+        layers: which layers have it: None = every layer, "dense" = dense-MLP layers, "moe" = MoE layers.
+        expert: an expert's parameter: ``megatron`` / ``hf`` hold ``{e}`` (the global expert number), split over the
+            expert tensor-parallel ranks; :func:`resolve` returns it with ``{e}`` filled in.
     """
 
     megatron: str
@@ -73,6 +90,8 @@ class Rule:
     kind: str
     tp_dim: int | None
     per_layer: bool = True
+    layers: str | None = None
+    expert: bool = False
 
 
 def rules(arch: HFSpec) -> list[Rule]:
@@ -80,6 +99,7 @@ def rules(arch: HFSpec) -> list[Rule]:
     :class:`GPTArch` or an HF config (dict / directory), as everywhere in this module."""
     d = gpt_arch(arch)
     a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    dense = "dense" if d.is_moe else None
     table = [
         Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0, per_layer=False),
         Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None, per_layer=False),
@@ -91,9 +111,15 @@ def rules(arch: HFSpec) -> list[Rule]:
              "qkv", 0),
         Rule("self_attention.linear_proj.weight", (a + "o_proj.weight",), "copy", 1),
         Rule("pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",), "copy", None),
-        Rule("mlp.linear_fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up", 0),
-        Rule("mlp.linear_fc2.weight", (m + "down_proj.weight",), "copy", 1),
+        Rule("mlp.linear_fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up", 0, layers=dense),
+        Rule("mlp.linear_fc2.weight", (m + "down_proj.weight",), "copy", 1, layers=dense),
     ]
+    if d.is_moe:
+        x, e = "mlp.experts.local_experts.{e}.", m + "experts.{e}."
+        table += [Rule("mlp.router.weight", (m + "gate.weight",), "copy", None, layers="moe"),
+                  Rule(x + "linear_fc1.weight", (e + "gate_proj.weight", e + "up_proj.weight"), "gate_up", 0,
+                       layers="moe", expert=True),
+                  Rule(x + "linear_fc2.weight", (e + "down_proj.weight",), "copy", 1, layers="moe", expert=True)]
     if d.add_qkv_bias:
         table.append(Rule("self_attention.linear_qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
                           "qkv", 0))
@@ -107,26 +133,67 @@ def _rule_index(arch: HFSpec) -> dict[str, Rule]:
     return {r.megatron: r for r in rules(arch)}
 
 
+def _split_expert(key: str) -> tuple[str, int | None]:
+    """A per-layer key -> (its rule key with ``{e}``, the expert number) for expert parameters, else (key, None)."""
+    mt = _EXPERT_RE.match(key) or _GROUPED_RE.match(key)
+    if mt is None:
+        return key, None
+    if mt.re is _EXPERT_RE:
+        return f"mlp.experts.local_experts.{{e}}.{mt.group(2)}", int(mt.group(1))
+    return f"mlp.experts.local_experts.{{e}}.{mt.group(1)}.weight", int(mt.group(2))
+
+
+def layer_has(rule: Rule, layer: int | None, arch: HFSpec) -> bool:
+    """Whether ``rule`` exists at global ``layer`` (dense-MLP rules only in dense layers, MoE rules in MoE layers)."""
+    if rule.layers is None or layer is None:
+        return True
+    return gpt_arch(arch).is_moe_layer(layer) == (rule.layers == "moe")
+
+
+def experts_of(rule: Rule, arch: HFSpec) -> list[int | None]:
+    """The global expert numbers a rule is instantiated for ([None] for a non-expert rule)."""
+    return list(range(gpt_arch(arch).num_moe_experts or 0)) if rule.expert else [None]
+
+
+def with_expert(rule: Rule, expert: int | None) -> Rule:
+    """``rule`` with ``{e}`` filled in (the rule itself for a non-expert rule)."""
+    if expert is None or not rule.expert:
+        return rule
+    e = str(expert)
+    return Rule(rule.megatron.replace("{e}", e), tuple(h.replace("{e}", e) for h in rule.hf), rule.kind, rule.tp_dim,
+                rule.per_layer, rule.layers, rule.expert)
+
+
 def resolve(name: str, arch: HFSpec) -> tuple[Rule, int | None]:
-    """(rule, global layer number or None) for a global Megatron parameter name of either layer spec."""
+    """(rule, global layer number or None) for a global Megatron parameter name of either layer spec; an expert's
+    rule comes with its (global) expert number filled in (:func:`with_expert`)."""
     d = gpt_arch(arch)
     index = _rule_index(d)
     layer = None
-    key = name
+    key, expert = name, None
     mt = _LAYER_RE.match(name)
     if mt:
         layer, key = int(mt.group(1)), _TE_ALIASES.get(mt.group(2), mt.group(2))
+        key, expert = _split_expert(key)
         if layer >= d.num_layers:
             raise ValueError(f"Megatron tensor {name!r}: layer {layer} out of range (the model has {d.num_layers} "
                              "layers)")
     rule = index.get(key)
-    if rule is None or rule.per_layer != (layer is not None):
+    if rule is None or rule.per_layer != (layer is not None) or not layer_has(rule, layer, d):
         raise ValueError(f"no HF mapping for Megatron tensor {name!r}; known: {sorted(index)}")
-    return rule, layer
+    if expert is not None and expert >= (d.num_moe_experts or 0):
+        raise ValueError(f"Megatron tensor {name!r}: expert {expert} out of range (the model has "
+                         f"{d.num_moe_experts} experts)")
+    return with_expert(rule, expert), layer
 
 
 def hf_names(rule: Rule, layer: int | None) -> list[str]:
     return [h.format(i=layer) for h in rule.hf]
+
+
+def _ffn(rule: Rule, d) -> int:
+    """The SwiGLU width of a gate/up rule: an expert's or the dense MLP's."""
+    return d.moe_ffn_hidden_size if rule.expert else d.ffn_hidden_size
 
 
 def expected_hf_shapes(rule: Rule, arch: HFSpec) -> list[tuple[int, ...]]:
@@ -139,7 +206,11 @@ def expected_hf_shapes(rule: Rule, arch: HFSpec) -> list[tuple[int, ...]]:
     if rule.kind == "qkv":
         return [(q, d.hidden_size), (kv, d.hidden_size), (kv, d.hidden_size)] if weight else [(q,), (kv,), (kv,)]
     if rule.kind == "gate_up":
-        return [(d.ffn_hidden_size, d.hidden_size)] * 2
+        return [(_ffn(rule, d), d.hidden_size)] * 2
+    if rule.expert:  # linear_fc2 of an expert
+        return [(d.hidden_size, d.moe_ffn_hidden_size)]
+    if rule.megatron == "mlp.router.weight":
+        return [(d.num_moe_experts, d.hidden_size)]
     return [{
         "decoder.final_layernorm.weight": (d.hidden_size,),
         "input_layernorm.weight": (d.hidden_size,),
@@ -241,9 +312,11 @@ def hf_to_megatron_shard(name: str, reader: Reader, arch: HFSpec, tp_rank: int =
         out = torch.cat([q.reshape(g, nq, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], 1)
         return out.reshape(g * (nq + 2 * hd), *rest)
     if rule.kind == "gate_up":
-        if d.ffn_hidden_size % tp_size:
-            raise ValueError(f"{name}: ffn_hidden_size {d.ffn_hidden_size} is not divisible by TP={tp_size}")
-        f = d.ffn_hidden_size // tp_size
+        width = _ffn(rule, d)
+        if width % tp_size:
+            raise ValueError(f"{name}: {'moe_' if rule.expert else ''}ffn_hidden_size {width} is not divisible by "
+                             f"{'expert ' if rule.expert else ''}TP={tp_size}")
+        f = width // tp_size
         return torch.cat([reader.read(n, 0, tp_rank * f, (tp_rank + 1) * f) for n in names], 0)
     if rule.tp_dim is None:
         return reader.read(names[0])
@@ -329,7 +402,38 @@ def tp_shard_of_full(name: str, full: torch.Tensor, arch: HFSpec, tp_rank: int, 
     return full.chunk(tp_size, rule.tp_dim)[tp_rank]
 
 
-def layer_name(name: str, global_layer: Callable[[int], int]) -> str:
-    """Rename ``decoder.layers.{local}.x`` to its global layer number (``global_layer(local)``)."""
+def layer_name(name: str, global_layer: Callable[[int], int], expert_offset: int = 0) -> str:
+    """Rename ``decoder.layers.{local}.x`` to its global layer number (``global_layer(local)``) and a local
+    expert's number to its global one (``expert_offset + local``: ``ep_rank * num_local_experts``)."""
     mt = _LAYER_RE.match(name)
-    return f"decoder.layers.{global_layer(int(mt.group(1)))}.{mt.group(2)}" if mt else name
+    if not mt:
+        return name
+    rest = mt.group(2)
+    if expert_offset:
+        ex = _EXPERT_RE.match(rest)
+        gx = _GROUPED_RE.match(rest) if ex is None else None
+        if ex is not None:
+            rest = f"mlp.experts.local_experts.{expert_offset + int(ex.group(1))}.{ex.group(2)}"
+        elif gx is not None:
+            rest = f"mlp.experts.{gx.group(1)}.weight{expert_offset + int(gx.group(2))}"
+    return f"decoder.layers.{global_layer(int(mt.group(1)))}.{rest}"
+
+
+def is_expert(name: str) -> bool:
+    """Whether a (local or global) Megatron parameter name is an expert's (split over EP x ETP, not TP)."""
+    mt = _LAYER_RE.match(name)
+    return bool(mt and (_EXPERT_RE.match(mt.group(2)) or _GROUPED_RE.match(mt.group(2))))
+
+
+def hf_state_names(arch: HFSpec) -> list[str]:
+    """Every HF tensor name the model's checkpoint holds under the mapping (the tied ``lm_head`` left out)."""
+    d = gpt_arch(arch)
+    out: list[str] = []
+    for rule in rules(d):
+        if rule.megatron == "output_layer.weight" and d.share_embeddings_and_output_weights:
+            continue
+        for layer in range(d.num_layers) if rule.per_layer else [None]:
+            if layer_has(rule, layer, d):
+                for e in experts_of(rule, d):
+                    out += hf_names(with_expert(rule, e), layer)
+    return out

@@ -15,6 +15,8 @@ The patches (measured on megatron-core 0.16.1, see ``shared/notes/cpu-stack.md``
    ``clip_grads`` check this string. ``Tensor.type(dtype)`` casts as before.
 5. A CPU RNG-state tracker replaces Megatron's CUDA one (its ``add`` calls ``torch.cuda.get_rng_state``), so
    ``model_parallel_cuda_manual_seed`` and dropout inside tensor-parallel regions work.
+6. ``torch.cuda.Stream`` / ``current_stream()`` / ``stream(...)`` are one synchronous stand-in stream (the MoE
+   alltoall token dispatcher moves its split sizes to the host on a side stream).
 
 Not supported on CPU (checked by the runtime, not patched): ``sequence_parallel=True`` (torch LayerNorm assert) and
 the fused kernels (bias-activation, bias-dropout, masked-softmax, RoPE, gradient-accumulation fusions).
@@ -117,6 +119,40 @@ def _install_cpu_rng_tracker() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
+class _CPUStream:
+    """The one "stream" of a CPU process: work is synchronous, so waiting, events and syncs are no-ops."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CPUStream()
+
+
+def _patch_streams() -> None:
+    """``torch.cuda.Stream`` / ``current_stream`` / ``stream(...)`` as synchronous no-ops: megatron-core 0.16.1's
+    alltoall MoE token dispatcher moves its split sizes to the host on a side stream (``token_dispatcher.py`` 444-445,
+    864-898: ``torch.cuda.Stream()``, ``torch.cuda.stream(...)``, ``record_event().synchronize()``). One stream object
+    is both "current" and the side stream, so no ``record_stream`` is attempted on CPU tensors."""
+    import contextlib
+
+    torch.cuda.Stream = _CPUStream  # type: ignore[misc,assignment]
+    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+
+
 def apply_if_needed() -> bool:
     """Patch torch/megatron for CPU when CUDA is absent. Idempotent; returns True when the CPU patches are active.
 
@@ -128,6 +164,7 @@ def apply_if_needed() -> bool:
     if not _applied:
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *a, **k: None
+        _patch_streams()
         _patch_tensor_type()
         _install_cpu_rng_tracker()
         _applied = True

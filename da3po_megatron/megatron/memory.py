@@ -27,6 +27,15 @@ What is counted, per rank, on the pipeline stage with the largest total (bytes =
 * **transient** peak inside the layer being processed: a second attention-score tensor (the scores before softmax /
   the gradient) and one layer's MLP intermediates.
 
+Mixture-of-Experts (``arch.is_moe``): an MoE layer's parameters are its router (``E x h``, replicated) plus the
+``E / EP`` experts this rank owns, each split over ETP ranks (``3 h f_e / etp``); dense layers as above. Expert
+gradients and Adam state are divided over the *expert* data-parallel ranks (``DP x TP / (EP x ETP)``) by the
+distributed optimizer, the rest over DP. Activations of an MoE layer replace the dense MLP's ``3 f / t`` per token by
+the routed tokens' expert intermediates (``k x 3 f_e / etp``), plus the dispatcher's buffers: the permuted
+hidden states sent and received by the all-to-all (``2 x k x h`` per token, each kept for backward) and the
+routing map / probabilities (``3 E`` per token, fp32). The estimate assumes balanced routing times
+``moe_imbalance`` (default 1.5: the most tokens one rank's experts receive, relative to balanced).
+
 Calibration: the per-term constants above were checked against the measured peak RSS of single-rank train steps
 (``tools/measure_policy_memory.py``; numbers and error in docs/real_model.md). Left out: the engine's KV cache (its own
 budget, ``rollout.kv_cache_memory_bytes``), the allocator's fragmentation beyond what the measurements absorbed, CUDA
@@ -81,14 +90,23 @@ def _shape(arch: GPTArch) -> dict[str, int]:
             "tied": int(arch.share_embeddings_and_output_weights)}
 
 
-def _layer_params(s: dict[str, int], tp: int, qk_norm: bool, qkv_bias: bool) -> float:
+def _layer_params(s: dict[str, int], tp: int, qk_norm: bool, qkv_bias: bool, mlp: bool = True) -> float:
     h, f, a, g, d = s["h"], s["f"], s["a"], s["g"], s["d"]
     p = 2 * h  # input_layernorm + pre_mlp_layernorm (replicated over TP)
     p += h * (a + 2 * g) * d / tp + a * d * h / tp  # QKV + output projection
-    p += h * 2 * f / tp + f * h / tp  # SwiGLU fc1 (gate + up) + fc2
+    p += (h * 2 * f / tp + f * h / tp) if mlp else 0  # SwiGLU fc1 (gate + up) + fc2 (dense layers)
     p += 2 * d if qk_norm else 0
     p += (a + 2 * g) * d / tp if qkv_bias else 0
     return p
+
+
+def moe_layer_params(arch: GPTArch, ep: int = 1, etp: int = 1) -> tuple[float, float]:
+    """(router parameters, expert parameters) of one MoE layer on one rank: the router ``E x h`` (replicated) and the
+    rank's ``E / EP`` experts, each ``3 h f_e / ETP`` (SwiGLU fc1 gate + up, fc2)."""
+    if not arch.is_moe:
+        return 0.0, 0.0
+    e, fe, h = arch.num_moe_experts, arch.moe_ffn_hidden_size, arch.hidden_size
+    return float(e * h), (e / ep) * 3 * h * fe / etp
 
 
 def estimate_policy_memory(
@@ -107,6 +125,9 @@ def estimate_policy_memory(
     temperature_scaled: bool = True,
     device: str = "cpu",
     logprob_max_tokens_per_microbatch: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    moe_imbalance: float = 1.5,
 ) -> MemoryEstimate:
     """Estimated peak bytes of one policy rank in a train step (see the module doc for every term).
 
@@ -115,6 +136,8 @@ def estimate_policy_memory(
     ``loss_backend``: "torch" | "kernel" | "fused_linear" (a kernel name such as "chunked" counts as "kernel").
     ``logprob_max_tokens_per_microbatch``: the forward-only pi_old pass's budget (the policy's default: 2 x the train
     budget); its peak (no activations kept, logits of twice the tokens) is taken when it is the larger one.
+    ``ep`` / ``etp``: expert model / tensor parallel sizes (MoE; ``etp`` defaults to ``tp``); ``moe_imbalance``: the
+    most tokens one rank's experts receive, relative to balanced routing.
     """
     if max_tokens_per_microbatch < 1 or max_seq_len < 1:
         raise ValueError(f"need max_tokens_per_microbatch >= 1 and max_seq_len >= 1, got "
@@ -131,10 +154,19 @@ def estimate_policy_memory(
     S = min(int(max_seq_len), T)
     vocab = math.ceil(s["V"] / tp) * tp
     layers = L // pp
-    per_layer = _layer_params(s, tp, qk_norm=arch.qk_layernorm, qkv_bias=arch.add_qkv_bias)
+    etp = tp if etp is None else etp
+    pattern = arch.moe_pattern()
     # static bytes per parameter: weight + fp32 grad buffer + (Adam moments + fp32 master for 16-bit) / DP
     opt_bytes = 8 + (4 if pbytes < 4 else 0)
     static_per_param = pbytes + 4 + opt_bytes / (dp if distributed_optimizer else 1)
+    edp = max(1, dp * tp // (ep * etp))  # expert data-parallel ranks: the experts' optimizer state is split over them
+    static_per_expert_param = pbytes + 4 + opt_bytes / (edp if distributed_optimizer else 1)
+    router_p, expert_p = moe_layer_params(arch, ep, etp)
+    k, E = arch.moe_router_topk, arch.num_moe_experts or 0
+    fe = arch.moe_ffn_hidden_size or 0
+    # per token of an MoE layer: routed expert intermediates (k tokens x SwiGLU, x imbalance) + dispatcher buffers
+    # (permuted hidden states out and back, each kept for backward) + routing map / probabilities / logits
+    moe_lin = (k * 3 * fe / etp + 2 * k * h) * moe_imbalance + 3 * E
 
     lin = 6 * h + (2 * a + 3 * g) * d / tp + a * d / tp + 3 * f / tp  # per token, per layer (elements)
     attn = S * a / tp if layer_spec == "local" else 0.0  # per token, per layer: softmax output [rows, a/t, S, S]
@@ -143,26 +175,33 @@ def estimate_policy_memory(
         act_bytes = 2
 
     best: MemoryEstimate | None = None
+    dense_layer = _layer_params(s, tp, qk_norm=arch.qk_layernorm, qkv_bias=arch.add_qkv_bias)
+    moe_layer = _layer_params(s, tp, qk_norm=arch.qk_layernorm, qkv_bias=arch.add_qkv_bias, mlp=False)
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
-        params = layers * per_layer
+        n_moe = sum(pattern[stage * layers:(stage + 1) * layers])
+        params = (layers - n_moe) * dense_layer + n_moe * (moe_layer + router_p)
+        experts = n_moe * expert_p
+        # activations: an MoE layer trades the dense MLP's 3f/t for its experts' and dispatcher's terms
+        lin_stage = lin + (n_moe * (moe_lin - 3 * f / tp) / layers if layers else 0.0)
         params += vocab * h / tp if first else 0
         params += vocab * h / tp if last and (not s["tied"] or pp > 1) else 0
         params += h if last else 0  # final norm
         in_flight = min(pp - stage, pp)  # 1F1B: stage i holds (pp - i) micro-batches' activations
         if recompute_granularity == "full":
-            kept = T * h * layers + T * (lin + attn) if layers else 0  # inputs + one layer recomputed at a time
+            kept = T * h * layers + T * (lin_stage + attn) if layers else 0  # inputs + one layer recomputed at a time
         elif recompute_granularity == "selective":
-            kept = T * lin * layers
+            kept = T * lin_stage * layers
         else:
-            kept = T * (lin + attn) * layers
+            kept = T * (lin_stage + attn) * layers
         mask = T * S / 4 if layer_spec == "local" else 0  # bool [rows, 1, S, S] in fp32-element units
-        transient = T * attn + T * 3 * f / tp  # scores beside probabilities; one layer's MLP intermediates
+        transient = T * attn + T * (max(3 * f / tp, moe_lin) if n_moe else 3 * f / tp)  # scores; one layer's MLP
         logits = T * vocab / tp * _LOGIT_COPIES[backend] if last else 0.0
         if temperature_scaled is False and last and backend != "fused_linear":
             logits -= T * vocab / tp
         comps = {
             "weights+grads+optimizer": int(params * static_per_param),
+            "experts+grads+optimizer": int(experts * static_per_expert_param),
             "activations": int((kept * in_flight + mask) * act_bytes),
             "transient": int(transient * act_bytes),
             "logits": int(max(logits, 0.0) * 4),
@@ -171,7 +210,8 @@ def estimate_policy_memory(
         # the forward-only pi_old pass: nothing kept between layers, logits of its (larger) micro-batch
         T2 = int(logprob_max_tokens_per_microbatch or 2 * T)
         S2 = min(int(max_seq_len), T2)
-        fwd_act = T2 * (2 * S2 * a / tp if layer_spec == "local" else 0.0) + T2 * (lin + 3 * f / tp) + T2 * S2 / 4
+        fwd_act = (T2 * (2 * S2 * a / tp if layer_spec == "local" else 0.0) + T2 * (lin_stage + 3 * f / tp)
+                   + T2 * S2 / 4)
         fwd_logits = T2 * vocab / tp * _LOGIT_COPIES_FORWARD[backend] if last else 0.0
         fwd = fwd_act * act_bytes + fwd_logits * 4
         if fwd > comps["activations"] + comps["transient"] + comps["logits"]:
@@ -181,6 +221,7 @@ def estimate_policy_memory(
             best = est
     assert best is not None
     best.inputs = {"max_tokens_per_microbatch": T, "max_seq_len": int(max_seq_len), "tp": tp, "pp": pp, "dp": dp,
+                   "ep": ep, "etp": etp,
                    "params_dtype": params_dtype, "layer_spec": layer_spec,
                    "recompute_granularity": recompute_granularity, "loss_backend": loss_backend}
     return best
@@ -210,7 +251,8 @@ def estimate_for_config(cfg: Any, arch: GPTArch, max_tokens_per_microbatch: int 
         layer_spec="te" if te else "local", recompute_granularity=cfg.model.recompute_granularity,
         loss_backend=backend, distributed_optimizer=cfg.optim.use_distributed_optimizer,
         temperature_scaled=cfg.rollout.temperature != 1.0, device=device,
-        logprob_max_tokens_per_microbatch=getattr(a, "logprob_max_tokens_per_microbatch", 0) or None)
+        logprob_max_tokens_per_microbatch=getattr(a, "logprob_max_tokens_per_microbatch", 0) or None,
+        ep=getattr(p, "expert_model_parallel_size", 1), etp=getattr(p, "expert_tensor_parallel_size", None))
 
 
 def device_memory_bytes(device: str | None = None) -> tuple[int, str]:
@@ -275,6 +317,8 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
     if device == "cpu":
         s = _shape(arch)
         params = s["L"] * _layer_params(s, 1, False, False) + s["V"] * s["h"] * (2 - s["tied"])
+        if arch.is_moe:  # the engine holds every expert (and no dense MLP in MoE layers)
+            params += sum(arch.moe_pattern()) * (sum(moe_layer_params(arch)) - 3 * s["h"] * s["f"])
         engines = int(cfg.rollout.num_engines) * (4 * params + int(cfg.rollout.kv_cache_memory_bytes))
         if local_ranks is None:
             local_ranks = world if cfg.ray.address == "local" else 1

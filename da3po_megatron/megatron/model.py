@@ -8,6 +8,19 @@ The layer spec is Transformer-Engine's when CUDA and Transformer-Engine are pres
 (the bridge maps both). On GPU the model runs in bf16 with fp32 master weights kept by Megatron's distributed
 optimizer; on CPU in float32.
 
+Mixture-of-Experts (Qwen3-MoE, ``arch.is_moe``): megatron-core's ``MoELayer`` in the layers the arch marks
+(``moe_layer_freq`` as a list; the others keep the dense MLP), built by ``get_gpt_decoder_block_spec``
+(megatron-core 0.16.1 ``models/gpt/gpt_layer_specs.py`` 517-650). Router: softmax in fp32 (``moe_router_dtype``)
+over ``moe_router_topk`` experts; HF's ``norm_topk_prob=True`` (softmax over all, top-k, renormalise) equals
+Megatron's top-k-then-softmax (``moe_router_pre_softmax=False``, ``moe_utils.py`` 709-715), ``False`` is
+``pre_softmax=True``. Dropless (no capacity factor), no load-balancing loss unless ``model.moe_aux_loss_coeff`` > 0
+(RL keeps the router as it is: docs/moe.md). Experts: ``SequentialMLP`` (one MLP per local expert) on the local spec,
+``TEGroupedMLP`` (grouped GEMM) on the Transformer-Engine spec. Token dispatcher: ``alltoall`` on every backend --
+it runs on gloo (``all_to_all_single`` with uneven splits) as on NCCL. ``expert_model_parallel_size`` (EP) splits the
+experts over ranks carved out of the data-parallel ranks; ``expert_tensor_parallel_size`` (ETP, default TP) splits
+each expert's MLP. Routing replay (``moe_enable_routing_replay``): one ``RouterReplay`` per MoE layer
+(``transformer/moe/router_replay.py``), driven by :mod:`da3po_megatron.megatron.moe`.
+
 Vocabulary: Megatron splits the output layer's vocabulary across TP ranks, so the vocabulary is padded up to a
 multiple of ``tensor_model_parallel_size`` (and of ``make_vocab_size_divisible_by``, 1 by default so that the real
 models' vocabularies -- all multiples of 128 -- stay unpadded and logits equal Hugging Face's). Padded rows are zero
@@ -138,12 +151,40 @@ def use_te(options: ModelConfig) -> bool:
     return False
 
 
-def transformer_config(arch: GPTArch, options: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1):
+def moe_config_kwargs(arch: GPTArch, options: ModelConfig, ep: int = 1, etp: int | None = None,
+                      te: bool = False) -> dict[str, Any]:
+    """The ``TransformerConfig`` MoE fields of ``arch`` ({} for a dense model; see the module doc)."""
+    if not arch.is_moe:
+        return {}
+    aux = float(getattr(options, "moe_aux_loss_coeff", 0.0) or 0.0)
+    return dict(
+        num_moe_experts=arch.num_moe_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux,
+        moe_layer_freq=arch.moe_pattern(),
+        moe_grouped_gemm=te,
+        moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_enable_routing_replay=bool(getattr(options, "moe_routing_replay", False)),
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+
+
+def transformer_config(arch: GPTArch, options: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                       etp: int | None = None, te: bool = False):
     """A megatron ``TransformerConfig`` for ``arch``, with parallel sizes (checked:
-    :meth:`GPTArch.check_parallel_sizes`) and the run config's ``model`` options (dtype, recomputation)."""
+    :meth:`GPTArch.check_parallel_sizes`) and the run config's ``model`` options (dtype, recomputation); MoE fields
+    from :func:`moe_config_kwargs` (``te``: grouped GEMM experts)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    arch.check_parallel_sizes(tp, pp)
+    arch.check_parallel_sizes(tp, pp, ep, etp)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[options.params_dtype]
     kw: dict[str, Any] = dict(
         num_layers=arch.num_layers,
@@ -174,18 +215,23 @@ def transformer_config(arch: GPTArch, options: ModelConfig, tp: int = 1, pp: int
         recompute_num_layers=options.recompute_num_layers,
         init_method_std=arch.init_method_std,
     )
+    kw.update(moe_config_kwargs(arch, options, ep, etp if etp is not None else tp, te))
     if cpu_compat.needed():
         kw.update(cpu_compat.cpu_safe_config_overrides())
     return TransformerConfig(**kw)
 
 
 def layer_spec(config, te: bool):
-    """Transformer-Engine spec (fused LayerNorm+Linear) or Megatron's local spec."""
+    """Transformer-Engine spec (fused LayerNorm+Linear) or Megatron's local spec; for MoE the whole decoder block's
+    spec (MoE and dense layers per ``config.moe_layer_freq``, this rank's pipeline stage)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    if config.num_moe_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=config.normalization)
     if te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
@@ -205,8 +251,14 @@ def build_gpt_model(
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
-    config = transformer_config(arch, options, tp, pp, cp)
+    ep = ps.get_expert_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
     te = use_te(options)
+    config = transformer_config(arch, options, tp, pp, cp, ep, etp, te)
+    if arch.is_moe:
+        from da3po_megatron.megatron.moe import patch_megatron_moe
+
+        patch_megatron_moe()
     _, padded_vocab = arch.vocab_sizes(tp, options.make_vocab_size_divisible_by)
     scaling = arch.rope_scaling_factor
     model = GPTModel(

@@ -30,6 +30,8 @@ class ParallelLayout:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1  # EP: MoE experts split over ranks taken from DP (x CP); dense models 1
+    expert_tensor_parallel_size: int | None = None  # ETP: each expert's MLP split; None = TP
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP = world / (TP x PP x CP), after :meth:`validate`."""
@@ -47,6 +49,14 @@ class ParallelLayout:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
                 f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) = {tp * pp * cp}")
+        ep = self.expert_model_parallel_size
+        etp = tp if self.expert_tensor_parallel_size is None else self.expert_tensor_parallel_size
+        if ep < 1 or etp < 1:
+            raise ValueError(f"expert_model_parallel_size ({ep}) and expert_tensor_parallel_size ({etp}) must be >= 1")
+        if world_size % (etp * ep * pp):
+            raise ValueError(f"world size {world_size} is not divisible by expert_tensor_parallel_size ({etp}) x "
+                             f"expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp}); the expert "
+                             "ranks are taken from the data-parallel ranks of each pipeline stage")
         if cp > 1 and not torch.cuda.is_available():
             raise ValueError(f"context_parallel_size={cp} needs CUDA (ring attention is not available on CPU/gloo)")
 
@@ -117,6 +127,8 @@ def init_parallel(
             tensor_model_parallel_size=layout.tensor_model_parallel_size,
             pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
             context_parallel_size=layout.context_parallel_size,
+            expert_model_parallel_size=layout.expert_model_parallel_size,
+            expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
         )
     set_seed(seed)
 
