@@ -69,3 +69,56 @@ def test_restart_on_failure_replays_the_synced_weights_and_completes_the_batch(c
     assert all(len(g) == 2 for g in out)
     assert max_logprob_diff(synced_model, out) < TOL  # the new engine got the synced weights, not the checkpoint's
     assert [h["ok"] for h in client.health()] == [True, True]
+
+
+def test_a_restarted_engine_whose_bundle_stays_taken_times_out_naming_it(ray_session, model_dir):
+    """A restarted engine goes back into its placement-group bundle; while something still holds the bundle (the
+    dead engine's process not yet gone, a leftover actor) it cannot start. The restart waits at most
+    ``start_timeout_s`` (ray.start_timeout_s) and raises naming the engine and its host -- on 27dab78 it waited for
+    the bundle with no limit (here: still waiting after 60 s). The new actor never gets the bundle, so no vLLM
+    engine is built."""
+    import threading
+    import time
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from da3po_megatron.rollout import RolloutError
+
+    pg = placement_group([{"CPU": 1}])
+    ray_session.get(pg.ready(), timeout=120)
+
+    @ray_session.remote(num_cpus=1)
+    class Holder:  # what still holds the bundle
+        def ping(self) -> int:
+            return 1
+
+    holder = Holder.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote()
+    ray_session.get(holder.ping.remote(), timeout=120)
+    cfg = EngineConfig(model_dir, dtype="float32", kv_cache_memory_bytes=32 * 2**20)
+    c = RolloutClient(cfg, [None], mode="ray", restart_on_failure=True,
+                      actor_options=dict(num_cpus=1, num_gpus=0, placement_group=pg, bundle_offset=0,
+                                         name_prefix=None, env={}))
+    c.start_timeout_s, c.engine_hosts = 3, ["node-a"]
+    out: dict = {}
+
+    def restart() -> None:
+        t0 = time.perf_counter()
+        try:
+            c._restart(0, EngineDeadError(0, "killed"))
+        except RolloutError as e:
+            out["error"] = e
+        out["seconds"] = time.perf_counter() - t0
+
+    waiting = threading.Thread(target=restart, daemon=True)
+    waiting.start()
+    try:
+        waiting.join(60)
+        assert not waiting.is_alive(), "the restarted engine still waits for its bundle after 60 s"
+        print(f"restart gave up after {out['seconds']:.1f} s: {out['error']}")
+        assert "1 of 1 engines did not start within 3 s (ray.start_timeout_s) during restart: still pending: " \
+               "engine 0 on node-a" in str(out["error"])
+    finally:
+        c.shutdown()
+        ray_session.kill(holder)
+        remove_placement_group(pg)

@@ -154,23 +154,27 @@ class RolloutClient:
         """Block until every engine answers (start-up failures surface with the engine's name)."""
         if self.mode != "ray":
             return self
+        self._await_start([(i, h.health.remote()) for i, h in enumerate(self.engines)], "start-up")
+        return self
+
+    def _await_start(self, pending: list[tuple[int, Any]], what: str) -> None:
+        """Wait for the (engine index, health ref) pairs of freshly started actors, at most ``start_timeout_s``
+        (None: no limit) -- at start-up and after a restart, where the new actor waits for its placement-group
+        bundle to be free again (27dab78 waited for it without a limit) -- then gather them (errors name the
+        engine). On timeout: RolloutError naming the pending engines, their hosts and what Ray has free."""
         timeout = getattr(self, "start_timeout_s", None)
         if timeout is not None:
             import ray
 
-            refs = [h.health.remote() for h in self.engines]
+            refs = [r for _, r in pending]
             _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout)
             if late:
                 hosts = getattr(self, "engine_hosts", None)
-                names = [f"engine {i}" + (f" on {hosts[i]}" if hosts else "") for i, r in enumerate(refs)
-                         if r in late]
+                names = [f"engine {i}" + (f" on {hosts[i]}" if hosts else "") for i, r in pending if r in late]
                 raise RolloutError(f"{len(late)} of {len(refs)} engines did not start within {timeout:.0f} s "
-                                   f"(ray.start_timeout_s): still pending: {', '.join(names)}; Ray cluster resources "
-                                   f"{ray.cluster_resources()}, free {ray.available_resources()}")
-            self._gather(list(enumerate(refs)), "start-up")
-            return self
-        self._gather([(i, h.health.remote()) for i, h in enumerate(self.engines)], "start-up")
-        return self
+                                   f"(ray.start_timeout_s) during {what}: still pending: {', '.join(names)}; Ray "
+                                   f"cluster resources {ray.cluster_resources()}, free {ray.available_resources()}")
+        self._gather(pending, what)
 
     def _start_actor(self, index: int):
         import ray
@@ -241,7 +245,7 @@ class RolloutClient:
         self.restarts += 1
         handle = self._start_actor(index)
         self.engines[index] = handle
-        self._gather([(index, handle.health.remote())], "restart")
+        self._await_start([(index, handle.health.remote())], "restart")
         if self.weights_version > 0 and not self._last_update_refs and self.resync is not None:
             self.resync()
             return
