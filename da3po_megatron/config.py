@@ -68,6 +68,22 @@ class ParallelConfig:
                                         "split across CP ranks yet (validation refuses > 1).")
     data_parallel_size: int = doc(1, "DP: model replicas. Policy world size = TP x PP x CP x DP ranks (one Ray actor "
                                      "each).")
+    expert_model_parallel_size: int = doc(1, "EP (MoE models): the experts of each MoE layer split over this many "
+                                             "ranks, taken from the DP x TP ranks of a stage (Megatron's layout; EP x "
+                                             "ETP must divide TP x DP). 1 for dense models. docs/moe.md.")
+    expert_tensor_parallel_size: int | None = doc(None, "ETP (MoE models): each expert's MLP split over this many "
+                                                        "ranks; None = TP. ETP=1 with EP > 1 is the usual choice.")
+
+
+@dataclass
+class MoEConfig:
+    routing_replay: Literal["none", "rollout"] = doc(
+        "none", "Mixture-of-Experts routing replay. 'rollout' (R3): the engines return the experts they routed each "
+                "token to and the policy replays them in its old-log-prob and training forwards (megatron-core's "
+                "RouterReplay), so engine and trainer use the same experts. docs/moe.md.")
+    aux_loss_coeff: float = doc(0.0, "Load-balancing (auxiliary) loss coefficient of the router; 0 = none (RL "
+                                     "default: the loss would move the router away from what the rollouts sampled; "
+                                     "Qwen3-MoE pre-training used 0.001).")
 
 
 @dataclass
@@ -335,6 +351,7 @@ class TrainerConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

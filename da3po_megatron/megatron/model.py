@@ -151,12 +151,13 @@ def use_te(options: ModelConfig) -> bool:
     return False
 
 
-def moe_config_kwargs(arch: GPTArch, options: ModelConfig, ep: int = 1, etp: int | None = None,
+def moe_config_kwargs(arch: GPTArch, moe: Any = None, ep: int = 1, etp: int | None = None,
                       te: bool = False) -> dict[str, Any]:
-    """The ``TransformerConfig`` MoE fields of ``arch`` ({} for a dense model; see the module doc)."""
+    """The ``TransformerConfig`` MoE fields of ``arch`` ({} for a dense model; see the module doc). ``moe``: the run
+    config's ``moe`` section (``routing_replay``, ``aux_loss_coeff``; None = defaults: no replay, no aux loss)."""
     if not arch.is_moe:
         return {}
-    aux = float(getattr(options, "moe_aux_loss_coeff", 0.0) or 0.0)
+    aux = float(getattr(moe, "aux_loss_coeff", 0.0) or 0.0)
     return dict(
         num_moe_experts=arch.num_moe_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
@@ -171,14 +172,14 @@ def moe_config_kwargs(arch: GPTArch, options: ModelConfig, ep: int = 1, etp: int
         moe_token_dispatcher_type="alltoall",
         moe_permute_fusion=False,
         moe_router_fusion=False,
-        moe_enable_routing_replay=bool(getattr(options, "moe_routing_replay", False)),
+        moe_enable_routing_replay=getattr(moe, "routing_replay", "none") != "none",
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
 
 
 def transformer_config(arch: GPTArch, options: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                       etp: int | None = None, te: bool = False):
+                       etp: int | None = None, te: bool = False, moe: Any = None):
     """A megatron ``TransformerConfig`` for ``arch``, with parallel sizes (checked:
     :meth:`GPTArch.check_parallel_sizes`) and the run config's ``model`` options (dtype, recomputation); MoE fields
     from :func:`moe_config_kwargs` (``te``: grouped GEMM experts)."""
@@ -215,7 +216,7 @@ def transformer_config(arch: GPTArch, options: ModelConfig, tp: int = 1, pp: int
         recompute_num_layers=options.recompute_num_layers,
         init_method_std=arch.init_method_std,
     )
-    kw.update(moe_config_kwargs(arch, options, ep, etp if etp is not None else tp, te))
+    kw.update(moe_config_kwargs(arch, moe, ep, etp if etp is not None else tp, te))
     if cpu_compat.needed():
         kw.update(cpu_compat.cpu_safe_config_overrides())
     return TransformerConfig(**kw)
@@ -242,6 +243,7 @@ def build_gpt_model(
     options: ModelConfig,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    moe: Any = None,
 ):
     """The GPTModel stage of this rank (parallel state must be initialised: see ``runtime.init_parallel``), built as
     the run config's ``model`` section says (dtype, layer spec, recomputation, vocabulary padding)."""
@@ -254,7 +256,7 @@ def build_gpt_model(
     ep = ps.get_expert_model_parallel_world_size()
     etp = ps.get_expert_tensor_parallel_world_size()
     te = use_te(options)
-    config = transformer_config(arch, options, tp, pp, cp, ep, etp, te)
+    config = transformer_config(arch, options, tp, pp, cp, ep, etp, te, moe)
     if arch.is_moe:
         from da3po_megatron.megatron.moe import patch_megatron_moe
 

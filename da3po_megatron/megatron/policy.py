@@ -103,7 +103,8 @@ def loss_setup(cfg: Config) -> dict[str, Any]:
 def layout_of(cfg: Config) -> ParallelLayout:
     """The process-group layout of ``cfg.parallel`` (DP follows from the world size)."""
     p = cfg.parallel
-    return ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size)
+    return ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
+                          p.expert_model_parallel_size, p.expert_tensor_parallel_size)
 
 
 def validate_config(cfg: Config, arch: GPTArch, world_size: int, *, megatron_config: bool = True) -> None:
@@ -122,8 +123,10 @@ def validate_config(cfg: Config, arch: GPTArch, world_size: int, *, megatron_con
     layout = layout_of(cfg)
     layout.validate(world_size)
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-    arch.check_parallel_sizes(tp, pp)
-    tconf = transformer_config(arch, cfg.model, tp, pp, layout.context_parallel_size) if megatron_config else None
+    ep, etp = layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
+    arch.check_parallel_sizes(tp, pp, ep, etp)
+    tconf = transformer_config(arch, cfg.model, tp, pp, layout.context_parallel_size, ep, etp,
+                               moe=cfg.moe) if megatron_config else None
     if world_size != cfg.policy_world_size:
         p = cfg.parallel
         raise ValueError(f"world size {world_size} != parallel.tensor_model_parallel_size "
@@ -192,7 +195,7 @@ class PolicyWorker:
         self.thd = self.te and cfg.actor.packing
         self.pad_id = arch.pad_token_id
 
-        model = self._gpt = build_gpt_model(arch, cfg.model)
+        model = self._gpt = build_gpt_model(arch, cfg.model, moe=cfg.moe)
         self.model, self.optimizer, self.scheduler = build_ddp_optimizer(
             model, cfg.optim, total_steps=cfg.optimizer_steps, lr_decay_style=cfg.optim.lr_schedule)
         self.schedule = ForwardSchedule(self.model, self.device, self.te, self.thd, self.pad_id, self.dp,

@@ -188,7 +188,8 @@ def preflight(cfg: Config) -> GPTArch:
         raise InputError(f"{config}: not a model this recipe builds ({type(e).__name__}: {e})") from None
     p = cfg.parallel
     try:
-        arch.check_parallel_sizes(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        arch.check_parallel_sizes(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                  p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     except ValueError as e:
         raise ValueError(f"parallel: {e} ({config})") from None
     return arch
