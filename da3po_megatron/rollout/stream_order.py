@@ -4,15 +4,19 @@ on CPU (tests/test_weight_sync_streams.py injects a recording stand-in into the 
 
 The rule (docs/rollout.md, "Streams"): **a bucket is received and loaded on one stream -- the loading thread's
 current stream.** In a vLLM worker that thread is the one that runs the RPCs, and its current stream is not the
-default stream: vLLM 0.32 creates a dedicated stream per process on its first ``current_stream()`` call and makes it
-current with ``torch.cuda.set_stream`` (``vllm/utils/torch_utils.py:818-857``, patched ``set_stream`` at 800-810),
-and captures and replays its CUDA graphs on it (``vllm/compilation/cuda_graph.py:314-318``). A second Python thread
-starts on the default stream, and a NCCL ``work.wait()`` there orders only *that* thread's stream after the
-broadcast -- so the receiving thread enters the loader's stream (:meth:`CudaOrder.use`) before it allocates or
-broadcasts anything: ProcessGroupNCCL makes its NCCL stream wait for the caller's current stream when a collective
-is issued, and ``wait()`` makes the caller's current stream wait for the NCCL stream, so a broadcast into a buffer is
-ordered after every load queued before it and every load from it is ordered after the broadcast. vLLM's own NCCL
-weight-transfer engine receives the same way, in the loading thread on its current stream
+default stream: vLLM 0.32 creates a dedicated stream for each thread on that thread's first ``current_stream()`` call
+and makes it current with ``torch.cuda.set_stream`` (``vllm/utils/torch_utils.py:818-857``; the cache is a
+``threading.local``, line 803, and the patched ``set_stream`` at 806-808 records per thread -- its comment says "per
+process", but every thread that asks gets its own), and captures and replays its CUDA graphs on it
+(``vllm/compilation/cuda_graph.py:314-318``). The worker runs the model and our RPCs in one thread (the
+multiprocessing executor's ``worker_busy_loop``, ``vllm/v1/executor/multiproc_executor.py:1037``), so the loading
+thread's current stream is the model's. A second Python thread starts on the default stream (or, should it call
+vLLM's ``current_stream()``, on a new stream of its own), and a NCCL ``work.wait()`` there orders only *that*
+thread's stream after the broadcast -- so the receiving thread enters the loader's stream (:meth:`CudaOrder.use`)
+before it allocates or broadcasts anything: ProcessGroupNCCL makes its NCCL stream wait for the caller's current
+stream when a collective is issued, and ``wait()`` makes the caller's current stream wait for the NCCL stream, so a
+broadcast into a buffer is ordered after every load queued before it and every load from it is ordered after the
+broadcast. vLLM's own NCCL weight-transfer engine receives the same way, in the loading thread on its current stream
 (``vllm/distributed/weight_transfer/nccl_engine.py:216-229``; its packed consumer receives and loads each buffer on
 one stream and synchronizes that stream before reusing the buffer, ``packed_tensor.py:233-299``).
 
