@@ -23,7 +23,7 @@ def max_logprob_diff(model: torch.nn.Module, groups) -> float:
     worst = 0.0
     for group in groups:
         for c in group:
-            ids = torch.tensor([c.prompt_token_ids + c.token_ids])
+            ids = torch.tensor([list(c.prompt_token_ids) + list(c.token_ids)])
             with torch.no_grad():
                 logp = torch.log_softmax(model(ids).logits[0].float(), -1)
             p = len(c.prompt_token_ids)

@@ -42,7 +42,7 @@ def hf_max_diff(hf_dir: str, groups) -> float:
     for group in groups:
         for c in group:
             with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([c.prompt_token_ids + c.token_ids])).logits[0], -1)
+                logp = torch.log_softmax(model(torch.tensor([[*c.prompt_token_ids, *c.token_ids]])).logits[0], -1)
             p = len(c.prompt_token_ids)
             ref = logp[p - 1:-1].gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
             worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())

@@ -45,7 +45,7 @@ def client(config):
 def teacher_forced(model, completion: Completion, temperature: float = 1.0) -> torch.Tensor:
     """log p(token_t | prompt, tokens_<t) of every response token under a transformers model (float32), with p =
     softmax(logits / temperature)."""
-    ids = torch.tensor([completion.prompt_token_ids + completion.token_ids])
+    ids = torch.tensor([list(completion.prompt_token_ids) + list(completion.token_ids)])
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
     p = len(completion.prompt_token_ids)
@@ -169,11 +169,11 @@ def test_string_prompts_go_through_the_chat_template_and_token_ids_do_not(client
                                    tokenize=False)
     want = tok.encode(text, add_special_tokens=False)
     (chat,) = client.generate([PROMPTS[0]], SamplingConfig(max_tokens=2, seed=1))
-    assert chat[0].prompt_token_ids == want and text.endswith("<|im_start|>assistant\n")
+    assert chat[0].prompt_token_ids.tolist() == want and text.endswith("<|im_start|>assistant\n")
     (raw,) = client.generate([PROMPTS[0]], SamplingConfig(max_tokens=2, seed=1, apply_chat_template=False))
-    assert raw[0].prompt_token_ids == tok.encode(PROMPTS[0], add_special_tokens=False)
+    assert raw[0].prompt_token_ids.tolist() == tok.encode(PROMPTS[0], add_special_tokens=False)
     (ids,) = client.generate([[10, 11, 12]], SamplingConfig(max_tokens=2, seed=1))
-    assert ids[0].prompt_token_ids == [10, 11, 12]
+    assert ids[0].prompt_token_ids.tolist() == [10, 11, 12]
 
 
 def test_sampled_token_logprobs_equal_transformers_teacher_forced(client, model_dir):
@@ -211,7 +211,7 @@ def test_same_seed_gives_the_same_samples_on_one_or_two_engines(client, config):
         health = two_engines.health()
     finally:
         two_engines.shutdown()
-    assert [[c.token_ids for c in g] for g in one] == [[c.token_ids for c in g] for g in two]
+    assert [[c.token_ids.tolist() for c in g] for g in one] == [[c.token_ids.tolist() for c in g] for g in two]
     # the 5 prompts were split 3 + 2 over the engines (data-parallel rollout)
     assert [h["generated_tokens"] > 0 for h in health] == [True, True]
 
@@ -285,7 +285,7 @@ def test_streamed_groups_sample_what_generate_samples_with_the_same_seeds(client
             pending.append((0, client.stream_start(0, [], s, max_steps=4)))
     assert sorted(got) == ["g0", "g1", "g2"]
     for i, group in enumerate(ref):
-        assert [c.token_ids for c in got[f"g{i}"]] == [c.token_ids for c in group]
+        assert [c.token_ids.tolist() for c in got[f"g{i}"]] == [c.token_ids.tolist() for c in group]
         for a, b in zip(got[f"g{i}"], group):
             assert a.text == b.text and a.finish_reason == b.finish_reason and a.prompt_index == i
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)

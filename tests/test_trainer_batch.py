@@ -67,9 +67,9 @@ def test_policy_batch_is_group_major_with_rollout_logprobs():
     gs = _groups([[1, -1, -1, -1], [1, 1, -1, -1]])
     B.compute_advantages(gs, eps=1e-6, daa=True, lambda_=2.0, tau=0.5)
     pb = B.policy_batch(gs)
-    assert len(pb) == 8 and pb.prompt_ids[0] == [7, 8]
-    assert pb.advantages == [a for g in gs for a in g.advantages]
-    assert pb.old_logprobs[0] == [-0.5] * 3
+    assert len(pb) == 8 and pb.prompt_ids[0].tolist() == [7, 8]  # int32 / float32 arrays (issue 36)
+    assert pb.advantages.tolist() == [a for g in gs for a in g.advantages]
+    assert pb.old_logprobs[0].tolist() == [-0.5] * 3
 
 
 def test_stats_count_uniform_groups_and_buckets():

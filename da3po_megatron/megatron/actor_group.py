@@ -23,7 +23,7 @@ from typing import Any
 
 from da3po_megatron.config import Config
 from da3po_megatron.megatron.arch import GPTArch
-from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.megatron.batching import PolicyBatch, dp_shares
 from da3po_megatron.megatron.policy import PolicyWorker
 
 PLACEMENTS = (None, "pack", "spread", "strict_pack", "strict_spread")
@@ -208,12 +208,58 @@ class PolicyGroup:
         """Run ``fn(worker, *args, **kwargs)`` inside every rank's actor (e.g. the weight-sync push); all results."""
         return self.call_all("execute", fn, *args, **kwargs)
 
+    # ------------------------------------------------------------------ batches: each DP rank gets its share
+    @classmethod
+    def attach(cls, cfg: Config, actors: list[Any], infos: list[dict[str, Any]]) -> PolicyGroup:
+        """A group around actors that already exist and are initialised (``infos``: each rank's ``init`` / ``info``
+        answer, with its ``dp_rank``): what ``tools/bench_control_plane.py`` and ``tests/test_control_plane.py``
+        use to drive stand-in ranks through this dispatch code."""
+        g = object.__new__(cls)
+        g.cfg, g.arch, g.world_size, g.actors, g.infos = cfg, None, len(actors), list(actors), list(infos)
+        g._pg, g._own_pg, g.start_timeout_s, g.rank_hosts = None, False, float(cfg.ray.start_timeout_s), None
+        return g
+
+    def _dp_ranks(self) -> list[int]:
+        """Each rank's data-parallel rank (from its ``init`` answer)."""
+        return [int(info["dp_rank"]) for info in self.infos]
+
+    def _call_sharded(self, method: str, batch: PolicyBatch, mini_batch: int | None, **kwargs: Any) -> Any:
+        """``method(share, **kwargs)`` on every rank, each rank getting only its data-parallel share of ``batch``.
+
+        The driver splits the batch as the ranks do (:func:`batching.dp_shares`: the whole batch for log-probs,
+        each mini-batch for training) and puts each DP share into the object store once (``ray.put``: every row is
+        serialized exactly once per call, whatever the number of ranks); the ranks of one DP rank (its TP / PP
+        ranks) receive the same object reference, which Ray resolves on their node (zero-copy for numpy buffers on
+        one node). Only rank 0's answer is brought back (the others answer None). Before this (27dab78) the batch was
+        an argument of every rank's ``.remote()``: serialized once per rank and unpickled whole by each.
+        """
+        import ray
+
+        if not self.actors:
+            raise PolicyGroupError(f"policy group is shut down; cannot call {method}")
+        dp_of = self._dp_ranks()
+        dp = max(dp_of) + 1
+        shares = dp_shares(batch.lengths(), dp, mini_batch)
+        parts = [batch.share(rows) for rows in shares]
+        refs = [ray.put(p) for p in parts]
+        self.sent_bytes = getattr(self, "sent_bytes", {})
+        self.put_counts = getattr(self, "put_counts", {})
+        self.sent_bytes[method] = self.sent_bytes.get(method, 0) + sum(p.nbytes for p in parts)
+        self.put_counts[method] = self.put_counts.get(method, 0) + len(refs)
+        pending = [(r, a.execute.remote(_on_share, method, refs[dp_of[r]], r == 0, kwargs))
+                   for r, a in enumerate(self.actors)]
+        return self._gather(pending, method)[0]
+
     # ------------------------------------------------------------------ the worker's API
     def compute_logprobs(self, batch: PolicyBatch, return_entropy: bool = False, packing: bool | None = None):
-        return self.call("compute_logprobs", batch, return_entropy=return_entropy, packing=packing)
+        """Per-token log-probs of every response as a float32 :class:`~.batching.Ragged` (a pair with
+        ``return_entropy``), each DP rank computing its share."""
+        return self._call_sharded("compute_logprobs", batch, None, return_entropy=return_entropy, packing=packing,
+                                  as_arrays=True)
 
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
-        return self.call("train_step", batch)
+        """One RL update; each DP rank receives the rows it trains on (its share of every mini-batch)."""
+        return self._call_sharded("train_step", batch, self.cfg.ppo_mini_batch_responses)
 
     def save(self, path: str, fully_parallel: bool = False) -> None:
         self.call("save", str(path), fully_parallel=fully_parallel)
@@ -256,3 +302,8 @@ class PolicyGroup:
                 self.shutdown()
             except Exception:  # noqa: BLE001
                 pass
+
+def _on_share(worker: Any, method: str, batch: PolicyBatch, keep: bool, kwargs: dict[str, Any]) -> Any:
+    """Run inside a rank (``PolicyWorker.execute``): ``method`` on its share; the answer only where ``keep``."""
+    out = getattr(worker, method)(batch, **kwargs)
+    return out if keep else None

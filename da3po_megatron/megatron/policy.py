@@ -256,17 +256,19 @@ class PolicyWorker:
         return self._gpt
 
     # ------------------------------------------------------------------ log-probs
-    def compute_logprobs(self, batch: PolicyBatch, return_entropy: bool = False, packing: bool | None = None
-                         ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
+    def compute_logprobs(self, batch: PolicyBatch, return_entropy: bool = False, packing: bool | None = None,
+                         as_arrays: bool = False) -> Any:
         """Per-token log-probs of each response given its prompt (and entropies with ``return_entropy``).
 
-        ``packing`` overrides ``actor.packing`` for this call (packed and padded give the same values).
+        ``packing`` overrides ``actor.packing`` for this call (packed and padded give the same values). Lists of
+        floats, or with ``as_arrays`` a float32 ``batching.Ragged`` (the driver's path). ``batch`` may be this
+        rank's data-parallel share (``PolicyBatch.share``).
         """
         cpu_compat.apply_if_needed()
         a = self.cfg.actor
         return self.schedule.logprobs(
             batch, self.loss_backend, max_tokens=a.logprob_max_tokens_per_microbatch or 2 * a.max_tokens_per_microbatch,
-            packing=a.packing if packing is None else packing, return_entropy=return_entropy)
+            packing=a.packing if packing is None else packing, return_entropy=return_entropy, as_arrays=as_arrays)
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
@@ -304,7 +306,7 @@ class PolicyWorker:
                 mbs = self.schedule.microbatches(batch, shard, b.max_tokens_per_microbatch, b.packing)
                 counts = torch.tensor(
                     [sum(len(batch.response_ids[i]) for i in shard),
-                     sum(1 for i in shard if batch.response_ids[i])], dtype=torch.float32, device=self.device)
+                     sum(1 for i in shard if len(batch.response_ids[i]))], dtype=torch.float32, device=self.device)
                 dist.all_reduce(counts, group=self.dp_group)
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, balance_across_dp, microbatches
+from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, Ragged, balance_across_dp, microbatches
 from da3po_megatron.megatron.loss_backends import LossBackend
 
 
@@ -87,13 +88,12 @@ class ForwardSchedule:
         )
 
     def logprobs(self, batch: PolicyBatch, backend: LossBackend, *, max_tokens: int, packing: bool,
-                 return_entropy: bool = False
-                 ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
+                 return_entropy: bool = False, as_arrays: bool = False) -> Any:
         """Per-token log-probs of each response given its prompt (and entropies with ``return_entropy``); collective,
-        the same result on every rank."""
-        offsets = [0]
-        for r in batch.response_ids:
-            offsets.append(offsets[-1] + len(r))
+        the same result on every rank: lists of floats, or with ``as_arrays`` one float32 :class:`Ragged` (what the
+        driver's :class:`PolicyGroup` asks for). ``batch`` may be this rank's share (:meth:`PolicyBatch.share`)."""
+        lens = batch.response_lengths()
+        offsets = [0] + np.cumsum(lens).tolist()
         total = offsets[-1]
         out_lp = torch.zeros(total, dtype=torch.float32, device=self.device)
         out_ent = torch.zeros(total if return_entropy else 0, dtype=torch.float32, device=self.device)
@@ -117,6 +117,10 @@ class ForwardSchedule:
         # exactly one rank (last stage, TP rank 0 of the owning DP rank) holds each value: the sum is exact
         packed = torch.cat([out_lp, out_ent])
         dist.all_reduce(packed)
+        if as_arrays:
+            flat = packed.cpu().numpy()
+            lp = Ragged(flat[:total].copy(), np.asarray(offsets, dtype=np.int64))
+            return (lp, Ragged(flat[total:].copy(), lp.offsets)) if return_entropy else lp
         lps = packed[:total].tolist()
         result = [lps[offsets[i]:offsets[i + 1]] for i in range(len(batch))]
         if not return_entropy:

@@ -18,6 +18,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from da3po_megatron.rollout.types import Completion, RolloutError
 
 
@@ -29,15 +31,16 @@ def logprob_diff_metrics(rollout_logprobs: Sequence[Sequence[float]], policy_log
     """
     if len(rollout_logprobs) != len(policy_logprobs):
         raise ValueError(f"{len(rollout_logprobs)} rollout responses vs {len(policy_logprobs)} policy responses")
-    total, count, worst = 0.0, 0, 0.0
     for i, (a, b) in enumerate(zip(rollout_logprobs, policy_logprobs)):
         if len(a) != len(b):
             raise ValueError(f"response {i}: {len(a)} rollout log-probs vs {len(b)} policy log-probs")
-        for x, y in zip(a, b):
-            d = abs(float(x) - float(y))
-            total += d
-            count += 1
-            worst = max(worst, d)
+    a, b = (np.concatenate([np.asarray(r, dtype=np.float64) for r in rows]) if len(rows) else np.zeros(0)
+            for rows in (rollout_logprobs, policy_logprobs))
+    d = np.abs(a - b)
+    count = len(d)
+    # the left-to-right sum in float64 (np.add.accumulate is sequential): the same value the per-token loop gave
+    total = float(np.add.accumulate(d)[-1]) if count else 0.0
+    worst = max(0.0, float(np.fmax.reduce(d))) if count else 0.0  # NaNs ignored, as the loop's max() did
     return {f"{prefix}_mean": total / count if count else math.nan, f"{prefix}_max": worst,
             f"{prefix}_tokens": float(count), f"{prefix}_responses": float(len(rollout_logprobs))}
 

@@ -1,7 +1,7 @@
 """Plain data types of the rollout side: engine and sampling configuration, one sampled completion, engine errors.
 
-Nothing here imports vLLM or Ray, so the trainer, the config tree and the tests can build and pickle these objects
-cheaply. Field names follow vLLM (``tensor_parallel_size``, ``max_model_len``, ``kv_cache_memory_bytes``,
+Nothing here imports vLLM or Ray (numpy only), so the trainer, the config tree and the tests can build and pickle
+these objects cheaply. Field names follow vLLM (``tensor_parallel_size``, ``max_model_len``, ``kv_cache_memory_bytes``,
 ``gpu_memory_utilization``, ``enable_prefix_caching``) and verl/DAPO (``n``, ``temperature``, ``top_p``).
 """
 
@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import numpy as np
 
 if TYPE_CHECKING:
     import torch
@@ -152,26 +154,47 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
 
 
-@dataclass
+@dataclass(eq=False)
 class Completion:
-    """One sampled response to one prompt (picklable; crosses the Ray boundary)."""
+    """One sampled response to one prompt (picklable; crosses the Ray boundary).
+
+    Per-token fields are numpy arrays (token ids int32, log-probs float32), converted from lists at construction, so
+    a completion pickles to its bytes (Ray sends the buffers out of band) and the driver holds no Python object per
+    token. :attr:`PER_TOKEN` lists them with their dtypes: a new per-token field (e.g. the routed experts of a MoE
+    engine, one small int per token and layer) is a field here plus an entry there; ``__post_init__`` converts it.
+    """
+
+    PER_TOKEN: ClassVar[dict[str, Any]] = {"prompt_token_ids": np.int32, "token_ids": np.int32,
+                                           "logprobs": np.float32}
 
     prompt_index: int
     """Index of the prompt in the list given to ``generate``."""
     sample_index: int
     """0..n-1 within the prompt's group."""
-    prompt_token_ids: list[int]
-    """The prompt as the engine saw it (after the chat template)."""
-    token_ids: list[int]
-    """Response tokens (including the EOS token when it stopped on it)."""
+    prompt_token_ids: np.ndarray
+    """The prompt as the engine saw it (after the chat template), int32."""
+    token_ids: np.ndarray
+    """Response tokens (including the EOS token when it stopped on it), int32."""
     text: str
-    logprobs: list[float]
+    logprobs: np.ndarray
     """Log-prob of each response token under the engine's weights (empty when not requested), of the distribution
-    ``EngineConfig.logprobs_mode`` names."""
+    ``EngineConfig.logprobs_mode`` names; float32 (vLLM computes them in float32: the conversion is exact)."""
     finish_reason: str
     """"stop" (EOS or a stop string) or "length" (hit max_tokens: DAPO's overlong case)."""
     num_tokens: int
     """len(token_ids)."""
+
+    def __post_init__(self) -> None:
+        for name, dtype in self.PER_TOKEN.items():
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, np.asarray(value, dtype=dtype).reshape(-1))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Completion):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, k), getattr(other, k)) if k in self.PER_TOKEN else
+                   getattr(self, k) == getattr(other, k) for k in self.__dataclass_fields__)
 
 
 def checked_weights(named_tensors, dtype=None):

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from da3po_megatron.algorithms import (
@@ -35,25 +36,33 @@ from da3po_megatron.algorithms import (
 from da3po_megatron.algorithms.registry import ADVANTAGE_FN_ARGS, load_function
 from da3po_megatron.algorithms.reward_shaping import overlong_penalty
 from da3po_megatron.data.datasets import Example
-from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.megatron.batching import PolicyBatch, Ragged
 
 P_HAT_BINS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 
 
 @dataclass
 class Group:
-    """One prompt and its G sampled responses, scored. Picklable (it may be carried across steps and checkpointed)."""
+    """One prompt and its G sampled responses, scored. Picklable (it may be carried across steps and checkpointed).
+
+    Token ids are int32 arrays and log-probs float32 arrays, as the engines' :class:`Completion` carries them (lists
+    are converted): the driver's work per group is O(G), never O(tokens)."""
 
     example: Example
-    prompt_ids: list[int]
-    response_ids: list[list[int]]
+    prompt_ids: np.ndarray
+    response_ids: list[np.ndarray]
     texts: list[str]
-    rollout_logprobs: list[list[float]]
+    rollout_logprobs: list[np.ndarray]
     finish_reasons: list[str]
     acc: list[float]  # R_acc in {+1, -1}
     rewards: list[float]  # R = R_acc + R_len
     advantages: list[float] = field(default_factory=list)  # filled by compute_advantages (after DAA)
     weight_step: int = 0  # the policy step whose weights generated these responses (0 = the initial checkpoint)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _array(self.prompt_ids, np.int32)
+        self.response_ids = [_array(r, np.int32) for r in self.response_ids]
+        self.rollout_logprobs = [_array(r, np.float32) for r in self.rollout_logprobs]
 
     @property
     def p_hat(self) -> float:
@@ -63,6 +72,13 @@ class Group:
     @property
     def bucket(self) -> Any:
         return self.example.meta.get("bucket", self.example.source)
+
+
+def _array(value: Any, dtype: Any) -> np.ndarray:
+    """``value`` (a list, numpy array or CPU tensor) as a 1-D numpy array of ``dtype`` (no copy when it is one)."""
+    if isinstance(value, torch.Tensor):
+        value = value.numpy()
+    return np.asarray(value, dtype=dtype).reshape(-1)
 
 
 def make_groups(examples: Sequence[Example], completions: Sequence[Sequence[Any]], acc: Sequence[float],
@@ -82,8 +98,8 @@ def make_groups(examples: Sequence[Example], completions: Sequence[Sequence[Any]
             rewards = [a + float(overlong_penalty(n, max_response_length, overlong_buffer)) for a, n in
                        zip(g_acc, lengths)]
         groups.append(Group(
-            example=ex, prompt_ids=list(comps[0].prompt_token_ids), response_ids=[list(c.token_ids) for c in comps],
-            texts=[c.text for c in comps], rollout_logprobs=[list(c.logprobs) for c in comps],
+            example=ex, prompt_ids=comps[0].prompt_token_ids, response_ids=[c.token_ids for c in comps],
+            texts=[c.text for c in comps], rollout_logprobs=[c.logprobs for c in comps],
             finish_reasons=[c.finish_reason for c in comps], acc=g_acc, rewards=rewards))
     if i != len(acc):
         raise ValueError(f"make_groups: {len(acc)} rewards for {i} completions")
@@ -100,12 +116,23 @@ def _plain(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
+_TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs")
+
+
 def group_to_dict(g: Group) -> dict[str, Any]:
-    """A group as plain data (what a checkpoint stores: loads with ``torch.load(weights_only=True)``)."""
-    return _plain(asdict(g))
+    """A group as plain data (what a checkpoint stores: loads with ``torch.load(weights_only=True)``). Per-token
+    fields are tensors (int32 / float32; checkpoints before issue 36 held lists of numbers, which
+    :func:`group_from_dict` still reads)."""
+    out = _plain({k: getattr(g, k) for k in g.__dataclass_fields__ if k not in _TOKEN_FIELDS and k != "example"})
+    out["example"] = _plain(asdict(g.example))
+    out["prompt_ids"] = torch.from_numpy(np.ascontiguousarray(g.prompt_ids))
+    out["response_ids"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.response_ids]
+    out["rollout_logprobs"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.rollout_logprobs]
+    return out
 
 
 def group_from_dict(d: dict[str, Any]) -> Group:
+    """The inverse of :func:`group_to_dict`; also reads the lists of numbers of checkpoints written before it."""
     return Group(**{**d, "example": Example(**d["example"])})
 
 
@@ -154,13 +181,15 @@ def compute_advantages(groups: Sequence[Group], eps: float, daa: bool, lambda_: 
     return stats
 
 
-def policy_batch(groups: Sequence[Group], old_logprobs: Sequence[Sequence[float]] | None = None) -> PolicyBatch:
-    """The flat per-response batch (group-major); ``old_logprobs`` default to the rollout's own."""
-    prompt_ids = [g.prompt_ids for g in groups for _ in g.response_ids]
-    response_ids = [r for g in groups for r in g.response_ids]
-    lp = [list(x) for x in old_logprobs] if old_logprobs is not None else \
-        [r for g in groups for r in g.rollout_logprobs]
-    adv = [a for g in groups for a in g.advantages] if all(g.advantages for g in groups) else None
+def policy_batch(groups: Sequence[Group], old_logprobs: Any = None) -> PolicyBatch:
+    """The flat per-response batch (group-major); ``old_logprobs`` default to the rollout's own. One concatenation
+    per field into the batch's int32 / float32 arrays (:class:`~da3po_megatron.megatron.batching.Ragged`)."""
+    prompt_ids = Ragged.from_rows([g.prompt_ids for g in groups for _ in g.response_ids], np.int32)
+    response_ids = Ragged.from_rows([r for g in groups for r in g.response_ids], np.int32)
+    lp = Ragged.from_rows(old_logprobs if old_logprobs is not None else
+                          [r for g in groups for r in g.rollout_logprobs], np.float32)
+    adv = np.array([a for g in groups for a in g.advantages], dtype=np.float64) if \
+        all(g.advantages for g in groups) else None
     return PolicyBatch(prompt_ids=prompt_ids, response_ids=response_ids, old_logprobs=lp, advantages=adv)
 
 

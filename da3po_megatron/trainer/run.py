@@ -34,7 +34,7 @@ from da3po_megatron.algorithms import DynamicSamplingBuffer, tis_weights
 from da3po_megatron.config import Config, to_dict
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.data.templates import render_prompt
-from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.megatron.batching import PolicyBatch, Ragged
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.best import BestCheckpoint, save_checkpoint
 from da3po_megatron.trainer.checkpoint import CheckpointManager
@@ -277,13 +277,13 @@ class Run:
         mismatch.update(self.drift.update(self.step + 1, mismatch) if fresh else {})
         weights = None
         if self.cfg.algorithm.rollout_correction == "tis":
-            def flat(rows: list[list[float]]) -> torch.Tensor:
-                return torch.tensor([v for row in rows for v in row], dtype=torch.float64)
+            def flat(rows: Any) -> torch.Tensor:  # one float64 vector of all tokens (arrays: no per-token Python)
+                return torch.from_numpy(Ragged.from_rows(rows, np.float64).values)
 
             w, stats = tis_weights(flat(policy_lp), flat(rollout_lp), self.cfg.algorithm.tis_cap)
-            weights = [part.tolist() for part in w.split([len(row) for row in policy_lp])]
+            weights = Ragged(w.numpy().astype(np.float32), Ragged.from_rows(policy_lp, np.float32).offsets)
             mismatch.update(stats)
-        return replace(batch, old_logprobs=[list(x) for x in policy_lp], token_weights=weights), mismatch
+        return replace(batch, old_logprobs=policy_lp, token_weights=weights), mismatch
 
     def check_update(self, step: int, train_metrics: dict[str, Any]) -> None:
         """Refused optimizer updates (non-finite, or too large: ``megatron/update_guard.py``): counted, warned, and

@@ -1,0 +1,81 @@
+"""The control plane at a tiny size: ``tools/bench_control_plane.py``'s step of the real driver code (client,
+reward pool, groups, dynamic sampling, advantages with DAA, the policy batch, ``PolicyGroup`` dispatch, metrics, the
+driver's checkpoint state) against stand-in engines and ranks (real Ray actors that do no model compute -- hence
+"stand_in" in the test's name). What it protects (issue 36): each data-parallel rank receives only its share of the
+batch, every row is serialized exactly once per call (one ``ray.put`` per DP share, not one copy per rank), the ranks
+of one DP rank share one object, and only rank 0 answers with the log-probs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from da3po_megatron.megatron.batching import PolicyBatch, Ragged, balance_across_dp, dp_shares
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_control_plane", ROOT / "tools" / "bench_control_plane.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_share_holds_only_its_rows_and_is_indexed_by_batch_row():
+    b = PolicyBatch([[1, 2], [3], [4, 5, 6], [7]], [[8], [9, 10], [], [11, 12, 13]],
+                    old_logprobs=[[-1.0], [-2.0, -3.0], [], [-4.0, -5.0, -6.0]], advantages=[1.0, -1.0, 0.5, 2.0])
+    s = b.share([3, 1])
+    assert len(s) == 4 and s.lengths() == b.lengths() and s.held_rows.tolist() == [1, 3]
+    assert s.response_ids[3].tolist() == [11, 12, 13] and s.old_logprobs[1].tolist() == [-2.0, -3.0]
+    assert s.response_ids.values.tolist() == [9, 10, 11, 12, 13]  # only the held rows' tokens travel
+    assert s.response_ids.values.dtype == np.int32 and s.old_logprobs.values.dtype == np.float32
+    with pytest.raises(KeyError, match="row 0 is not in this share"):
+        s.prompt_ids[0]
+
+
+def test_balance_across_dp_heap_gives_the_greedy_split_of_27dab78():
+    def greedy(lengths, dp):  # the O(n * dp) loop it replaced
+        loads, shards = [0] * dp, [[] for _ in range(dp)]
+        for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+            r = min(range(dp), key=lambda k: (loads[k], len(shards[k]), k))
+            shards[r].append(i)
+            loads[r] += lengths[i]
+        return [sorted(s) for s in shards]
+
+    rng = np.random.default_rng(0)
+    for dp in (1, 2, 3, 8):
+        lengths = rng.integers(1, 50, 97).tolist() + [5] * 20  # ties included
+        assert balance_across_dp(lengths, dp) == greedy(lengths, dp)
+    shares = dp_shares(list(range(1, 33)), 4, mini_batch=8)
+    assert sorted(i for s in shares for i in s) == list(range(32))
+
+
+def test_ragged_take_gathers_rows_in_order():
+    r = Ragged.from_rows([[1, 2], [], [3, 4, 5]], np.int32)
+    assert r.take([2, 0, 1]).tolist() == [[3, 4, 5], [1, 2], []] and r == [[1, 2], [], [3, 4, 5]]
+
+
+def test_stand_in_control_plane_sends_each_dp_rank_its_share_once_per_call(ray_session, tmp_path):
+    bench = _bench()
+    res = bench.run_step(bench.SIZES["tiny"], 1.0, ranks_actual=4, engines_actual=2, reward_workers=1,
+                         tmp=tmp_path, dp=2, keep_rows=True)  # 4 ranks = DP 2 x TP 2
+    n = res["policy_batch_rows"]
+    print({k: res[k] for k in ("responses", "response_tokens", "dispatch_puts", "batch_bytes")})
+    assert res["dispatch_puts"] == {"compute_logprobs": 2, "train_step": 2}  # one put per DP share and call
+    for method in ("compute_logprobs", "train_step"):
+        seen = [next(x for x in rep if x["method"] == method) for rep in res["reports"]]
+        for rank, x in enumerate(seen):
+            assert x["batch_rows"] == n
+            assert x["held"] == x["worked"], (method, rank)  # it received exactly the rows it works on
+        assert seen[0]["held"] == seen[1]["held"] and seen[2]["held"] == seen[3]["held"]  # TP ranks: one share
+        a, b = set(seen[0]["held"]), set(seen[2]["held"])
+        assert not a & b and a | b == set(range(n))  # every row serialized once: in exactly one share
+        assert 0 < len(a) < n
+    assert res["phases"]["train"]["bytes"] < 1.5 * res["batch_bytes"]  # ~ the payload once, not once per rank
+    assert res["kept_frac"] is not None and res["phases"]["checkpoint"]["bytes"] > 0

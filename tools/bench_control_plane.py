@@ -1,0 +1,496 @@
+"""The control plane at full size: one RL step of the real driver code, with stand-in engines and policy ranks.
+
+``da3po bench control-plane --size paper|4x|16x [--scale F]`` (or ``python tools/bench_control_plane.py``) runs the
+driver's own code of one step of Algorithm 1 -- :meth:`RolloutClient.generate` with its ``assemble``, the reward pool
+(:class:`RewardPool`, real worker processes, the ``coin`` reward of ``tools/bench_rl_step.py``), ``Run.score`` /
+``make_groups`` with overlong shaping, the dynamic-sampling buffer over generation rounds (over-sampled as
+``Run.prompts_for_round`` does), ``compute_advantages`` with DAA, ``policy_batch``, ``Run.old_logprobs`` (the policy's
+``compute_logprobs``, the mismatch metrics), ``PolicyGroup.train_step``, ``Run.step_metrics`` and ``Run.trainer_state``
+written with ``torch.save`` -- against stand-ins that do no model compute:
+
+- engines (:class:`StandInEngine`): real Ray actors that return :class:`Completion` objects of the recorded shape:
+  response lengths gamma-distributed (shape 2) and capped at the size's L_max (``finish_reason="length"`` there),
+  random token ids in a 151,643-token vocabulary (Qwen's), random log-probs, ~4 characters of text per token ending
+  in a verdict the ``coin`` reward reads; each prompt's success probability from a Beta(0.4, 0.6) prior, so dynamic
+  sampling keeps ~70 % of groups at G = 16;
+- policy ranks (:class:`StandInRank`): real Ray actors that receive what :class:`PolicyGroup` sends them (real Ray
+  serialization), take their data-parallel share as the real :class:`PolicyWorker` does (``ForwardSchedule.dp_shard``
+  for ``compute_logprobs``, per mini-batch for ``train_step``), touch every token of it, and acknowledge with what they
+  received. ``compute_logprobs`` answers with the shape the real worker returns.
+
+Sizes (``--size``): ``paper`` = the DA3PO paper's step (512 prompts x G = 16 kept, responses up to 4K tokens,
+mean 2,283 tokens -- the 18.7 M-token batch of issue 36 --, 16 policy ranks on 2 x 8 GPUs); ``4x`` = 2,048 prompts,
+32 ranks; ``16x`` = 8,192 prompts, responses up to 8K (mean 4,566), 64 ranks. ``--scale F`` simulates the fraction F
+of the prompts (and so of the tokens) and extrapolates per-token work linearly (x 1/F); ``--ranks-actual R`` runs R
+stand-in rank actors in place of the size's ranks (2 shared cores cannot hold 64 Python processes); per-rank work is
+then extrapolated x ranks / R for what is sent to every rank (the "before" data path serialized the batch once per
+rank) -- the table says which factor each column used.
+
+The modeled GPU step time (the denominator of the overhead ratio): verl's DAPO recipe on Qwen2.5-32B reports, for the
+paper-size batch on 16 GPUs, step times of 566-699 s (issue 36; verl ``recipe/dapo`` README, the DAPO step timings);
+we use their middle, 630 s, and scale it with response tokens per GPU (decode and training are linear in tokens at
+fixed length; attention's quadratic part is left out, which makes the modeled time -- and so the ratio's denominator
+-- smaller, i.e. the ratio pessimistic).
+
+Per phase it prints driver wall seconds, driver CPU seconds, bytes moved through Ray (Ray's own serializer sizes
+each payload: completions returned by the engines, what the ranks were sent and what they returned), the driver's
+peak RSS (``ru_maxrss``) and the object store's peak (polled from the raylet every 0.2 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+VOCAB = 151_643  # Qwen's vocabulary (qwen.tiktoken ranks)
+MODEL_STEP_S_PAPER = 630.0  # middle of verl's 566-699 s DAPO step on 16 GPUs at the paper's batch (see docstring)
+PAPER_TOKENS = 18.7e6  # response tokens of the paper-size batch (issue 36)
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    prompts: int  # kept groups per step (data.train_batch_size)
+    group: int  # G
+    max_response: int  # L_max
+    mean_response: float  # mean response length before the cap
+    prompt_len: int
+    ranks: int  # policy ranks (one per GPU, DP = ranks)
+    engines: int  # rollout engines (one per GPU pair)
+    mini_batch: int  # actor.ppo_mini_batch_size (prompts per optimizer step)
+
+    def model_step_s(self, response_tokens: float) -> float:
+        """Modeled GPU seconds of the step: the paper's step scaled by response tokens per GPU."""
+        return MODEL_STEP_S_PAPER * (response_tokens / PAPER_TOKENS) * (16 / self.ranks)
+
+
+SIZES = {
+    "tiny": Size("tiny", 8, 4, 64, 24.0, 16, 4, 2, 2),
+    "paper": Size("paper", 512, 16, 4096, 2700.0, 256, 16, 8, 32),
+    "4x": Size("4x", 2048, 16, 4096, 2700.0, 256, 32, 16, 128),
+    "16x": Size("16x", 8192, 16, 8192, 5400.0, 256, 64, 32, 512),
+}
+
+
+# ------------------------------------------------------------------------------------------------ stand-in actors
+class StandInEngine:
+    """A rollout engine that decodes nothing: completions of the recorded shape (see the module docstring)."""
+
+    def __init__(self, index: int, max_response: int, mean_response: float) -> None:
+        self.index, self.max_response, self.mean_response = index, max_response, mean_response
+
+    def ready(self) -> bool:
+        return True
+
+    def generate(self, prompts: list, prompt_indices: list[int], sampling: Any, max_tokens: Any = None) -> list:
+        from da3po_megatron.rollout.types import Completion
+
+        out = []
+        for pid, gi in zip(prompts, prompt_indices):
+            uid = int(pid[0])
+            rng = np.random.default_rng([uid, int(sampling.seed or 0)])
+            n = np.minimum(rng.gamma(2.0, self.mean_response / 2.0, sampling.n).astype(np.int64) + 1,
+                           sampling.max_tokens)
+            for j in range(sampling.n):
+                k = int(n[j])
+                ids = rng.integers(0, VOCAB, k, dtype=np.int64).tolist()
+                lps = (-rng.exponential(0.5, k)).tolist()
+                text = ("step " * k)[: 4 * k]
+                out.append(Completion(prompt_index=gi, sample_index=j, prompt_token_ids=list(pid), token_ids=ids,
+                                      text=text, logprobs=lps,
+                                      finish_reason="length" if k >= sampling.max_tokens else "stop", num_tokens=k))
+        return out
+
+    def health(self) -> dict:
+        return {"engine": self.index}
+
+
+class StandInRank:
+    """A policy rank that computes nothing: it keeps its data-parallel share as ``PolicyWorker`` does, touches each
+    of its tokens, and acknowledges (``compute_logprobs`` answers in the worker's return format)."""
+
+    def __init__(self, rank: int, dp: int, mini_batch_responses: int, keep_rows: bool = False) -> None:
+        # Megatron's rank order with TP innermost: ranks dp_rank * tp .. dp_rank * tp + tp - 1 share one DP rank
+        self.rank, self.dp, self.mini, self.keep_rows = rank, dp, mini_batch_responses, keep_rows
+        self.dp_rank = rank // max(1, self.tp)
+        self.received: list[dict] = []
+
+    tp = 1
+
+    def info(self) -> dict:
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp": self.dp, "tp_rank": self.rank % self.tp,
+                "pp_rank": 0, "tp": self.tp, "pp": 1}
+
+    def execute(self, fn, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+
+    def _schedule(self):
+        from da3po_megatron.megatron.schedule import ForwardSchedule
+
+        return ForwardSchedule(model=None, device="cpu", te=False, thd=False, pad_id=0, dp=self.dp,
+                               dp_rank=self.dp_rank, tp_rank=0)
+
+    def _touch(self, batch, rows) -> int:
+        tokens = 0
+        for i in rows:
+            tokens += len(batch.prompt_ids[i]) + len(batch.response_ids[i])
+            if batch.old_logprobs is not None:
+                tokens += 0 * len(batch.old_logprobs[i])
+        return tokens
+
+    def _note(self, method: str, batch, rows) -> None:
+        held = getattr(batch, "held_rows", None)
+        self.received.append({"method": method, "rows": len(rows), "batch_rows": len(batch),
+                              "held_rows": len(batch.response_ids) if held is None else int(len(held)),
+                              "tokens": self._touch(batch, rows)})
+        if self.keep_rows:  # (tests) which rows it held and which it worked on
+            self.received[-1].update(held=list(range(len(batch))) if held is None else [int(i) for i in held],
+                                     worked=sorted(int(i) for i in rows))
+
+    def compute_logprobs(self, batch, return_entropy: bool = False, packing: bool | None = None,
+                         as_arrays: bool = False):
+        shard = self._schedule().dp_shard(batch)
+        self._note("compute_logprobs", batch, shard)
+        return standin_logprobs(batch, as_arrays)
+
+    def train_step(self, batch) -> dict:
+        n = len(batch)
+        sched = self._schedule()
+        rows: list[int] = []
+        for s in range(0, n, self.mini):
+            rows += sched.dp_shard(batch, list(range(s, min(s + self.mini, n))))
+        self._note("train_step", batch, rows)
+        return {"loss": 0.0, "grad_norm": 1.0, "lr": 1e-6, "clipfrac_low": 0.0, "clipfrac_high": 0.0,
+                "approx_kl": 0.0, "entropy": float("nan"), "response_tokens": float(batch.num_response_tokens()),
+                "tokens_per_s": 0.0, "num_microbatches": 1, "num_updates": max(1, n // self.mini),
+                "update_ratio": 1e-6, "skipped_updates": 0, "nonfinite_loss_updates": 0,
+                "nonfinite_grad_updates": 0, "update_ratio_refused_updates": 0, "trailing_skipped_updates": 0,
+                "step": 1, "time_s": 0.0, "loss_backend": "none"}
+
+    def report(self) -> list[dict]:
+        return self.received
+
+
+def _warm_rank(rank: StandInRank) -> bool:
+    rank._schedule()
+    return True
+
+
+def standin_logprobs(batch, as_arrays: bool = False):
+    """The worker's answer shape: every response's per-token log-probs (zeros here), lists or one float32 array."""
+    from da3po_megatron.megatron import batching
+
+    if as_arrays:  # arrays end to end (after issue 36)
+        lens = batch.response_lengths()
+        offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        return batching.Ragged(np.zeros(int(offsets[-1]), dtype=np.float32), offsets)
+    lens = [len(r) for r in batch.response_ids]
+    flat = [0.0] * sum(lens)  # the real worker: packed.tolist(), then one slice per response
+    out, o = [], 0
+    for n in lens:
+        out.append(flat[o:o + n])
+        o += n
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+class StorePoll(threading.Thread):
+    """Object-store bytes in use, polled from the raylet; ``peak`` is the largest value seen."""
+
+    def __init__(self, period_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.period_s, self.peak, self._halt = period_s, 0, threading.Event()
+
+    def sample(self) -> int:
+        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+        try:
+            import ray
+
+            reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+            return int(reply.store_stats.object_store_bytes_used)
+        except Exception:  # noqa: BLE001 - a missed sample only lowers the peak
+            return 0
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.peak = max(self.peak, self.sample())
+            self._halt.wait(self.period_s)
+
+    def stop(self) -> int:
+        self._halt.set()
+        self.join()
+        return self.peak
+
+
+def ray_bytes(obj: Any) -> int:
+    """Bytes Ray's serializer produces for ``obj`` (in-band pickle + out-of-band buffers)."""
+    import ray
+
+    ctx = ray._private.worker.global_worker.get_serialization_context()
+    return int(ctx.serialize(obj).total_bytes)
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Phases:
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[str, float]] = {}
+
+    def __call__(self, name: str):
+        phases = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.w, self.c = time.perf_counter(), time.process_time()
+
+            def __exit__(self, *exc):
+                r = phases.rows.setdefault(name, {"wall_s": 0.0, "cpu_s": 0.0, "bytes": 0.0})
+                r["wall_s"] += time.perf_counter() - self.w
+                r["cpu_s"] += time.process_time() - self.c
+                r["rss_mb"] = rss_mb()
+
+        return _Ctx()
+
+    def add_bytes(self, name: str, n: float) -> None:
+        self.rows.setdefault(name, {"wall_s": 0.0, "cpu_s": 0.0, "bytes": 0.0})["bytes"] += n
+
+
+# ------------------------------------------------------------------------------------------------ the step
+def bench_config(size: Size, prompts: int, ranks: int, dp: int):
+    from da3po_megatron.config import load_config
+
+    mini = max(1, min(size.mini_batch, prompts))
+    return load_config(ROOT / "examples" / "tiny_cpu_da3po.yaml", [
+        f"rollout.n={size.group}", f"rollout.max_response_length={size.max_response}",
+        "rollout.max_prompt_length=2048", f"data.train_batch_size={prompts}",
+        f"actor.max_tokens_per_microbatch={2048 + size.max_response}",
+        f"actor.ppo_mini_batch_size={mini}", f"parallel.data_parallel_size={dp}",
+        f"parallel.tensor_model_parallel_size={ranks // dp}",
+        "reward.kind=coin", "algorithm.max_generation_rounds=8", "trainer.tensorboard=false"])
+
+
+def make_policy_group(cfg, actors, infos):
+    """The real :class:`PolicyGroup` dispatch around stand-in actors (no megatron-core behind them)."""
+    from da3po_megatron.megatron.actor_group import PolicyGroup
+
+    if hasattr(PolicyGroup, "attach"):
+        return PolicyGroup.attach(cfg, actors, infos)
+    g = object.__new__(PolicyGroup)
+    g.cfg, g.actors, g.world_size, g.infos = cfg, actors, len(actors), infos
+    g._pg, g._own_pg, g.start_timeout_s, g.rank_hosts = None, False, 600.0, None
+    return g
+
+
+def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, reward_workers: int,
+             tmp: Path, dp: int | None = None, keep_rows: bool = False) -> dict[str, Any]:
+    """One step at ``size`` x ``scale`` (see the module docstring); ``dp``: data-parallel ranks among the
+    ``ranks_actual`` (default all: TP = 1); ``keep_rows``: the ranks report which rows they held and worked on."""
+    import ray
+    import torch
+
+    from da3po_megatron.algorithms import DynamicSamplingBuffer
+    from da3po_megatron.data.datasets import Example
+    from da3po_megatron.rewards.pool import RewardPool
+    from da3po_megatron.rollout.client import RolloutClient
+    from da3po_megatron.rollout.consistency import DriftMonitor
+    from da3po_megatron.rollout.types import EngineConfig
+    from da3po_megatron.trainer import batch as B
+    from da3po_megatron.trainer.run import Run
+    from da3po_megatron.trainer.streaming import StepRollout, token_stats
+
+    prompts = max(1, round(size.prompts * scale))
+    dp = dp or ranks_actual
+    if __name__ != "__main__":  # imported (the test): the stand-in classes travel by value to the actors
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = bench_config(size, prompts, ranks_actual, dp)
+    phases = Phases()
+    engine_cls = ray.remote(num_cpus=0)(StandInEngine)
+    engines = [engine_cls.remote(e, size.max_response, size.mean_response) for e in range(engines_actual)]
+    rank_cls = ray.remote(num_cpus=0)(type("StandInRankTP", (StandInRank,), {"tp": ranks_actual // dp}))
+    ranks = [rank_cls.remote(r, dp, cfg.ppo_mini_batch_responses, keep_rows) for r in range(ranks_actual)]
+    ray.get([e.ready.remote() for e in engines])
+    infos = ray.get([r.info.remote() for r in ranks])
+    ray.get([r.execute.remote(_warm_rank) for r in ranks])  # imports (torch) outside the timed phases
+    rollout = RolloutClient(EngineConfig(model_path="stand-in"), engines, mode="ray")
+    policy = make_policy_group(cfg, ranks, infos)
+    rewards = RewardPool(num_workers=reward_workers, timeout_s=10.0)
+    run = SimpleNamespace(cfg=cfg, rewards=rewards, policy=policy, step=0, data_skipped_rows=0,
+                          drift=DriftMonitor(0.0), pending=[], engine_weight_step=0,
+                          buffer=DynamicSamplingBuffer(prompts, surplus="carry", group_size=size.group),
+                          prompts=SimpleNamespace(state_dict=lambda: {"position": 0}),
+                          totals={"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
+                                  "reward_errors": 0, "skipped_updates": 0})
+    run.totals.update(groups=10 * prompts, kept_groups=7 * prompts)  # steady state: the keep rate of earlier steps
+    sampling_seed = 1
+    from da3po_megatron.rollout.types import SamplingConfig
+
+    rollout.generate([[0, 7]] * len(engines), SamplingConfig(n=1, max_tokens=2, seed=0))  # engines' first call
+    rss_base = rss_mb()
+    poll = StorePoll()
+    poll.start()
+    uid = 0
+    generated: list = []
+    t_step = time.perf_counter()
+    for round_ in range(cfg.algorithm.max_generation_rounds):
+        if run.buffer.is_full:
+            break
+        k = Run.prompts_for_round(run, prompts - len(run.buffer))
+        examples = [Example(uid=f"p{uid + i}", prompt="", source="bench",  # coin reward: correct w.p. p
+                            answer=f"coin:{np.random.default_rng(uid + i).beta(0.4, 0.6):.6f}") for i in range(k)]
+        token_prompts = [[uid + i] + [7] * (size.prompt_len - 1) for i in range(k)]
+        uid += k
+        with phases("generate"):
+            comps = rollout.generate(token_prompts, Run.sampling_config(run, sampling_seed + round_))
+        sample = [c for cs in comps[:8] for c in cs]
+        phases.add_bytes("generate", sum(ray_bytes(c) for c in sample) * len(comps) * size.group / len(sample))
+        with phases("reward"):
+            groups = Run.score(run, examples, comps)
+        with phases("dynamic_sampling"):
+            generated += groups
+            run.totals["groups"] += len(groups)
+            run.totals["kept_groups"] += run.buffer.add(groups, [g.p_hat for g in groups])
+        del comps
+    with phases("dynamic_sampling"):
+        batch_groups = run.buffer.take()
+        stats = {**run.buffer.stats(), **token_stats(batch_groups, generated)}
+    with phases("advantages"):
+        daa = B.compute_advantages(batch_groups, cfg.algorithm.advantage_eps, cfg.daa.enable, cfg.daa.lambda_,
+                                   cfg.daa.tau, cfg.daa.mode, cfg.daa.lambda_min, cfg.daa.lambda_max)
+    with phases("policy_batch"):
+        batch = B.policy_batch(batch_groups)
+    batch_bytes = ray_bytes(batch)
+    with phases("old_logprobs"):
+        batch, mismatch = Run.old_logprobs(run, batch, fresh=True)
+    with phases("train"):
+        train_metrics = policy.train_step(batch)
+    reports = ray.get([r.report.remote() for r in ranks])
+    with phases("metrics"):
+        ro = StepRollout(batch_groups, generated, stats, 0, {})
+        metrics = Run.step_metrics(run, ro, daa, mismatch, train_metrics, {}, {}, time.perf_counter() - t_step)
+    with phases("checkpoint"):
+        run.buffer = run.buffer  # the leftover (carried) groups are the driver state that grows with the batch
+        state = Run.trainer_state(run)
+        path = tmp / "trainer_state.pt"
+        torch.save(state, path)
+    phases.add_bytes("checkpoint", path.stat().st_size)
+    store_peak = poll.stop()
+    rewards.close()
+    response_tokens = float(sum(len(r) for g in batch_groups for r in g.response_ids))
+    # bytes each rank was sent: what the dispatch serialized, per call
+    per_rank = [{m: sum(x["held_rows"] for x in rep if x["method"] == m) for m in ("compute_logprobs", "train_step")}
+                for rep in reports]
+    sent = getattr(policy, "sent_bytes", None)
+    if sent:  # the sharded path counts what it put; only rank 0 answers with the log-probs
+        phases.add_bytes("old_logprobs", sent.get("compute_logprobs", 0) + ray_bytes(standin_logprobs(batch, True)))
+        phases.add_bytes("train", sent.get("train_step", 0))
+    else:  # every rank received the whole batch, and answered with all log-probs: once per rank and call
+        lp_bytes = ray_bytes(standin_logprobs(batch))
+        phases.add_bytes("old_logprobs", (batch_bytes + lp_bytes) * ranks_actual)
+        phases.add_bytes("train", batch_bytes * ranks_actual)
+    for a in engines + ranks:
+        ray.kill(a)
+    return {"size": size.name, "scale": scale, "prompts": prompts, "responses": len(batch),
+            "response_tokens": response_tokens, "generated_groups": len(generated),
+            "kept_frac": metrics.get("dynamic_sampling/kept_frac"), "ranks_actual": ranks_actual,
+            "engines_actual": engines_actual, "phases": phases.rows, "batch_bytes": batch_bytes,
+            "driver_peak_rss_mb": rss_mb(), "driver_base_rss_mb": rss_base, "object_store_peak_bytes": store_peak,
+            "per_rank_rows": per_rank, "reports": reports if keep_rows else None,
+            "policy_batch_rows": len(batch), "step_wall_s": time.perf_counter() - t_step,
+            "dispatch_puts": getattr(policy, "put_counts", None)}
+
+
+def extrapolate(res: dict[str, Any], size: Size) -> dict[str, Any]:
+    """Full-size figures: per-token work x 1/scale; what every rank was sent x ranks / ranks_actual when the
+    batch went to every rank whole (the "before" data path), x 1 when each rank got only its share."""
+    f_tok = 1.0 / res["scale"]
+    whole = res.get("dispatch_puts") is None
+    f_rank = size.ranks / res["ranks_actual"] if whole else 1.0
+    out = {}
+    for name, r in res["phases"].items():
+        f = f_tok * (f_rank if name in ("old_logprobs", "train") else 1.0)
+        out[name] = {k: (v * f if k in ("wall_s", "cpu_s", "bytes") else v) for k, v in r.items()}
+    tokens = res["response_tokens"] * f_tok
+    total = sum(r["cpu_s"] for r in out.values())  # the driver's own work (stand-ins' compute is not the driver's)
+    model = size.model_step_s(tokens)
+    return {"phases": out, "response_tokens": tokens, "driver_s": total,
+            "driver_wall_s": sum(r["wall_s"] for r in out.values()), "model_step_s": model,
+            "overhead": total / model,
+            "rss_mb": res["driver_base_rss_mb"] + (res["driver_peak_rss_mb"] - res["driver_base_rss_mb"]) * f_tok,
+            "store_peak_bytes": res["object_store_peak_bytes"] * f_tok * f_rank}
+
+
+def table(res: dict[str, Any], full: dict[str, Any], size: Size) -> str:
+    lines = [f"size {size.name}: {res['prompts']} prompts x G={size.group} simulated (scale {res['scale']:g}), "
+             f"{res['responses']} responses, {res['response_tokens'] / 1e6:.2f} M response tokens, "
+             f"{res['generated_groups']} groups generated (kept {res['kept_frac']:.2f}); "
+             f"{res['ranks_actual']} rank actors for {size.ranks}, {res['engines_actual']} engines",
+             f"{'phase':<17}{'wall s':>9}{'cpu s':>9}{'MB moved':>11}{'RSS MB':>9} | full size: "
+             f"{'cpu s':>9}{'wall s':>9}{'GB moved':>10}"]
+    for name, r in res["phases"].items():
+        fr = full["phases"][name]
+        lines.append(f"{name:<17}{r['wall_s']:>9.2f}{r['cpu_s']:>9.2f}{r['bytes'] / 2**20:>11.1f}"
+                     f"{r['rss_mb']:>9.0f} | {'':>10}{fr['cpu_s']:>9.1f}{fr['wall_s']:>9.1f}"
+                     f"{fr['bytes'] / 2**30:>10.2f}")
+    lines.append(f"driver total {sum(r['cpu_s'] for r in res['phases'].values()):.2f} s CPU, "
+                 f"{sum(r['wall_s'] for r in res['phases'].values()):.2f} s wall measured; "
+                 f"peak RSS {res['driver_peak_rss_mb']:.0f} MB, object store peak "
+                 f"{res['object_store_peak_bytes'] / 2**20:.0f} MB")
+    lines.append(f"full size: {full['response_tokens'] / 1e6:.1f} M tokens, driver {full['driver_s']:.1f} s CPU "
+                 f"({full['driver_wall_s']:.1f} s wall on 2 shared cores) vs "
+                 f"modeled GPU step {full['model_step_s']:.0f} s -> overhead {100 * full['overhead']:.2f} %; "
+                 f"RSS ~{full['rss_mb'] / 1024:.1f} GB, object store peak ~{full['store_peak_bytes'] / 2**30:.1f} GB")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="da3po bench control-plane")
+    ap.add_argument("--size", choices=sorted(SIZES), default="paper")
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of the size's prompts to simulate")
+    ap.add_argument("--ranks-actual", type=int, default=None, help="stand-in rank actors (default min(ranks, 16))")
+    ap.add_argument("--engines-actual", type=int, default=None, help="stand-in engines (default min(engines, 4))")
+    ap.add_argument("--reward-workers", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    size = SIZES[args.size]
+    import ray
+
+    from da3po_megatron.trainer.prepare import start_local_ray
+
+    tmp = Path(tempfile.mkdtemp(prefix="da3po-cp-", dir="/tmp"))
+    start_local_ray(str(tmp / "ray"), num_cpus=2, log_to_driver=False)
+    try:
+        res = run_step(size, args.scale, args.ranks_actual or min(size.ranks, 16),
+                       args.engines_actual or min(size.engines, 4), args.reward_workers, tmp)
+    finally:
+        ray.shutdown()
+    full = extrapolate(res, size)
+    print(table(res, full, size), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"measured": res, "full_size": full}, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
