@@ -80,6 +80,32 @@ def _patch(module: str, attr: str, label: str, **kw) -> None:
     setattr(target, name, _timed(label, fn, **kw))
 
 
+def process_cpu() -> list[tuple[str, float]]:
+    """CPU seconds (user + system) so far of this process and every process it started (Ray's own, the actors,
+    vLLM's, the reward workers), by name: a load-independent view of what the launch costs on 2 cores."""
+    out: list[tuple[str, float]] = []
+    try:
+        me = psutil.Process()
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                name = " ".join(p.cmdline())
+            except Exception:  # noqa: BLE001 - a process that just ended
+                continue
+            if "ray::" in name:
+                name = name.split()[0]
+            elif "ray/" in name or "ray\\" in name:
+                name = "ray: " + next((Path(a).name for a in p.cmdline() if "ray/" in a), name[:40])
+            elif p.pid == me.pid:
+                name = "driver (this process)"
+            else:
+                name = name[:60]
+            out.append((name, t.user + t.system + getattr(t, "children_user", 0) + getattr(t, "children_system", 0)))
+    except NameError:  # no psutil
+        pass
+    return out
+
+
 def install_timers() -> None:
     t0 = _now()
     import da3po_megatron.trainer.loop as loop  # noqa: F401 - the trainer's own imports
@@ -107,7 +133,9 @@ def install_timers() -> None:
     orig_collect = loop.collect
 
     def collect(run_, step):  # the first step starts here
-        FIRST_STEP.setdefault("start", _now())
+        if "start" not in FIRST_STEP:
+            FIRST_STEP["start"] = _now()
+            FIRST_STEP["cpu"] = process_cpu()
         return orig_collect(run_, step)
     loop.collect = collect
 
@@ -129,23 +157,35 @@ def main(argv: list[str] | None = None) -> int:
     from da3po_megatron.trainer.main import main as train_main
 
     t0 = _now()
+    rc = 1
     try:
         rc = train_main(["--config", args.config, f"model.path={args.model}", f"trainer.run_dir={run_dir}",
                          "trainer.total_steps=1", "trainer.save_every=0", *args.overrides])
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        report(t0, rc, args.json)
+    return rc
+
+
+def report(t0: float, rc: int, json_out: str | None) -> None:
     total = _now()
     first = FIRST_STEP.get("start")
     print(f"\nlaunch profile (seconds since the interpreter started; train main() entered at {t0:.1f} s):")
     print(f"{'phase':<44} {'start':>7} {'seconds':>8} {'end':>7}")
     for r in sorted(ROWS, key=lambda r: r["start"]):
         print(f"{r['phase']:<44} {r['start']:7.1f} {r['seconds']:8.1f} {r['start'] + r['seconds']:7.1f}")
+    cpu = FIRST_STEP.get("cpu") or []
+    if cpu:
+        print("\nCPU seconds by process at the first step's start (user + system):")
+        for name, sec in sorted(cpu, key=lambda x: -x[1]):
+            print(f"  {sec:7.1f}  {name}")
+        print(f"  {sum(s for _, s in cpu):7.1f}  in all")
     line = f"launch to first step: {first:.1f} s" if first is not None else "the first step was not reached"
     print(f"{line} (whole run {total:.1f} s, exit {rc}; load average {os.getloadavg()[0]:.1f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": ROWS, "first_step_s": first, "exit": rc}, indent=1) + "\n")
-    return rc
+    if json_out:
+        Path(json_out).write_text(json.dumps({"rows": ROWS, "first_step_s": first, "exit": rc, "cpu": cpu},
+                                             indent=1) + "\n")
 
 
 if __name__ == "__main__":
