@@ -97,6 +97,9 @@ def init_ray(cfg: Config) -> None:
         need = cfg.policy_world_size * cfg.ray.num_cpus_per_policy_rank + \
             cfg.rollout.num_engines * cfg.rollout.num_cpus_per_engine
         start_local_ray(None, max(os.cpu_count() or 1, math.ceil(need) + 1), **ray_init_kwargs())
+        from da3po_megatron.trainer.reaper import start_reaper
+
+        start_reaper()  # the Ray processes this driver started end with it, even after a kill -9 (trainer/reaper.py)
     else:
         ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
 
