@@ -260,6 +260,26 @@ def test_zero_gpu_bundles_on_the_drivers_host_without_an_nvidia_driver_are_answe
     assert P.answer_without_probe("policy", node, 0) is None
 
 
+def test_a_reservation_that_fails_half_way_leaves_no_placement_group_behind(ray_with_logical_gpus) -> None:
+    """The policy's group is created, then the engines' is refused (here an empty bundle: Ray's ValueError): reserve()
+    removes the policy's group before the error propagates, as it does on a timeout, so a Run.__init__ failing there
+    (which closes its reservation only once it holds one, issue 35) leaves nothing reserved. On 27dab78 the policy's
+    group stayed until the driver exited."""
+    from ray.util import placement_group_table
+
+    from da3po_megatron.trainer.placement import cluster_nodes, reserve
+
+    plan = plan_placement(_need(world_size=1, tp=1, num_engines=1, gpus_per_rank=0, gpus_per_engine=0,
+                                device="cpu"), cluster_nodes())
+    plan.engine_bundles = [{}]
+    with pytest.raises(ValueError):
+        reserve(plan, timeout_s=30, name="halfway")
+    left = [(t["name"], t["state"]) for t in placement_group_table().values()
+            if t["name"].startswith("halfway") and t["state"] != "REMOVED"]
+    print(f"placement groups left after the failed reservation: {left}")
+    assert left == []
+
+
 def test_engine_memory_and_sleep_mode_follow_what_the_engine_sees() -> None:
     from da3po_megatron.trainer.prepare import engine_config
 

@@ -378,15 +378,27 @@ def reserve(plan: Plan, timeout_s: float, name: str = "da3po") -> Reservation:
                                bundle_label_selector=[{NODE_ID_LABEL_KEY: plan.nodes[i].node_id} for i in nodes])
 
     res = Reservation(plan, make(plan.policy_bundles, plan.rank_node, "policy"), None)
-    if plan.engine_bundles:
-        res.engines = make(plan.engine_bundles, plan.engine_node, "engines")
+    try:  # anything raising from here on (the engines' group refused, an interrupt) removes what was created
+        if plan.engine_bundles:
+            res.engines = make(plan.engine_bundles, plan.engine_node, "engines")
+        _wait_reserved(res, timeout_s)
+    except BaseException:
+        res.close()
+        raise
+    return res
+
+
+def _wait_reserved(res: Reservation, timeout_s: float) -> None:
+    """Wait for the reservation's groups, at most ``timeout_s`` in all; PlacementError naming what is pending."""
+    import ray
+
+    plan = res.plan
     pending = {"policy": res.policy, **({"engines": res.engines} if res.engines is not None else {})}
     deadline = time.monotonic() + timeout_s
     for tag, pg in pending.items():
         ready, _ = ray.wait([pg.ready()], timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            report = _pending_report(plan)
-            res.close()
+            report = _pending_report(plan)  # before reserve() removes the groups
             kinds = plan.rank_node if tag == "policy" else plan.engine_node
             bundles = plan.policy_bundles if tag == "policy" else plan.engine_bundles
             where = ", ".join(f"{'rank' if tag == 'policy' else 'engine'} {i}: {b} on {plan.host(kinds[i])}"
