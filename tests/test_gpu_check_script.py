@@ -6,6 +6,7 @@ anyway) and checks the summary, the exit status and the files it leaves for the 
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,13 +29,15 @@ def _summary(tmp_path: Path) -> dict[str, str]:
 
 
 def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_path):
-    # skipped here to save process starts in CI: bench_loss_16k is bench_loss_8k's command at another size, and
-    # convert_verify is `da3po convert hf-to-megatron --verify`, which tests/test_convert.py runs
-    r = _run(tmp_path, GPU_CHECK_SKIP="kernel_tests,bench_loss_16k,convert_verify")
+    # skipped here to save process starts in CI: bench_loss_16k is bench_loss_8k's command at another size,
+    # convert_verify is `da3po convert hf-to-megatron --verify`, which tests/test_convert.py runs, and the kernel
+    # steps are pytest runs of kernel test files the suite runs anyway (their CUDA cases skip here)
+    r = _run(tmp_path, GPU_CHECK_SKIP="kernel_cuda,kernel_tests,bench_loss_16k,convert_verify")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
-    assert _summary(tmp_path) == {"kernel_tests": "SKIP", "bench_loss_8k": "PASS", "bench_loss_16k": "SKIP",
-                                  "train_step": "PASS", "resume": "PASS", "te_spec": "SKIP", "convert_verify": "SKIP",
-                                  "ipc_sync": "PASS", "collective_cuda": "PASS"}
+    assert _summary(tmp_path) == {"kernel_cuda": "SKIP", "kernel_tests": "SKIP", "bench_loss_8k": "PASS",
+                                  "bench_loss_16k": "SKIP", "train_step": "PASS", "resume": "PASS", "te_spec": "SKIP",
+                                  "convert_verify": "SKIP", "ipc_sync": "PASS", "collective_cuda": "PASS"}
+    assert list(_summary(tmp_path)) == [name for part in _plan()[1:] for name in list(part["steps"])[1:]]
     assert "te_spec                SKIP no CUDA" in (tmp_path / "out" / "summary.txt").read_text()
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(files) <= 8, files
@@ -47,6 +50,49 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     assert '"check": "resume", "ok": true' in train and '"optimizer": "torch.optim.adamw.AdamW"' in train
     assert "| ipc_sync |" in train and "| pack |" in train  # the weight-sync IPC leg, appended to the same file
     assert '"check": "collective_cuda"' in train and "wrong tensors: 0" in train  # the collective receive step
+
+
+def _plan() -> list[dict]:
+    """``tools/gpu_check.sh plan``: per command its timeout_s, the sum and each step's limit; then start and budget."""
+    out = subprocess.run(["bash", "tools/gpu_check.sh", "plan"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    parts = [None]
+    for line in lines[:2]:
+        m = re.fullmatch(r"part (\d) timeout_s=(\d+) sum=(\d+) steps: (.*)", line)
+        assert m, line
+        steps = dict((k, int(v)) for k, v in (s.split("=") for s in m[4].split()))
+        parts.append({"timeout_s": int(m[2]), "sum": int(m[3]), "steps": steps})
+    m = re.fullmatch(r"all start=(\d+) budget=(\d+)", lines[2])
+    parts[0] = {"start": int(m[1]), "budget": int(m[2])}
+    return parts
+
+
+def test_the_step_budgets_add_up_to_what_the_header_recommends_within_15_minutes_of_device_time():
+    """The device run the header recommends fits: each command's step limits (LIMIT in the script, printed by
+    ``plan``) add up to the sum the header states and to less than that command's timeout_s, the machine's start plus
+    the two timeouts is the 15 minutes of device time, and command 1 runs the weight-sync checks first, then the fused
+    kernel, the train step and the resume. On 27dab78 the limits added up to ~1,520 s against its own 420 s (and the
+    600 s command limit), the weight-sync steps last."""
+    text = (REPO / "tools" / "gpu_check.sh").read_text()
+    header = " ".join(line.lstrip("# ") for line in text.split("set -uo pipefail")[0].splitlines())
+    plan = _plan()
+    run_line = r'gpu_check\.sh run (\d)", carry=\[".devwhl"\], timeout_s=(\d+)'
+    recommended = {int(p): int(t) for p, t in re.findall(run_line, header)}
+    assert recommended == {1: plan[1]["timeout_s"], 2: plan[2]["timeout_s"]}
+    m = re.search(r"15 min = (\d+) s in all = the machine's start \(allow (\d+) s\) \+ command 1 \((\d+) s\) \+ "
+                  r"command 2 \((\d+) s\)", header)
+    assert m and [int(x) for x in m.groups()] == [plan[0]["budget"], plan[0]["start"], recommended[1], recommended[2]]
+    assert plan[0]["start"] + recommended[1] + recommended[2] <= plan[0]["budget"] == 15 * 60
+    for p in (1, 2):
+        stated = re.search(rf"Command {p} [^:]*: (.*?) = (\d+) s\.", header)
+        terms = [(k, int(v)) for k, v in re.findall(r"([a-z_0-9]+) (\d+)", stated[1])]
+        steps = plan[p]["steps"]
+        assert terms == list(steps.items()), (p, terms, steps)  # the header's numbers are the script's
+        assert int(stated[2]) == plan[p]["sum"] == sum(steps.values()) < plan[p]["timeout_s"]
+        print(f"command {p}: steps {plan[p]['sum']} s of timeout_s={plan[p]['timeout_s']}")
+    order = list(plan[1]["steps"])
+    assert order == ["prelude", "ipc_sync", "collective_cuda", "kernel_cuda", "bench_loss_8k", "train_step", "resume"]
 
 
 def test_a_failing_step_is_recorded_and_the_script_exits_non_zero(tmp_path):

@@ -1,27 +1,63 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a session that is lent a device machine (../.library/device: one H200, ~15 minutes of
-# device time in all, machine start included). It runs what CPU machines cannot: the compiled Triton kernels against
-# the reference, the DAA-loss benchmark at the paper's vocabulary (issue 7's targets: >= 3x faster than the eager
-# reference, >= 70% of the measured copy bandwidth, <= 1/8 of its peak extra memory), and, when megatron-core was
-# carried, one bf16 policy train step on CUDA (local layer spec: Transformer-Engine is not on that image) and the
-# HF -> Megatron bridge with its logits check on CUDA, and the IPC weight-sync leg (tools/bench_ipc_sync.py).
+# The prepared GPU check for a session that is lent a device machine (../.library/device: one H200). It runs what
+# CPU machines cannot: the colocated IPC weight sync and the collective receive on CUDA tensors, the compiled Triton
+# DAA-loss kernel against the reference and its benchmark at the paper's vocabulary (issue 7's targets: >= 3x faster
+# than the eager reference, >= 70% of the measured copy bandwidth, <= 1/8 of its peak extra memory), and, when
+# megatron-core was carried, one bf16 policy train step on CUDA (local layer spec: Transformer-Engine is not on that
+# image), an optimizer save/resume, the TE-spec comparison and the HF -> Megatron bridge with its logits check.
 #
 # The device image has python3 3.12 with torch, triton, transformers, pytest, pyyaml -- but no megatron-core, vLLM or
 # Ray, and nothing can be downloaded there. So:
 #
 #   here:   bash tools/gpu_check.sh prepare          # downloads the megatron-core cp312 wheel into .devwhl/ (ignored)
-#   there:  run(command="bash tools/gpu_check.sh run", carry=[".devwhl"], timeout_s=420)
+#   there:  run(command="bash tools/gpu_check.sh run 1", carry=[".devwhl"], timeout_s=600)   then at once
+#           run(command="bash tools/gpu_check.sh run 2", carry=[".devwhl"], timeout_s=180)
 #
-# Every step has its own timeout and is recorded in $OUT/summary.txt (PASS / FAIL / SKIP with the reason); a failing
-# step does not stop the next. Logs and JSON go to $OUT (the device tool brings back at most 8 files), or to
-# outputs/gpu_check when OUT is unset. `GPU_CHECK_SMALL=1` shrinks every size so the script itself can be exercised on
-# a CPU machine (tests/test_gpu_check_script.py does that); `GPU_CHECK_SKIP=name,name` skips steps by name.
+# Device budget: 15 min = 900 s in all = the machine's start (allow 120 s) + command 1 (600 s) + command 2 (180 s);
+# the machine stays warm between the two calls, so only one start is paid. Each step has its own limit (seconds,
+# LIMIT below); a command's limits add up to less than its timeout_s, so no step of it is cut by the device tool:
+# Command 1 (what matters most, first): prelude 60 + ipc_sync 100 + collective_cuda 60 + kernel_cuda 60 +
+#   bench_loss_8k 100 + train_step 130 + resume 60 = 570 s.
+# Command 2 (the rest): prelude 25 + kernel_tests 50 + bench_loss_16k 45 + te_spec 20 + convert_verify 30 = 170 s.
+# (`bash tools/gpu_check.sh plan` prints the same from LIMIT; tests/test_gpu_check_script.py checks they agree. A CPU
+# machine exercising the script with GPU_CHECK_SMALL=1 gets GPU_CHECK_LIMIT_SCALE x the limits, default 5.)
+#
+# Every step is recorded in $OUT/summary.txt (PASS / FAIL / SKIP with the reason); a failing step does not stop the
+# next. Logs and JSON go to $OUT (the device tool brings back at most 8 files per command), or to outputs/gpu_check
+# when OUT is unset. `run` without a part number runs both parts in order (what a CPU machine does with
+# `GPU_CHECK_SMALL=1`, which shrinks every size so the script itself can be exercised: tests/test_gpu_check_script.py);
+# `GPU_CHECK_SKIP=name,name` skips steps by name.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
 mode=${1:-run}
+part=${2:-all}
 PY=${PYTHON:-python3}
 
+# The plan: each step's limit in seconds and the command (part) it runs in. The header repeats these numbers.
+declare -A LIMIT=([prelude1]=60 [ipc_sync]=100 [collective_cuda]=60 [kernel_cuda]=60 [bench_loss_8k]=100
+                  [train_step]=130 [resume]=60
+                  [prelude2]=25 [kernel_tests]=50 [bench_loss_16k]=45 [te_spec]=20 [convert_verify]=30)
+# shellcheck disable=SC2034  # PART1 / PART2 are read through `declare -n` in plan
+PART1=(prelude1 ipc_sync collective_cuda kernel_cuda bench_loss_8k train_step resume)
+# shellcheck disable=SC2034
+PART2=(prelude2 kernel_tests bench_loss_16k te_spec convert_verify)
+declare -A TIMEOUT=([1]=600 [2]=180)  # the device tool's timeout_s for each command
+START_ALLOWANCE=120 DEVICE_BUDGET=900  # the machine's start; 15 minutes of device time in all
+
+if [[ $mode == plan ]]; then  # the budget, from LIMIT (tests/test_gpu_check_script.py compares it with the header)
+    for p in 1 2; do
+        declare -n steps="PART$p"
+        total=0 line=""
+        for name in "${steps[@]}"; do
+            total=$((total + LIMIT[$name])) line+=" ${name%[12]}=${LIMIT[$name]}"
+        done
+        echo "part $p timeout_s=${TIMEOUT[$p]} sum=$total steps:$line"
+        unset -n steps
+    done
+    echo "all start=$START_ALLOWANCE budget=$DEVICE_BUDGET"
+    exit 0
+fi
 if [[ $mode == prepare ]]; then
     mkdir -p .devwhl
     grep -qxF '/.devwhl/' .git/info/exclude 2>/dev/null || echo '/.devwhl/' >> .git/info/exclude
@@ -31,8 +67,8 @@ if [[ $mode == prepare ]]; then
     ls -la .devwhl
     exit 0
 fi
-if [[ $mode != run ]]; then
-    echo "usage: tools/gpu_check.sh prepare|run" >&2
+if [[ $mode != run || ! $part =~ ^(1|2|all)$ ]]; then
+    echo "usage: tools/gpu_check.sh prepare | plan | run [1|2]" >&2
     exit 2
 fi
 
@@ -48,16 +84,21 @@ record() {  # record NAME STATUS DETAIL
     printf '%-22s %-4s %s\n' "$1" "$2" "$3" | tee -a "$summary"
 }
 
-step() {  # step NAME TIMEOUT_S LOGFILE CMD...: run, log, record PASS/FAIL with the elapsed time
-    local name=$1 limit=$2 log=$3
-    shift 3
+# the limits are the GPU's; a CPU machine exercising the script at tiny sizes (GPU_CHECK_SMALL=1, 2 shared cores in
+# CI) gets GPU_CHECK_LIMIT_SCALE times as long (default 5 there: its resume alone took ~70 s on a loaded machine)
+scale=1
+[[ $small == 1 ]] && scale=${GPU_CHECK_LIMIT_SCALE:-5}
+
+step() {  # step NAME LOGFILE CMD...: run within LIMIT[NAME] x scale seconds, log, record PASS/FAIL and the time
+    local name=$1 limit=$((LIMIT[$1] * scale)) log=$2
+    shift 2
     if [[ ",${GPU_CHECK_SKIP:-}," == *",$name,"* ]]; then
         record "$name" SKIP "GPU_CHECK_SKIP"
         return
     fi
     echo "=== $name (limit ${limit}s): $*"
     local t0=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
     local dt=$((SECONDS - t0))
     if [[ $rc == 0 ]]; then
@@ -69,10 +110,15 @@ step() {  # step NAME TIMEOUT_S LOGFILE CMD...: run, log, record PASS/FAIL with 
     fi
 }
 
-# 0. What the machine is.
-{
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || echo "nvidia-smi: none"
-    "$PY" - <<'EOF'
+into_train_log() {  # append a step's log to train_step.txt (the device tool brings back at most 8 files)
+    if [[ -f $1 ]]; then cat "$1" >> "$out/train_step.txt" && rm -f "$1"; fi
+}
+
+have_mcore=0
+prelude() {  # prelude prelude1|prelude2: what the machine is, megatron-core from the carried wheel, (1) the doctor
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || echo "nvidia-smi: none"
+        "$PY" - <<'EOF'
 import platform, torch
 try:
     import triton
@@ -83,101 +129,110 @@ cuda = torch.cuda.is_available()
 print(f"python {platform.python_version()} torch {torch.__version__} triton {tv} cuda {cuda}"
       + (f" device {torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}" if cuda else ""))
 EOF
-} 2>&1 | tee "$out/env.txt"
-
-# megatron-core from the carried wheel (the image has none and cannot download)
-if compgen -G ".devwhl/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
-        .devwhl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
-fi
-# what the defaults pick on this machine (the image lacks vLLM, Ray and math-verify: those rows FAIL, as expected)
-timeout 120 "$PY" -m da3po_megatron.cli doctor 2>&1 | tee -a "$out/env.txt"
-
-# 1. Kernel tests: compiled Triton vs the reference on CUDA, AOT compile, TP=2 (gloo), interpreter cases (CPU tensors)
-step kernel_tests 240 "$out/kernel_tests.log" \
-    "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_kernel_reference.py tests/test_kernel_backends.py \
-    tests/test_kernel_fused_linear.py tests/test_kernel_tp.py tests/test_kernel_compile.py
-
-# 2. The DAA-loss benchmark at the paper's vocabulary (Qwen3 151,936), bf16, 8K and 16K tokens per micro-batch.
-if [[ $small == 1 ]]; then
-    bench=(--tokens 64 --vocab 3001 --hidden 32 --repeats 1)
-    bench_big=(--tokens 128 --vocab 3001 --hidden 32 --repeats 1)
-else
-    bench=(--tokens 8192 --repeats 5)
-    bench_big=(--tokens 16384 --repeats 5 --paths "reference,chunked_inplace,triton,triton_inplace,fused_linear")
-fi
-step bench_loss_8k 150 "$out/bench_loss_8k.txt" "$PY" tools/bench_loss.py "${bench[@]}" --json "$out/bench_loss_8k.json"
-step bench_loss_16k 120 "$out/bench_loss_16k.txt" "$PY" tools/bench_loss.py "${bench_big[@]}"
-
-# 3. One bf16 policy train step on CUDA through megatron-core (local spec), with MFU, failing unless the step reports
-# the Triton kernel as what computed its loss; skipped without megatron-core.
-have_mcore=0  # steps 3 and 4 need megatron-core (importing it takes seconds of device time: test once)
-"$PY" -c "import megatron.core" 2>/dev/null && have_mcore=1
-if [[ $have_mcore == 1 ]]; then
-    # the loss implementation the policy must really run: the Triton kernel on CUDA (backend=auto picks it only when
-    # kernels/dispatch.py's probe passes), the chunked torch path on a CPU machine (GPU_CHECK_SMALL there)
-    export LOSS_KERNEL=kernel:triton
-    if [[ $small == 1 ]]; then
-        LOSS_KERNEL=kernel:chunked
-        train=(--tiny --batch 4 --prompt-len 8 --response-len 24 --steps 1 --warmup 0)
-    else
-        train=(--tiny --tiny-hidden 2048 --tiny-layers 8 --dtype bfloat16 --batch 32 --prompt-len 512
-               --response-len 1536 --steps 3 --warmup 1)
+    } 2>&1 | tee -a "$out/env.txt"
+    # megatron-core from the carried wheel (the image has none and cannot download); installed once per machine
+    if compgen -G ".devwhl/*.whl" > /dev/null; then
+        [[ -d /tmp/gpu_check_site/megatron ]] || "$PY" -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir --upgrade --target /tmp/gpu_check_site .devwhl/*.whl
+        export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
     fi
-    # the fused kernel on logits, then the fused-linear path (no logits tensor): time and peak memory side by side
-    # shellcheck disable=SC2016  # $0 / $@ are expanded by the inner bash, on purpose
-    step train_step 200 "$out/train_step.txt" bash -c \
-        '"$0" tools/bench_train_step.py "$@" --loss-backend kernel --expect-loss-backend "$LOSS_KERNEL" &&
-         "$0" tools/bench_train_step.py "$@" --loss-backend fused_linear' \
-        "$PY" "${train[@]}"
-    # 3b. A save and a resume of the optimizer state on this device: 2 steps, checkpoint, a fresh policy loads it,
-    # 2 more == 4 uninterrupted (TE's FusedAdam when TE imports, else torch's AdamW; the JSON says which).
-    step resume 150 "$out/resume.txt" "$PY" tools/check_gpu_stack.py resume
-    cat "$out/resume.txt" >> "$out/train_step.txt" && rm -f "$out/resume.txt"
-    # 3c. The TE layer spec against the local spec on the same weights (log-probs); SKIP without TE.
-    step te_spec 150 "$out/te_spec.txt" "$PY" tools/check_gpu_stack.py te-spec
-    if grep -q '^SKIP: ' "$out/te_spec.txt" 2>/dev/null; then  # it exits 0 with the reason: record a SKIP instead
-        sed -i '$d' "$summary"
-        record te_spec SKIP "$(grep -m1 '^SKIP: ' "$out/te_spec.txt" | cut -c7-)"
+    # the train step, resume, te_spec and convert_verify need megatron-core (its import takes seconds: test once)
+    have_mcore=0
+    "$PY" -c "import megatron.core" 2>/dev/null && have_mcore=1
+    if [[ $1 == prelude1 ]]; then
+        # what the defaults pick on this machine (the image lacks vLLM, Ray and math-verify: those rows FAIL)
+        timeout $(((LIMIT[prelude1] - 20) * scale)) "$PY" -m da3po_megatron.cli doctor 2>&1 | tee -a "$out/env.txt"
     fi
-    cat "$out/te_spec.txt" >> "$out/train_step.txt" && rm -f "$out/te_spec.txt"
-else
-    record train_step SKIP "megatron-core not importable (run 'tools/gpu_check.sh prepare' here and carry .devwhl)"
-    record resume SKIP "megatron-core not importable"
-    record te_spec SKIP "megatron-core not importable"
-fi
+}
 
-# 4. The bridge on CUDA: a tiny Qwen3 converted HF -> Megatron (TP=1) and its logits compared with transformers'.
-if [[ $have_mcore == 1 ]]; then
-    tiny=$(mktemp -d)
-    "$PY" -c "from da3po_megatron.tiny import build_model; build_model('$tiny/hf', 'qwen3', seed=0)" > /dev/null 2>&1
-    step convert_verify 120 "$out/convert_verify.txt" "$PY" -m da3po_megatron.cli convert hf-to-megatron \
-        --hf "$tiny/hf" --out "$tiny/mcore" --verify
-else
-    record convert_verify SKIP "megatron-core not importable"
-fi
-
-# 5. The colocated IPC weight sync (rollout/ipc.py's routing and worker code; vLLM is absent from the image, its
-# load_weights is a copy_ into a transformers model): a Qwen3-1.7B-shaped bf16 policy synced into an "engine" process
-# on the same GPU through CUDA-IPC handles keyed by GPU UUID, seconds and GB/s against the device copy bandwidth,
-# failing unless the engine's log-probs equal the policy's after the sync (< 1e-4; they differ before). Logged into
-# the train-step file (the device tool brings back at most 8 files).
-if [[ $small == 1 ]]; then
-    sync_args=(--small --layers 2 --repeats 1)
-else
-    sync_args=(--layers 28 --repeats 3)
-fi
-step ipc_sync 150 "$out/sync.log" "$PY" tools/bench_ipc_sync.py "${sync_args[@]}"
-cat "$out/sync.log" >> "$out/train_step.txt" && rm -f "$out/sync.log"
-
-# 5b. The collective receive on CUDA tensors (rollout/collective_receive.py + stream_order.CudaOrder): one process
-# pair on one GPU over gloo (NCCL refuses two ranks on one device), the worker thread on a non-default stream and each
-# load queued behind a slow kernel, failing on any wrong byte; plus a one-rank NCCL group built the way the
-# weight-sync groups are (blocking wait). Logged into the train-step file.
 small_args=()
 [[ $small == 1 ]] && small_args=(--small)
-step collective_cuda 120 "$out/collective.log" "$PY" tools/check_collective_cuda.py "${small_args[@]}"
-cat "$out/collective.log" >> "$out/train_step.txt" && rm -f "$out/collective.log"
+
+part1() {
+    prelude prelude1
+    # 1. The colocated IPC weight sync (rollout/ipc.py's routing and worker code; vLLM is absent from the image, its
+    # load_weights is a copy_ into a transformers model): a Qwen3-1.7B-shaped bf16 policy synced into an "engine"
+    # process on the same GPU through CUDA-IPC handles keyed by GPU UUID, seconds and GB/s against the device copy
+    # bandwidth, failing unless the engine's log-probs equal the policy's after the sync (< 1e-4; they differ before).
+    local sync_args=(--layers 28 --repeats 3)
+    [[ $small == 1 ]] && sync_args=(--small --layers 2 --repeats 1)
+    step ipc_sync "$out/sync.log" "$PY" tools/bench_ipc_sync.py "${sync_args[@]}"
+    into_train_log "$out/sync.log"
+    # 2. The collective receive on CUDA tensors (rollout/collective_receive.py + stream_order.CudaOrder): one process
+    # pair on one GPU over gloo (NCCL refuses two ranks on one device), the worker thread on a non-default stream and
+    # each load queued behind a slow kernel, failing on any wrong byte; plus a one-rank NCCL group built the way the
+    # weight-sync groups are (blocking wait).
+    step collective_cuda "$out/collective.log" "$PY" tools/check_collective_cuda.py "${small_args[@]}"
+    into_train_log "$out/collective.log"
+    # 3. The fused DAA-loss kernel: compiled Triton on CUDA against the reference and chosen by backend=auto (the
+    # CUDA cases of the kernel tests; they skip without CUDA), then its benchmark at the paper's vocabulary (Qwen3
+    # 151,936), bf16, 8K tokens per micro-batch.
+    step kernel_cuda "$out/kernel_cuda.log" "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_kernel_backends.py \
+        -k compiled_triton_on_cuda
+    into_train_log "$out/kernel_cuda.log"
+    local bench=(--tokens 8192 --repeats 5)
+    [[ $small == 1 ]] && bench=(--tokens 64 --vocab 3001 --hidden 32 --repeats 1)
+    step bench_loss_8k "$out/bench_loss_8k.txt" "$PY" tools/bench_loss.py "${bench[@]}" --json "$out/bench_loss_8k.json"
+    # 4. One bf16 policy train step on CUDA through megatron-core (local spec), with MFU, failing unless the step
+    # reports the Triton kernel as what computed its loss; then the fused-linear path (no logits tensor).
+    if [[ $have_mcore == 1 ]]; then
+        # the loss implementation the policy must really run: the Triton kernel on CUDA (backend=auto picks it only
+        # when kernels/dispatch.py's probe passes), the chunked torch path on a CPU machine (GPU_CHECK_SMALL there)
+        export LOSS_KERNEL=kernel:triton
+        local train=(--tiny --tiny-hidden 2048 --tiny-layers 8 --dtype bfloat16 --batch 32 --prompt-len 512
+                     --response-len 1536 --steps 3 --warmup 1)
+        if [[ $small == 1 ]]; then
+            LOSS_KERNEL=kernel:chunked
+            train=(--tiny --batch 4 --prompt-len 8 --response-len 24 --steps 1 --warmup 0)
+        fi
+        # shellcheck disable=SC2016  # $0 / $@ are expanded by the inner bash, on purpose
+        step train_step "$out/train_step.run" bash -c \
+            '"$0" tools/bench_train_step.py "$@" --loss-backend kernel --expect-loss-backend "$LOSS_KERNEL" &&
+             "$0" tools/bench_train_step.py "$@" --loss-backend fused_linear' \
+            "$PY" "${train[@]}"
+        into_train_log "$out/train_step.run"
+        # 5. A save and a resume of the optimizer state on this device: 2 steps, checkpoint, a fresh policy loads
+        # it, 2 more == 4 uninterrupted (TE's FusedAdam when TE imports, else torch's AdamW; the JSON says which).
+        step resume "$out/resume.txt" "$PY" tools/check_gpu_stack.py resume
+        into_train_log "$out/resume.txt"
+    else
+        record train_step SKIP "megatron-core not importable (run 'tools/gpu_check.sh prepare' here and carry .devwhl)"
+        record resume SKIP "megatron-core not importable"
+    fi
+}
+
+part2() {
+    prelude prelude2
+    # 6. The kernel test files with CUDA paths (compiled Triton vs the reference); the interpreter cases, the TP=2
+    # and the AOT-compile files run in CI anyway.
+    step kernel_tests "$out/kernel_tests.log" "$PY" -m pytest -q -rA -p no:cacheprovider \
+        tests/test_kernel_backends.py tests/test_kernel_fused_linear.py
+    # 7. The loss benchmark at 16K tokens per micro-batch (the in-place and fused-linear paths).
+    local bench_big=(--tokens 16384 --repeats 3 --paths "reference,chunked_inplace,triton,triton_inplace,fused_linear")
+    [[ $small == 1 ]] && bench_big=(--tokens 128 --vocab 3001 --hidden 32 --repeats 1)
+    step bench_loss_16k "$out/bench_loss_16k.txt" "$PY" tools/bench_loss.py "${bench_big[@]}"
+    if [[ $have_mcore == 1 ]]; then
+        # 8. The TE layer spec against the local spec on the same weights (float32 log-probs); SKIP without TE.
+        step te_spec "$out/te_spec.txt" "$PY" tools/check_gpu_stack.py te-spec
+        if grep -q '^SKIP: ' "$out/te_spec.txt" 2>/dev/null; then  # it exits 0 with the reason: record a SKIP
+            sed -i '$d' "$summary"
+            record te_spec SKIP "$(grep -m1 '^SKIP: ' "$out/te_spec.txt" | cut -c7-)"
+        fi
+        into_train_log "$out/te_spec.txt"
+        # 9. The bridge on CUDA: a tiny Qwen3 converted HF -> Megatron (TP=1), logits compared with transformers'.
+        local tiny
+        tiny=$(mktemp -d)
+        "$PY" -c "from da3po_megatron.tiny import build_model; build_model('$tiny/hf', 'qwen3', seed=0)" > /dev/null 2>&1
+        step convert_verify "$out/convert_verify.txt" "$PY" -m da3po_megatron.cli convert hf-to-megatron \
+            --hf "$tiny/hf" --out "$tiny/mcore" --verify
+    else
+        record te_spec SKIP "megatron-core not importable"
+        record convert_verify SKIP "megatron-core not importable"
+    fi
+}
+
+if [[ $part == 1 || $part == all ]]; then part1; fi
+if [[ $part == 2 || $part == all ]]; then part2; fi
 
 echo "=== summary ($((SECONDS - t_start))s)"
 cat "$summary"
