@@ -202,7 +202,7 @@ part1() {
 }
 
 part2() {
-    prelude prelude2
+    [[ $part == all ]] || prelude prelude2  # `run` (both parts, the CPU test) has had part 1's
     # 6. The kernel test files with CUDA paths (compiled Triton vs the reference); the interpreter cases, the TP=2
     # and the AOT-compile files run in CI anyway.
     step kernel_tests "$out/kernel_tests.log" "$PY" -m pytest -q -rA -p no:cacheprovider \
