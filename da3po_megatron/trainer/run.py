@@ -130,20 +130,32 @@ class Run:
         self.policy = PolicyGroup.from_config(cfg, arch, wait=False, placement_group=self.reservation.policy,
                                               num_gpus_per_rank=plan.rank_gpus,
                                               rank_hosts=[plan.host(i) for i in plan.rank_node])
-        self.rollout = RolloutClient.ray(engine_config(cfg, engine_cuda=self.devices["engine"]["cuda"]),
-                                         num_engines=cfg.rollout.num_engines,
-                                         num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
-                                         num_gpus_per_engine=plan.engine_gpus,
-                                         placement_group=self.reservation.engines or self.reservation.policy,
-                                         restart_on_failure=cfg.rollout.restart_on_failure, wait=False,
-                                         start_timeout_s=cfg.ray.start_timeout_s,
-                                         engine_hosts=[plan.host(i) for i in plan.engine_node])
+        def start_engines() -> Any:
+            return RolloutClient.ray(engine_config(cfg, engine_cuda=self.devices["engine"]["cuda"]),
+                                     num_engines=cfg.rollout.num_engines,
+                                     num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
+                                     num_gpus_per_engine=plan.engine_gpus,
+                                     placement_group=self.reservation.engines or self.reservation.policy,
+                                     restart_on_failure=cfg.rollout.restart_on_failure, wait=False,
+                                     start_timeout_s=cfg.ray.start_timeout_s,
+                                     engine_hosts=[plan.host(i) for i in plan.engine_node])
+
+        from da3po_megatron.trainer.colocation import engines_after_policy, start_engines_after_policy
+
+        # colocated on CUDA the engines size their KV cache from free device memory: they start once the policy on
+        # their GPUs has finished allocating (trainer/colocation.py); otherwise both sides start side by side
+        after_policy = engines_after_policy(cfg.rollout.colocate, self.devices["engine"]["cuda"])
+        if not after_policy:
+            self.rollout = start_engines()
         self.policy.wait_ready()
         if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
             print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
                   flush=True)
         # the first checkpoint's one-time start-up (megatron-core's writer), done while the engines start
         prewarmed = self.policy.start("prewarm_checkpointing", str(self.ckpt.root / ".prewarm"))
+        if after_policy:  # prewarm, the policy's cached blocks released, then the engines
+            self.rollout = start_engines_after_policy(self.policy, prewarmed, start_engines)
+            prewarmed = lambda: None  # noqa: E731 - waited for above
         self.rollout.wait_ready()
         prewarmed()
         print(f"policy ({cfg.policy_world_size} ranks) and {cfg.rollout.num_engines} engine(s) ready in "
