@@ -321,11 +321,38 @@ class RayConfig:
     policy_cpus: str = doc("", "Cores the policy actors are pinned to; disjoint from engine_cpus for real overlap.")
 
 @dataclass
+class ProfileConfig:
+    steps: list[int] = doc([], "RL steps to profile (e.g. [5]); [] = off, and then profiling costs nothing. Traces go "
+                               "to run_dir/profile/step_N/ (chrome-trace JSON: open in Perfetto, ui.perfetto.dev).")
+    ranks: list[int] = doc([0], "Policy ranks (global torch.distributed ranks) traced with the torch profiler in a "
+                                "profiled step: CPU activities, and CUDA activities on GPU.")
+    engines: list[int] = doc([], "Rollout engines traced with vLLM's own profiler (LLM.start_profile / stop_profile; "
+                                 "the engines are then built with a torch profiler_config); [] = none.")
+    driver: bool = doc(True, "Also trace the driver (the RL loop: its phase ranges generate, reward, filter, "
+                             "old_logprobs, train, weight_sync, checkpoint).")
+    memory: bool = doc(False, "Record memory: the torch profiler's memory events, and on CUDA a memory snapshot "
+                              "(torch.cuda.memory._dump_snapshot, open in pytorch.org/memory_viz) of each traced rank.")
+    with_stack: bool = doc(False, "Python stacks in the traces (larger files, slower).")
+    record_shapes: bool = doc(False, "Tensor shapes of the recorded ops.")
+    nvtx: bool = doc(False, "NVTX ranges for the phases on EVERY step (for an nsys run of the whole job); profiled "
+                            "steps get them anyway. No effect without CUDA.")
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = doc(200, "RL steps (paper: 200).")
     seed: int = doc(42, "Seed of data order, sampling and initialisation.")
     run_dir: str = doc("runs/da3po", "Where logs, checkpoints and plots go.")
     save_every: int = doc(20, "Checkpoint every N steps (0 = only at the end).")
+    async_save: bool = doc(False, "Write checkpoints asynchronously (megatron-core's async dist_checkpointing save): "
+                                  "the next step starts while the policy's shards are written; 'latest' moves only "
+                                  "once the write is complete and verified; at most one save in flight "
+                                  "(docs/operations.md).")
+    save_hf_every: int = doc(0, "Also write Hugging Face weights (safetensors + config + tokenizer) into the "
+                                "checkpoint of every N-th step, as step_N/hf/, from the weight sync's export stream "
+                                "(a checkpoint is saved at those steps); 0 = off. `da3po eval --checkpoint step_N` "
+                                "reads them.")
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     keep_last: int = doc(3, "Checkpoints kept (older ones deleted after a newer one is complete).")
     keep_best_metric: str = doc("", "Also keep the best checkpoint by this eval metric key (eval/avg/avg@k), never "
                                     "pruned, in checkpoints/best.json (paper: best of 200 steps). '' = off.")

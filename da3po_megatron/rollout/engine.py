@@ -413,6 +413,21 @@ class VLLMEngine(StreamingMixin):
             raise RolloutError(f"engine {self.engine_index}: wake_up needs EngineConfig.enable_sleep_mode=True")
         self.llm.wake_up(tags)
 
+    # ---------------------------------------------------------------- profiling (trainer/profiling.py)
+    def start_profile(self, prefix: str, engines: list[int]) -> bool:
+        """Start vLLM's own profiler when this engine is among ``engines``: ``LLM.start_profile(prefix)`` (vllm 0.32
+        ``entrypoints/llm.py`` 801-824; the engine needs a torch ``profiler_config``, given by
+        ``trainer.profiling.engine_profiler_config``). Returns whether it started."""
+        if self.engine_index not in engines:
+            return False
+        self.llm.start_profile(f"{prefix}_engine{self.engine_index}")
+        return True
+
+    def stop_profile(self, engines: list[int]) -> None:
+        """``LLM.stop_profile()`` (writes the trace into the profiler config's directory) when this engine profiles."""
+        if self.engine_index in engines:
+            self.llm.stop_profile()
+
     # ---------------------------------------------------------------- housekeeping
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())

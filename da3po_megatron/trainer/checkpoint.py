@@ -30,6 +30,7 @@ import shutil
 import sys
 import zlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,15 @@ def _free(path: Path) -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A checkpoint :meth:`CheckpointManager.start` began: its step, temporary and final directories."""
+
+    step: int
+    tmp: Path
+    final: Path
+
+
 class CheckpointManager:
     def __init__(self, run_dir: str | Path, keep_last: int = 3,
                  protect: Callable[[], Iterable[str]] = lambda: ()) -> None:
@@ -120,6 +130,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.protect = protect  # names of step directories that pruning keeps, besides the last keep_last
         self.before_write: Callable[[], Any] = lambda: None  # before a save or prune (trainer/lock.py's guard)
+        self.in_flight: Path | None = None  # the temporary directory of a started, unfinished checkpoint
 
     def latest(self, verify: bool = True, log: Callable[[str], Any] = print) -> Path | None:
         """The newest intact checkpoint (None when there is none yet). The one ``latest`` points to is verified;
@@ -163,33 +174,43 @@ class CheckpointManager:
     def save(self, step: int, save_policy: Callable[[Path], Any], trainer_state: dict[str, Any]) -> Path:
         """Write checkpoint ``step`` atomically; returns its final path. On failure (e.g. disk full) the temporary
         directory is removed and :class:`CheckpointWriteError` raised; ``latest`` keeps pointing to the previous."""
+        return self.finish(self.start(step, save_policy, trainer_state))
+
+    def start(self, step: int, save_policy: Callable[[Path], Any], trainer_state: dict[str, Any]) -> PendingCheckpoint:
+        """The first half of :meth:`save`: ``save_policy(tmp / "policy")`` (which may only schedule an asynchronous
+        write) and the trainer state into the temporary directory. Nothing is complete, ``latest`` is unchanged;
+        :meth:`finish` completes it, :meth:`abandon` drops it. Errors as in :meth:`save`."""
         self.before_write()
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"step_{step:06d}"
         tmp = self.root / f".tmp-{name}"
-        final = self.root / name
         try:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
+            self.in_flight = tmp
             save_policy(tmp / "policy")
             torch.save(trainer_state, tmp / "trainer_state.pt")
+        except Exception as e:
+            self.in_flight = None
+            raise self._write_failed(step, tmp, e) from e
+        return PendingCheckpoint(step, tmp, self.root / name)
+
+    def finish(self, pending: PendingCheckpoint, wait: Callable[[], Any] | None = None) -> Path:
+        """The second half of :meth:`save`: ``wait()`` (an asynchronous policy write: until it is complete on every
+        rank), then the manifest (sizes + CRC-32 of every file), ``COMPLETE``, the atomic rename, ``latest``, pruning.
+        ``latest`` moves only here, after the write is complete and its checksums are recorded."""
+        step, tmp, final = pending.step, pending.tmp, pending.final
+        name = final.name
+        try:
+            if wait is not None:
+                wait()
             write_manifest(tmp)
             (tmp / COMPLETE).write_text(f"{step}\n")
         except Exception as e:
-            free_at_failure = _free(self.root)
-            shutil.rmtree(tmp, ignore_errors=True)
-            prev = self.root / "latest"
-            prev_name = prev.read_text().strip() if prev.exists() else "none"
-            total = shutil.disk_usage(self.root).total
-            free = f"free: {(free_at_failure or 0) / 2**20:.0f} MiB of {total / 2**30:.1f} GiB when it failed, " \
-                f"{shutil.disk_usage(self.root).free / 2**20:.0f} MiB now"
-            what = f"the disk is full (No space left on device, ENOSPC, on the filesystem of {self.root})" \
-                if _is_disk_full(e, free_at_failure) else f"{type(e).__name__}"
-            raise CheckpointWriteError(
-                f"writing checkpoint step {step} to {tmp} failed: {what} ({free}); the partial write was removed, and "
-                f"{self.root / 'latest'} still points to the previous checkpoint ({prev_name}). Detail: "
-                f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}") from e
+            raise self._write_failed(step, tmp, e) from e
+        finally:
+            self.in_flight = None
         if final.exists():  # the same step saved again: keep the old one aside until the new one is in place
             os.replace(final, self.root / f".old-{name}")
         os.replace(tmp, final)
@@ -197,6 +218,27 @@ class CheckpointManager:
         shutil.rmtree(self.root / f".old-{name}", ignore_errors=True)
         self._prune(keep=final)
         return final
+
+    def abandon(self, pending: PendingCheckpoint) -> None:
+        """Drop a started checkpoint that will not be finished (its temporary directory is removed)."""
+        self.in_flight = None
+        shutil.rmtree(pending.tmp, ignore_errors=True)
+
+    def _write_failed(self, step: int, tmp: Path, e: BaseException) -> CheckpointWriteError:
+        """Remove the partial write; the error to raise (what failed, free space, where ``latest`` points)."""
+        free_at_failure = _free(self.root)
+        shutil.rmtree(tmp, ignore_errors=True)
+        prev = self.root / "latest"
+        prev_name = prev.read_text().strip() if prev.exists() else "none"
+        total = shutil.disk_usage(self.root).total
+        free = f"free: {(free_at_failure or 0) / 2**20:.0f} MiB of {total / 2**30:.1f} GiB when it failed, " \
+            f"{shutil.disk_usage(self.root).free / 2**20:.0f} MiB now"
+        what = f"the disk is full (No space left on device, ENOSPC, on the filesystem of {self.root})" \
+            if _is_disk_full(e, free_at_failure) else f"{type(e).__name__}"
+        return CheckpointWriteError(
+            f"writing checkpoint step {step} to {tmp} failed: {what} ({free}); the partial write was removed, and "
+            f"{self.root / 'latest'} still points to the previous checkpoint ({prev_name}). Detail: "
+            f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
 
     def load_trainer_state(self, path: Path) -> dict[str, Any]:
         from da3po_megatron.megatron.checkpoint import safe_load
@@ -215,7 +257,8 @@ class CheckpointManager:
             if old != keep and old.name not in protected:
                 shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale != self.in_flight:  # never the one being written (asynchronously)
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

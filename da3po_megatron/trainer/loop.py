@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from da3po_megatron.config import Config
+from da3po_megatron.ranges import phase as named_range
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.faults import fault_point
 from da3po_megatron.trainer.run import Run
@@ -53,7 +54,8 @@ class PhaseTimer:
     def __call__(self, name: str) -> Iterator[None]:
         fault_point(name, self.step, self.run)
         t0 = time.perf_counter()
-        yield
+        with named_range(name):  # a named profiler range (trainer/profiling.py); a shared no-op outside profiled steps
+            yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -75,7 +77,8 @@ def fill_batch(run: Run, step: int) -> StepRollout:
             g.weight_step = weight_step
         generated += groups
         p_hats = [g.p_hat if cfg.algorithm.filter_groups else 0.5 for g in groups]  # 0.5: kept by the filter
-        run.totals["kept_groups"] += buffer.add(groups, p_hats)
+        with named_range("filter"):
+            run.totals["kept_groups"] += buffer.add(groups, p_hats)
         if round_ or not buffer.is_full:  # a progress line whenever filling the batch takes more than one round
             print(f"step {step} generation round {round_ + 1}/{cfg.algorithm.max_generation_rounds}: "
                   f"{len(buffer)}/{cfg.data.train_batch_size} groups kept ({len(generated)} generated, "
@@ -109,7 +112,10 @@ def after_previous_step(run: Run, previous: dict[str, float]) -> str:
 
 def collect(run: Run, step: int) -> StepRollout:
     """The batch of ``step``: generation + rewards + dynamic sampling, in rounds or streamed."""
-    return stream_batch(run, step) if run.cfg.rollout.mode == "streaming" else fill_batch(run, step)
+    if run.cfg.rollout.mode == "streaming":
+        with named_range("generate"):  # streamed: generation, rewards and the filter interleave inside this one range
+            return stream_batch(run, step)
+    return fill_batch(run, step)
 
 
 def train(cfg: Config, allow_config_change: bool = False) -> Run:
@@ -128,6 +134,7 @@ def train(cfg: Config, allow_config_change: bool = False) -> Run:
                 raise
         if run.preempted():
             run.save_checkpoint()
+            run.poll_checkpoint(wait=True)  # an asynchronous save completes before the run ends
             print(f"stop requested ({run.stop.describe()}): step {run.step} checkpointed; exiting", flush=True)
     finally:
         run.close()
@@ -142,6 +149,7 @@ def run_steps(run: Run) -> None:
     previous: dict[str, float] = {}  # the last completed step's metrics (named when dynamic sampling fails)
     for step in range(run.step + 1, cfg.trainer.total_steps + 1):
         t_step, timer = time.perf_counter(), PhaseTimer(run, step)
+        run.profiler.start(step)  # trainer.profile.steps: traces of this step (a no-op otherwise)
         with run.stop.abandonable():  # a stop request in phases 1-3 abandons the step (nothing of it is kept)
             # 1. Generation + rewards + dynamic sampling (DAPO) until the batch is full -- or, with staleness 1, the
             #    batch generated while the previous step trained; then start generating the next one.
@@ -193,7 +201,10 @@ def run_steps(run: Run) -> None:
         run.logger.log(step, metrics)
         previous = {**metrics, "step": step}
         best = run.best_candidate(metrics)  # trainer.keep_best_metric improved: keep this step's checkpoint
+        run.poll_checkpoint()  # trainer.async_save: an earlier step's save whose write is done becomes `latest`
         if run.should_checkpoint(step) or run.preempted() or best is not None:
-            run.save_checkpoint(best_value=best)
+            with named_range("checkpoint"):
+                run.save_checkpoint(best_value=best)
+        run.profiler.stop()
         if run.preempted():
             break

@@ -50,6 +50,7 @@ from da3po_megatron.trainer.prepare import (  # noqa: F401
     plan_for_cluster,
     preflight,
 )
+from da3po_megatron.trainer.profiling import with_engine_profiler
 from da3po_megatron.trainer.signals import StopSignals
 from da3po_megatron.trainer.streaming import rollout_from_dict, rollout_to_dict
 
@@ -131,7 +132,8 @@ class Run:
                                               num_gpus_per_rank=plan.rank_gpus,
                                               rank_hosts=[plan.host(i) for i in plan.rank_node])
         def start_engines() -> Any:
-            return RolloutClient.ray(engine_config(cfg, engine_cuda=self.devices["engine"]["cuda"]),
+            engines = engine_config(cfg, engine_cuda=self.devices["engine"]["cuda"])
+            return RolloutClient.ray(with_engine_profiler(engines, cfg, self.run_dir),  # trainer.profile.engines
                                      num_engines=cfg.rollout.num_engines,
                                      num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
                                      num_gpus_per_engine=plan.engine_gpus,
@@ -179,6 +181,9 @@ class Run:
         self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
         self._transport: Any = None
         self.rollout.resync = self.sync_weights  # an engine restarted after a sync gets the weights again
+        from da3po_megatron.trainer.profiling import StepProfiler
+
+        self.profiler = StepProfiler(cfg.trainer.profile, self.run_dir, self.policy, self.rollout)
         print(f"weight transfer: {self.weight_transfer} (rollout.weight_transfer={cfg.rollout.weight_transfer})",
               flush=True)
 
@@ -398,7 +403,12 @@ class Run:
     # ------------------------------------------------------------------------------------------------ checkpoints
     def should_checkpoint(self, step: int) -> bool:
         every = self.cfg.trainer.save_every
-        return step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0)
+        return step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0) or self.wants_hf(step)
+
+    def wants_hf(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` also gets HF weights (``trainer.save_hf_every``; and the last step)."""
+        n = self.cfg.trainer.save_hf_every
+        return n > 0 and (step % n == 0 or step == self.cfg.trainer.total_steps)
 
     def trainer_state(self) -> dict[str, Any]:
         """The driver's part of a checkpoint: plain values and tensors only (``torch.load(weights_only=True)``)."""
@@ -429,20 +439,73 @@ class Run:
 
     def save_checkpoint(self, best_value: float | None = None) -> Path | None:
         """Checkpoint the last completed step (nothing to do when it is already saved); with ``best_value`` also
-        record it as the best checkpoint (trainer/best.py)."""
+        record it as the best checkpoint (trainer/best.py). ``trainer.save_hf_every``: HF weights into ``hf/`` of
+        the same checkpoint. ``trainer.async_save``: the policy's shards are written in the background and this
+        returns None; :meth:`poll_checkpoint` completes the checkpoint (``latest`` moves then). At most one save is
+        in flight: an earlier one is completed first."""
         step = int(self.completed_state["step"])
         if step == self.saved_step or step == 0:
             return None
+        self.poll_checkpoint(wait=True)  # at most one in flight
         t0 = time.perf_counter()
+        asynchronous, hf = self.cfg.trainer.async_save, self.wants_hf(step)
 
         def save_policy(p: Path) -> None:
-            self.policy.save(str(p))
+            if asynchronous:
+                self.policy.call("save", str(p), async_save=True)  # scheduled: megatron-core writes it meanwhile
+            else:
+                self.policy.save(str(p))
+            if hf:  # the weight sync's export stream, into the same temporary directory (one atomic rename)
+                from da3po_megatron.bridge.save_hf import save_policy_hf
+
+                save_policy_hf(self.policy, p.parent / "hf", self.cfg.model.path)
             fault_point("checkpoint", step, self)
 
+        if asynchronous:
+            pending = self.ckpt.start(step, save_policy, self.completed_state)
+            self.saved_step = step
+            self._async_save = {"pending": pending, "best": best_value, "t0": t0,
+                                "blocking_s": time.perf_counter() - t0}
+            print(f"checkpoint step {step}: written asynchronously into {pending.tmp} "
+                  f"({self._async_save['blocking_s']:.1f} s in the step)", flush=True)
+            return None
         path = save_checkpoint(self.ckpt, self.best, step, save_policy, self.completed_state, best_value)
         self.saved_step = step
         note = f"; best {self.best.metric} = {best_value:.4f}" if self.best and best_value is not None else ""
         print(f"checkpoint step {step} -> {path} ({time.perf_counter() - t0:.1f} s){note}", flush=True)
+        return path
+
+    def poll_checkpoint(self, wait: bool = False) -> Path | None:
+        """Complete the asynchronous save in flight once every rank's writer is done (``wait``: wait for it):
+        megatron's finalize (collective), then the manifest + CRC, ``COMPLETE``, the rename and ``latest``
+        (``CheckpointManager.finish``). Returns the checkpoint's path when it completed now, else None."""
+        a = getattr(self, "_async_save", None)
+        if a is None:
+            return None
+        error: Exception | None = None
+        if not wait:
+            try:
+                if not self.policy.call("finalize_save", False):
+                    return None
+            except Exception as e:  # noqa: BLE001 - reported as the checkpoint's write error below
+                error = e
+        self._async_save = None
+        t_wait = time.perf_counter()
+
+        def complete() -> None:
+            if error is not None:
+                raise error
+            self.policy.call("finalize_save", True)
+
+        pending = a["pending"]
+        path = self.ckpt.finish(pending, wait=complete)
+        if self.best is not None and a["best"] is not None:
+            self.best.mark(pending.step, path, a["best"])
+            self.ckpt.prune()
+        note = f"; best {self.best.metric} = {a['best']:.4f}" if self.best and a["best"] is not None else ""
+        print(f"checkpoint step {pending.step} -> {path} (asynchronous: {a['blocking_s']:.1f} s in the step, "
+              f"complete {time.perf_counter() - a['t0']:.1f} s after it began, "
+              f"{time.perf_counter() - t_wait:.1f} s waited here){note}", flush=True)
         return path
 
     def _restore(self, path: Path) -> None:
@@ -473,6 +536,13 @@ class Run:
         return self.stop.requested
 
     def close(self) -> None:
+        if getattr(self, "_async_save", None) is not None:  # a run that ends waits for its checkpoint
+            step = self._async_save["pending"].step
+            try:
+                self.poll_checkpoint(wait=True)
+            except Exception as e:  # noqa: BLE001 - closing must not hide the real error
+                print(f"warning: the asynchronous checkpoint of step {step} did not complete ({e}); latest still "
+                      "names the previous complete one", flush=True)
         if getattr(self, "_transport", None) is not None:
             try:
                 self._transport.teardown(self.rollout)
