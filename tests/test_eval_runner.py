@@ -151,3 +151,17 @@ def test_da3po_eval_end_to_end_tiny_model_on_real_math500_with_vllm_cpu(math500_
     assert render_table([out]).count("| tiny-random |") == 1
     print(f"da3po eval end to end (tiny model, 4 problems x k=2, 16 tokens): {wall:.1f} s wall; "
           f"timing {result['timing']}")
+
+
+def test_eval_engine_device_decisions_follow_the_engines_not_the_drivers_cuda():
+    """``da3po eval --ray``: the engines' dtype, per-request seeds and batch size follow what the engines will see
+    (GPUs on the Ray cluster), not the driver's CUDA -- a driver on a CPU-only login node evaluating on GPU engines
+    gets bf16 GPU engines (27dab78 decided from ``torch.cuda.is_available()`` in the driver: float32)."""
+    from da3po_megatron.eval.runner import _build_parser, _engine_config, engines_see_cuda
+
+    assert engines_see_cuda(True, cluster_gpus=8.0) and not engines_see_cuda(True, cluster_gpus=0.0)
+    assert engines_see_cuda(False) is False  # in-process engines: this (CPU) process's device
+    args = _build_parser().parse_args(["--checkpoint", "/x"])
+    gpu, cpu = _engine_config(args, engine_cuda=True), _engine_config(args, engine_cuda=False)
+    assert (gpu.dtype, cpu.dtype) == ("bfloat16", "float32")
+    assert gpu.kv_cache_memory_bytes is None  # sized by the engine from gpu_memory_utilization on its own GPU
