@@ -431,6 +431,20 @@ except Exception as e:
     error = e
     rc = f"raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 print(f"main returned: {rc}", flush=True)
+# what of the run is still open now that main() has returned: alive actors, placement groups, reward workers
+import json, multiprocessing, time
+import ray
+from ray._private import state
+from ray.util import placement_group_table
+deadline = time.monotonic() + 15  # a killed actor is marked DEAD by the GCS a moment later
+while True:
+    left = {"actors": sum(a["State"] != "DEAD" for a in state.actors().values()),
+            "placement_groups": sum(g["state"] != "REMOVED" for g in placement_group_table().values()),
+            "reward_workers": len(multiprocessing.active_children())}
+    if not any(left.values()) or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print("left open: " + json.dumps(left), flush=True)
 """
 
 
@@ -451,8 +465,10 @@ def _tagged(tag: str) -> list[str]:
 def test_a_restore_that_fails_after_the_actors_started_closes_them_and_an_in_process_caller_ends_in_seconds(tmp_path):
     """Point 3 (issue 35): the checkpoint chosen for the resume loses its policy shards during start-up (pruned by a
     force-unlocked trainer, removed by hand): restoring raises after the policy ranks and the engine have started.
-    Before, Run.__init__ closed nothing, and a caller that returned from main() and exited normally hung in
-    PolicyGroup.__del__ -> ray.kill -> Ray's auto-init of a new head. The real trainer, one policy rank, one engine."""
+    Before, Run.__init__ closed nothing: when main() returned, the policy and engine actors, their placement group
+    and the reward workers were still alive in the caller (the issue saw such a caller hang at exit, in
+    PolicyGroup.__del__ -> ray.kill). Now main() returns with nothing of the run open, and the caller ends in seconds.
+    The real trainer, one policy rank, one engine."""
     import shutil
     import tempfile
     import uuid
@@ -485,6 +501,9 @@ def test_a_restore_that_fails_after_the_actors_started_closes_them_and_an_in_pro
                 returned = time.monotonic()
                 break
         assert returned is not None, "".join(out[-40:])
+        out.append(p.stdout.readline())
+        assert out[-1] == 'left open: {"actors": 0, "placement_groups": 0, "reward_workers": 0}\n', "".join(out[-20:])
+        returned = time.monotonic()
         try:
             p.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -492,7 +511,7 @@ def test_a_restore_that_fails_after_the_actors_started_closes_them_and_an_in_pro
         ended = time.monotonic() - returned
         out += p.stdout.read().splitlines(keepends=True) if p.poll() is not None else []
         text = "".join(out)
-        print(f"{out[-1].strip() if out else ''}\nthe caller ended {ended:.1f} s after main() returned")
+        print(f"{''.join(out[-2:])}the caller ended {ended:.1f} s after main() returned (and its check)")
         assert p.poll() is not None, f"the caller still runs {ended:.0f} s after main() returned:\n{text[-3000:]}"
         assert "policy (1 ranks) and 1 engine(s) ready" in text, text[-3000:]  # the failure came after the start
         assert "main returned: raised" in text or "main returned: 2" in text, text[-3000:]
@@ -555,3 +574,44 @@ def test_the_drivers_processes_end_within_seconds_of_a_kill_9_of_the_driver(tmp_
         for pid in tree:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_dynamic_sampling_failure_checkpoints_the_last_completed_step_first_with_a_stand_in_run(tmp_path):
+    """Point 4: the loop (trainer/loop.py run_steps, real) with a stand-in for the Run around it (no actors): its
+    batch cannot be filled (no generation round allowed), so the step fails -- after saving the last completed step
+    (save_every=10 had not saved step 3), before the failed step's row is logged. A resume redoes nothing."""
+    from contextlib import nullcontext
+
+    from da3po_megatron.algorithms import DynamicSamplingBuffer
+    from da3po_megatron.trainer.loop import DynamicSamplingError, run_steps
+    from da3po_megatron.trainer.signals import StopSignals
+
+    cfg = load_config(EXAMPLE, [f"trainer.run_dir={tmp_path}", "trainer.save_every=10"])
+    cfg.algorithm.max_generation_rounds = 0  # (validated >= 1 at load) no round: the batch stays empty
+    events: list[str] = []
+
+    class StandInRun:
+        step, pending, engine_weight_step = 3, [], 3
+        buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
+        stop = StopSignals()
+        profiler = type("P", (), {"start": lambda self, s: None, "stop": lambda self: None})()
+
+        def __init__(self) -> None:
+            self.cfg = cfg
+            self.logger = type("L", (), {"log": lambda _, s, m: events.append(f"log step {s}")})()
+
+        def should_evaluate(self, step: int) -> bool:
+            return False
+
+        def save_checkpoint(self, best_value=None) -> None:
+            events.append(f"checkpoint step {self.step}")
+
+        def poll_checkpoint(self, wait: bool = False) -> None:
+            pass
+
+        def phase(self, name: str):
+            return nullcontext()
+
+    with pytest.raises(DynamicSamplingError, match="after 0 generation rounds"):
+        run_steps(StandInRun())
+    assert events == ["checkpoint step 3", "log step 4"], events
