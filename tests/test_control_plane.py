@@ -79,3 +79,24 @@ def test_stand_in_control_plane_sends_each_dp_rank_its_share_once_per_call(ray_s
         assert 0 < len(a) < n
     assert res["phases"]["train"]["bytes"] < 1.5 * res["batch_bytes"]  # ~ the payload once, not once per rank
     assert res["kept_frac"] is not None and res["phases"]["checkpoint"]["bytes"] > 0
+
+
+def test_driver_state_groups_round_trip_as_tensors_and_old_list_states_still_load(tmp_path):
+    import torch
+
+    from da3po_megatron.data.datasets import Example
+    from da3po_megatron.trainer import batch as B
+
+    ex = Example(uid="u0", prompt="q", answer="1", source="s")
+    old = {"example": {"uid": "u0", "prompt": "q", "answer": "1", "source": "s", "meta": {}}, "prompt_ids": [7, 8],
+           "response_ids": [[1, 2, 3], [4]], "texts": ["a", "b"], "rollout_logprobs": [[-0.5, -0.25, -1.0], [-2.0]],
+           "finish_reasons": ["stop", "stop"], "acc": [1.0, -1.0], "rewards": [1.0, -1.0], "advantages": [],
+           "weight_step": 3}  # a checkpoint's group as 27dab78 wrote it (lists of numbers)
+    g = B.group_from_dict(old)
+    assert g.response_ids[0].dtype == np.int32 and g.rollout_logprobs[1].tolist() == [-2.0]
+    torch.save({"groups": [B.group_to_dict(g)]}, tmp_path / "s.pt")
+    back = B.group_from_dict(torch.load(tmp_path / "s.pt", weights_only=True)["groups"][0])
+    assert [r.tolist() for r in back.response_ids] == old["response_ids"] and back.weight_step == 3
+    assert back.example == ex and back.prompt_ids.tolist() == [7, 8]
+    pb = B.policy_batch([back])
+    assert pb.response_ids == [[1, 2, 3], [4]] and pb.old_logprobs[0].tolist() == [-0.5, -0.25, -1.0]

@@ -214,9 +214,10 @@ def standin_logprobs(batch, as_arrays: bool = False):
 class StorePoll(threading.Thread):
     """Object-store bytes in use, polled from the raylet; ``peak`` is the largest value seen."""
 
-    def __init__(self, period_s: float = 0.2) -> None:
+    def __init__(self, period_s: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.period_s, self.peak, self._halt = period_s, 0, threading.Event()
+        self.cpu_s = 0.0  # this thread's own CPU time, subtracted from the phases' driver CPU (it is measurement)
 
     def sample(self) -> int:
         from ray._private.internal_api import get_memory_info_reply, get_state_from_address
@@ -230,8 +231,10 @@ class StorePoll(threading.Thread):
             return 0
 
     def run(self) -> None:
+        c0 = time.thread_time()
         while not self._halt.is_set():
             self.peak = max(self.peak, self.sample())
+            self.cpu_s = time.thread_time() - c0
             self._halt.wait(self.period_s)
 
     def stop(self) -> int:
@@ -253,20 +256,27 @@ def rss_mb() -> float:
 
 
 class Phases:
+    """Wall and driver-process CPU seconds per phase (all threads of the driver: Ray's too; the store poller's own
+    CPU is subtracted), bytes moved and RSS after it."""
+
     def __init__(self) -> None:
         self.rows: dict[str, dict[str, float]] = {}
+        self.poll: StorePoll | None = None
+
+    def _poll_cpu(self) -> float:
+        return self.poll.cpu_s if self.poll is not None else 0.0
 
     def __call__(self, name: str):
         phases = self
 
         class _Ctx:
             def __enter__(self):
-                self.w, self.c = time.perf_counter(), time.process_time()
+                self.w, self.c, self.p = time.perf_counter(), time.process_time(), phases._poll_cpu()
 
             def __exit__(self, *exc):
                 r = phases.rows.setdefault(name, {"wall_s": 0.0, "cpu_s": 0.0, "bytes": 0.0})
                 r["wall_s"] += time.perf_counter() - self.w
-                r["cpu_s"] += time.process_time() - self.c
+                r["cpu_s"] += time.process_time() - self.c - (phases._poll_cpu() - self.p)
                 r["rss_mb"] = rss_mb()
 
         return _Ctx()
@@ -348,6 +358,7 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     rss_base = rss_mb()
     poll = StorePoll()
     poll.start()
+    phases.poll = poll
     uid = 0
     generated: list = []
     t_step = time.perf_counter()

@@ -303,6 +303,7 @@ class PolicyGroup:
             except Exception:  # noqa: BLE001
                 pass
 
+
 def _on_share(worker: Any, method: str, batch: PolicyBatch, keep: bool, kwargs: dict[str, Any]) -> Any:
     """Run inside a rank (``PolicyWorker.execute``): ``method`` on its share; the answer only where ``keep``."""
     out = getattr(worker, method)(batch, **kwargs)

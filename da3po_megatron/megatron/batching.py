@@ -44,6 +44,7 @@ import torch
 @dataclass(eq=False)
 class Ragged:
     """Rows of different lengths in one flat array: row ``i`` is ``values[offsets[i]:offsets[i + 1]]`` (a view).
+    ``values`` may have further axes after the token axis (routed experts: ``[tokens, layers, top_k]``).
 
     What travels from the engines to the policy: token ids as int32, log-probs / weights as float32, one array per
     payload, so pickling (Ray's serializer sends numpy buffers out of band) costs a memcpy and the driver holds no
@@ -67,8 +68,8 @@ class Ragged:
         rows = list(rows)
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum([len(r) for r in rows], out=offsets[1:])
-        values = np.concatenate([np.asarray(r, dtype=dtype).reshape(-1) for r in rows]) if rows else \
-            np.zeros(0, dtype=dtype)
+        values = np.concatenate([np.asarray(r, dtype=dtype) for r in rows]) if rows else \
+            np.zeros(0, dtype=dtype)  # first axis = tokens (a per-token array may have more axes: experts)
         return cls(values.astype(dtype, copy=False), offsets)
 
     def __post_init__(self) -> None:
@@ -126,11 +127,13 @@ class Ragged:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if self.rows is not None:
             idx = np.array([self._local(int(i)) for i in idx], dtype=np.int64)
-        starts, lens = self.offsets[idx], self.offsets[idx + 1] - self.offsets[idx]
+        starts, ends = self.offsets[idx], self.offsets[idx + 1]
         offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-        np.cumsum(lens, out=offsets[1:])
-        pos = np.arange(offsets[-1], dtype=np.int64) + np.repeat(starts - offsets[:-1], lens)
-        return Ragged(self.values[pos], offsets)
+        np.cumsum(ends - starts, out=offsets[1:])
+        # one memcpy per row (no int64 index per token); O(rows) Python
+        values = np.concatenate([self.values[a:b] for a, b in zip(starts.tolist(), ends.tolist())]) if len(idx) \
+            else self.values[:0].copy()
+        return Ragged(values, offsets)
 
     @property
     def nbytes(self) -> int:

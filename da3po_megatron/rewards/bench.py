@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.realistic:
         pairs = realistic_items(a.items)
+        cpu_rate(pairs[: min(len(pairs), 100)])
         for w in a.workers:
             throughput(w, [r for r, _ in pairs], [t for _, t in pairs], a.timeout_s)
         return 0
@@ -80,6 +81,23 @@ def realistic_items(n: int, seed: int = 0) -> list[tuple[str, str]]:
         final = f"\n\nAnswer: {said}" if i % 3 == 0 else f" So the answer is $\\boxed{{{said}}}$."
         out.append((f"[{i}] " + body + final, gold))  # distinct texts: math-verify caches parses
     return out
+
+
+def cpu_rate(pairs: list[tuple[str, str]]) -> float:
+    """Responses per CPU-second of ``score_math`` in this process (no pool, no time limit): the per-core rate,
+    independent of what else the machine runs."""
+    import os
+
+    from da3po_megatron.rewards.math_verify import score_math
+
+    score_math(*pairs[0])  # math-verify builds its grammar on the first call
+    t0, c0 = time.perf_counter(), time.process_time()
+    right = sum(score_math(r, t)[0] > 0 for r, t in pairs[1:])
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    rate = (len(pairs) - 1) / cpu
+    print(f"in-process: {len(pairs) - 1} responses in {cpu:.2f} CPU s ({wall:.2f} s wall, load "
+          f"{os.getloadavg()[0]:.1f}): {rate:.1f} responses per CPU-second; {right} scored right", flush=True)
+    return rate
 
 
 def throughput(workers: int, responses: list[str], answers: list[str], timeout_s: float) -> dict[str, float]:

@@ -34,13 +34,17 @@ def logprob_diff_metrics(rollout_logprobs: Sequence[Sequence[float]], policy_log
     for i, (a, b) in enumerate(zip(rollout_logprobs, policy_logprobs)):
         if len(a) != len(b):
             raise ValueError(f"response {i}: {len(a)} rollout log-probs vs {len(b)} policy log-probs")
-    a, b = (np.concatenate([np.asarray(r, dtype=np.float64) for r in rows]) if len(rows) else np.zeros(0)
-            for rows in (rollout_logprobs, policy_logprobs))
-    d = np.abs(a - b)
+    def flat(rows: Any) -> np.ndarray:  # a Ragged (batching.py) is one array already
+        if hasattr(rows, "values") and hasattr(rows, "offsets") and getattr(rows, "rows", None) is None:
+            return rows.values
+        return np.concatenate([np.asarray(r, dtype=np.float64) for r in rows]) if len(rows) else np.zeros(0)
+
+    d = np.subtract(flat(rollout_logprobs), flat(policy_logprobs), dtype=np.float64)  # exact for float32 inputs
+    np.abs(d, out=d)
     count = len(d)
-    # the left-to-right sum in float64 (np.add.accumulate is sequential): the same value the per-token loop gave
-    total = float(np.add.accumulate(d)[-1]) if count else 0.0
     worst = max(0.0, float(np.fmax.reduce(d))) if count else 0.0  # NaNs ignored, as the loop's max() did
+    # the left-to-right sum in float64 (np.add.accumulate is sequential): the same value the per-token loop gave
+    total = float(np.add.accumulate(d, out=d)[-1]) if count else 0.0
     return {f"{prefix}_mean": total / count if count else math.nan, f"{prefix}_max": worst,
             f"{prefix}_tokens": float(count), f"{prefix}_responses": float(len(rollout_logprobs))}
 

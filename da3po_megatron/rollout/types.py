@@ -187,8 +187,9 @@ class Completion:
     def __post_init__(self) -> None:
         for name, dtype in self.PER_TOKEN.items():
             value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, np.asarray(value, dtype=dtype).reshape(-1))
+            if value is not None:  # first axis = tokens; further axes kept (e.g. [tokens, layers, top_k] experts)
+                arr = np.asarray(value, dtype=dtype)
+                setattr(self, name, arr.reshape(-1) if arr.ndim == 0 else arr)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Completion):
