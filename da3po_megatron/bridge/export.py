@@ -86,12 +86,15 @@ def load_policy_hf(worker: Any, hf_dir: str | Path) -> bool:
 
 def export_policy(worker: Any) -> HFStream:
     """The HF stream of a policy rank (collective like :func:`export_model`; items on TP rank 0 of every stage and
-    DP replica -- replicas yield identical tensors, use DP rank 0's)."""
-    return export_model(worker.model, worker.arch)  # the GPTArch the worker was built from
+    DP replica -- replicas yield identical tensors, use DP rank 0's). An MoE policy's stream is ``owner_only``: each
+    tensor on exactly one rank -- the non-expert ones on DP replica 0, each expert on the rank that owns it (so every
+    EP rank sends its own experts and no rank gathers all of them)."""
+    arch = worker.arch  # the GPTArch the worker was built from
+    return export_model(worker.model, arch, owner_only=arch.is_moe)
 
 
 def export_policy_state(worker: Any) -> dict[str, torch.Tensor]:
     """:func:`export_policy` as CPU copies on the TP-rank-0 ranks of DP replica 0 ({} elsewhere; merge the stages'
     dicts). Holds the whole stage: small models and tests only."""
-    keep = getattr(worker, "dp_rank", 0) == 0
+    keep = getattr(worker, "dp_rank", 0) == 0 or worker.arch.is_moe  # MoE: owner_only, every item once already
     return {k: v.detach().cpu().clone() for k, v in export_policy(worker) if keep}

@@ -67,6 +67,20 @@ def sender_stage(worker: Any) -> int | None:
     return int(getattr(worker, "pp_rank", 0))
 
 
+def sends_experts(worker: Any) -> bool:
+    """Whether this policy rank pushes MoE experts it owns although it is no :func:`sender_stage` rank: with
+    expert parallelism each EP rank (its expert-TP rank 0 in expert-data-parallel replica 0) sends its own experts,
+    in buckets, one expert tensor at a time -- no rank gathers the experts of a layer (the export is ``owner_only``:
+    :func:`~da3po_megatron.bridge.export.export_policy`). Bytes transport only: the collective and IPC transports
+    keep one sender per stage (docs/moe.md)."""
+    arch = getattr(worker, "arch", None)
+    if arch is None or not getattr(arch, "is_moe", False) or sender_stage(worker) is not None:
+        return False
+    from da3po_megatron.bridge.megatron_io import expert_sender
+
+    return expert_sender(arch)
+
+
 def policy_hf_stream(worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy rank's HF-named export stream (collective: every rank iterates it to the end). The one place the
     transports take the policy's weights from. A non-policy sender (tools, tests: see
@@ -87,7 +101,7 @@ def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 2
     """
     t0 = time.perf_counter()
     stream = policy_hf_stream(worker)
-    if sender_stage(worker) is None:
+    if sender_stage(worker) is None and not sends_experts(worker):
         for _ in stream:  # take part in the collectives, push nothing
             pass
         return {"seconds": 0.0, "bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0,
@@ -110,7 +124,8 @@ def sync_policy_group_to_engines(policy_group: Any, client: RolloutClient, bucke
     / seconds).
     """
     t0 = time.perf_counter()
-    one_sender = int(policy_group.cfg.parallel.pipeline_model_parallel_size) == 1
+    p = policy_group.cfg.parallel  # one sender: one stage and no expert ranks of their own (EP > 1 sends per EP rank)
+    one_sender = int(p.pipeline_model_parallel_size) == 1 and int(getattr(p, "expert_model_parallel_size", 1)) == 1
     try:
         if one_sender:
             parts = policy_group.run_on_all(push_policy_weights, client, bucket_mb, dtype, True, strict)

@@ -130,6 +130,30 @@ def refresh_tied_layers(model, loaded: set[str]) -> list[str]:
     return refreshed
 
 
+def reprepack_cpu_moe_layers(model) -> list[str]:
+    """Re-run the CPU MoE kernel's weight prepacking after a weight update; returns the layers repacked.
+
+    vLLM 0.32 ``UnquantizedFusedMoEMethod._setup_kernel`` (``layers/fused_moe/unquantized_fused_moe_method.py``
+    187-205) calls ``moe_kernel.fused_experts.process_weights_after_loading(layer)`` -- which on CPU pads the expert
+    intermediate and prepacks ``w13_weight`` / ``w2_weight`` into the grouped-GEMM layout
+    (``fused_moe/experts/cpu_moe.py`` 208-218) -- on the FIRST load only (``if not is_weight_update``). After any
+    weight update (layerwise reload, ``reload_weights``) the CPU kernel therefore reads the new experts in the raw
+    checkpoint layout: measured on the tiny Qwen3-MoE, a reload of the *same* weights changed the sampled tokens and
+    the log-probs by up to 5. Here the skipped step is run on every MoE layer whose kernel is a CPU one; CUDA kernels
+    take their weights from ``convert_to_unquantized_kernel_format``, which the update does run, and are left alone.
+    """
+    repacked = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or "CPU" not in type(experts).__name__ or not hasattr(module, "w13_weight"):
+            continue
+        experts.process_weights_after_loading(module)
+        repacked.append(name)
+    return repacked
+
+
 class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
 
@@ -196,6 +220,7 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             refreshed = refresh_tied_layers(model, session["loaded"])
+            reprepack_cpu_moe_layers(model)  # vLLM 0.32 skips this step on updates (see the function)
         self._da3po_session = None
         runner = self.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
@@ -228,4 +253,5 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
         self.reload_weights(weights_path=path, is_checkpoint_format=True)
         model = self._da3po_model()  # vLLM's own reload leaves a tied head stale too (see the module docstring)
         refresh_tied_layers(model, {name for name, _ in model.named_parameters()})
+        reprepack_cpu_moe_layers(model)
         return time.perf_counter() - t0
