@@ -70,7 +70,7 @@ def finish(proc: subprocess.Popen, tag: str, t0: float, timeout: int = 400
     out, err = proc.communicate(timeout=timeout)
     p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     seconds = time.monotonic() - t0
-    left = leftover(tag, wait_s=30, ignore=RAY_AGENTS if p.returncode == -9 else ())
+    left = leftover(tag, wait_s=30)  # after a SIGKILL too: the reaper stops the Ray agents (trainer/reaper.py)
     assert not left, f"processes of the run left behind after '{proc.args}': {left}"
     if p.returncode == -9:
         KILLED.append((tag, time.monotonic()))
@@ -78,7 +78,8 @@ def finish(proc: subprocess.Popen, tag: str, t0: float, timeout: int = 400
 
 
 # After a SIGKILL of the driver, Ray's per-node agents see their raylet gone and try to report it to the (dead) GCS
-# before they exit: ray._private.utils.publish_error_to_driver has a fixed 60 s timeout. They are checked later.
+# before they exit: ray._private.utils.publish_error_to_driver has a fixed 60 s timeout. Since issue 35 the driver's
+# reaper stops them within seconds (checked by finish(), 30 s); RAY_AGENTS remains for leftover()'s callers.
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 KILLED: list[tuple[str, float]] = []
 
@@ -229,6 +230,34 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     for a, b in zip(reference, got):
         assert stable(a) == stable(b), f"step {a['step']} differs after the faults"
     assert got[-1]["reward/errors_total"] == 0
+
+    # issue 35, point 1: a damaged latest checkpoint no longer hides the run's config from the resume check. On a
+    # copy of the finished run, step 4's trainer_state.pt truncated to half: the DAPO resume is refused against the
+    # run record (run_dir/config.yaml) before anything starts ...
+    import shutil
+
+    damaged = tmp_path / "damaged-copy"
+    shutil.copytree(run_dir, damaged)
+    state = damaged / f"checkpoints/step_{STEPS:06d}/trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    as_dapo = ("algorithm.name=dapo", "daa.lambda_=3.0", f"trainer.total_steps={STEPS + 2}")
+    p, seconds = launch(model, damaged, "", *as_dapo)
+    assert p.returncode == 2, tail(p)
+    assert f"from step_{STEPS:06d} (step {STEPS}) would change what defines the run:\n  " in p.stderr, tail(p)
+    assert "algorithm.name: 'da3po' -> 'dapo'" in p.stderr and f"the run record {damaged / 'config.yaml'}" in p.stderr
+    assert "resumed from" not in p.stdout and [r["step"] for r in metrics(damaged)] == list(range(1, STEPS + 1))
+    table.append(("damaged latest trainer_state.pt, resume as dapo: refused (run record)", p.returncode, seconds))
+    # ... and without the record (a run of an older version): the checkpoint the resume falls back to (step 3) is
+    # checked against its own recorded config, before Ray starts
+    (damaged / "config.yaml").unlink()
+    p, seconds = launch(model, damaged, "", *as_dapo)
+    assert p.returncode == 2, tail(p)
+    assert f"falling back to the newest intact checkpoint {damaged / f'checkpoints/step_{STEPS - 1:06d}'}" in p.stdout
+    assert f"from step_{STEPS - 1:06d} (step {STEPS - 1}) would change what defines the run:\n  " in p.stderr, tail(p)
+    assert f"step_{STEPS - 1:06d}/trainer_state.pt" in p.stderr and "policy (" not in p.stdout, tail(p)
+    assert [r["step"] for r in metrics(damaged)] == list(range(1, STEPS + 1))
+    table.append(("the same without run_dir/config.yaml: refused (fallback checkpoint's config)", p.returncode,
+                  seconds))
 
     # resuming the finished run as DAPO: refused before anything starts, every defining field listed
     p, seconds = launch(model, run_dir, "", "algorithm.name=dapo", "daa.lambda_=3.0",
