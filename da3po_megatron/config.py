@@ -80,7 +80,9 @@ class MoEConfig:
     routing_replay: Literal["none", "rollout"] = doc(
         "none", "Mixture-of-Experts routing replay. 'rollout' (R3): the engines return the experts they routed each "
                 "token to and the policy replays them in its old-log-prob and training forwards (megatron-core's "
-                "RouterReplay), so engine and trainer use the same experts. docs/moe.md.")
+                "RouterReplay), so engine and trainer use the same experts. The policy side exists "
+                "(megatron/moe.py); 'rollout' is refused at load until the engines return their routes "
+                "(docs/moe.md).")
     aux_loss_coeff: float = doc(0.0, "Load-balancing (auxiliary) loss coefficient of the router; 0 = none (RL "
                                      "default: the loss would move the router away from what the rollouts sampled; "
                                      "Qwen3-MoE pre-training used 0.001).")

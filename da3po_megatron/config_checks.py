@@ -28,6 +28,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.context_parallel_size = {p.context_parallel_size}: context parallelism is not "
                           "supported yet (sequences are not split across CP ranks, so pi_old would come out multiplied "
                           "by the CP size); use parallel.context_parallel_size=1")
+    _check(p.expert_model_parallel_size >= 1, "parallel.expert_model_parallel_size", p.expert_model_parallel_size,
+           ">= 1")
+    if p.expert_tensor_parallel_size is not None:
+        _check(p.expert_tensor_parallel_size >= 1, "parallel.expert_tensor_parallel_size",
+               p.expert_tensor_parallel_size, ">= 1 or null (= tensor_model_parallel_size)")
+    _check(cfg.moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", cfg.moe.aux_loss_coeff, ">= 0")
+    if cfg.moe.routing_replay != "none":
+        # the policy side exists (megatron/moe.py); the engines' routes do not reach it yet (docs/moe.md)
+        raise ConfigError(f"moe.routing_replay = {cfg.moe.routing_replay!r}: routing replay is not wired into the "
+                          "trainer yet (the engines do not return their routes to the policy; on CPU vLLM 0.32 "
+                          "cannot: docs/moe.md 'Routing replay'); use moe.routing_replay=none")
     d = cfg.daa
     _check(d.lambda_ > 0, "daa.lambda_", d.lambda_, "> 0 (1 = no amplification)")
     _check(0 < d.tau < 1, "daa.tau", d.tau, "the open interval (0, 1)")
