@@ -63,7 +63,7 @@ def test_ragged_take_gathers_rows_in_order():
 
 def test_stand_in_control_plane_sends_each_dp_rank_its_share_once_per_call(ray_session, tmp_path):
     bench = _bench()
-    res = bench.run_step(bench.SIZES["tiny"], 1.0, ranks_actual=4, engines_actual=2, reward_workers=1,
+    res = bench.run_step(bench.SIZES["tiny"], 1.0, ranks_actual=4, engines_actual=1, reward_workers=0,
                          tmp=tmp_path, dp=2, keep_rows=True)  # 4 ranks = DP 2 x TP 2
     n = res["policy_batch_rows"]
     print({k: res[k] for k in ("responses", "response_tokens", "dispatch_puts", "batch_bytes")})
