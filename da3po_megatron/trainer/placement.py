@@ -370,7 +370,6 @@ def _pending_report(plan: Plan) -> str:
 def reserve(plan: Plan, timeout_s: float, name: str = "da3po") -> Reservation:
     """Create the plan's placement groups (bundles pinned to their nodes) and wait for them, at most ``timeout_s``;
     on timeout remove them and raise PlacementError naming the pending bundles, their nodes and what is free."""
-    import ray
     from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
 
     def make(bundles: list[dict], nodes: list[int], tag: str):
@@ -406,7 +405,6 @@ def _wait_reserved(res: Reservation, timeout_s: float) -> None:
             raise PlacementError(f"the {tag} placement group was not ready after {timeout_s:g} s "
                                  f"(ray.placement_timeout_s); still pending: {where}. Free now: {report} -- other "
                                  "jobs or leftover actors on this Ray cluster may hold them")
-    return res
 
 
 def _probe(kind: str, te_setting: Any) -> dict[str, Any]:
