@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from da3po_megatron.bridge.export import export_policy
+from da3po_megatron.ranges import ranged
 from da3po_megatron.rollout.client import RolloutClient
 
 
@@ -90,6 +91,7 @@ def policy_hf_stream(worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
     return export_policy(worker)
 
 
+@ranged("weight_sync")  # a named range in a profiled step's rank trace (trainer/profiling.py); no-op otherwise
 def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 256,
                         dtype: torch.dtype | None = None, session: bool = False, strict: bool = True) -> dict:
     """Collective on every policy rank: inside a ``client.begin/finish_weight_update`` bracket on the driver, or
