@@ -102,16 +102,24 @@ def cpu_rate(pairs: list[tuple[str, str]]) -> float:
 
 def throughput(workers: int, responses: list[str], answers: list[str], timeout_s: float) -> dict[str, float]:
     """Score all items with a ``workers``-process pool; print and return responses/s (per worker too)."""
+    import os
+
+    import psutil
+
     with RewardPool(workers, timeout_s) as pool:
         pool.score_batch(responses[: workers * 2], answers[: workers * 2])  # start-up and first parses
+        procs = [psutil.Process(pid) for pid in pool.worker_pids]
+        cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
         res = pool.score_batch(responses, answers)
+        cpu = sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0  # (a replaced worker's CPU is not counted)
     rate = len(responses) / res.seconds
     mean_chars = sum(map(len, responses)) / len(responses)
     print(f"workers={workers} items={len(responses)} mean_chars={mean_chars:.0f} score={res.seconds:.2f}s "
-          f"throughput={rate:.1f} responses/s ({rate / workers:.1f} per worker) "
+          f"throughput={rate:.1f} responses/s ({rate / workers:.1f} per worker; workers' CPU {cpu:.1f} s = "
+          f"{len(responses) / max(cpu, 1e-9):.1f} responses per worker-CPU-second; load {os.getloadavg()[0]:.1f}) "
           f"mean_reward={sum(res.rewards) / len(res.rewards):+.2f} timeouts={res.timeouts} errors={res.errors}",
           flush=True)
-    return {"workers": workers, "responses_per_s": rate, "timeouts": res.timeouts}
+    return {"workers": workers, "responses_per_s": rate, "timeouts": res.timeouts, "worker_cpu_s": cpu}
 
 
 if __name__ == "__main__":
