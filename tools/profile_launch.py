@@ -98,8 +98,14 @@ def process_cpu() -> list[tuple[str, float]]:
                 name = "ray: " + next((Path(a).name for a in p.cmdline() if "ray/" in a), name[:40])
             elif p.pid == me.pid:
                 name = "driver (this process)"
-            else:
-                name = name[:60]
+            else:  # a helper process: named with its parent (the reward pool's forkserver, a checkpoint writer)
+                try:
+                    parent = p.parent()
+                    pname = parent.name() if parent is not None and parent.pid != me.pid else "the driver"
+                    pname = next((a for a in parent.cmdline() if a.startswith("ray::")), pname) if parent else pname
+                except Exception:  # noqa: BLE001
+                    pname = "?"
+                name = f"{name[:48]} (child of {pname})"
             out.append((name, t.user + t.system + getattr(t, "children_user", 0) + getattr(t, "children_system", 0)))
     except NameError:  # no psutil
         pass
