@@ -282,11 +282,57 @@ def write_results(result: Mapping[str, Any], out_dir: str | os.PathLike) -> dict
     return paths
 
 
+def resolve_checkpoint(path: str | Path, work_dir: str | Path, log=print) -> Path:
+    """The HF directory ``da3po eval --checkpoint`` evaluates for ``path``:
+
+    - an HF model directory (``config.json`` at its top): itself;
+    - a run's checkpoint -- ``run_dir``, ``run_dir/checkpoints``, its ``latest`` pointer file, or a ``step_N``
+      directory: the step's ``hf/`` when the trainer wrote HF weights at save time (``trainer.save_hf_every``);
+    - otherwise a Megatron checkpoint (``step_N``, ``step_N/policy`` or a converter output with ``model/``):
+      converted on the fly, once, into ``work_dir/hf-<name>`` by the export stream of ``da3po convert
+      megatron-to-hf`` (a ``.converted`` marker written last makes a later call reuse it).
+
+    A checkpoint still being written (``.tmp-step_N``, or no ``COMPLETE`` marker next to its manifest) is refused:
+    while a run trains, evaluate what ``latest`` names (it only ever names complete, verified checkpoints)."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p
+    for pointer in (p / "checkpoints" / "latest", p / "latest"):
+        if pointer.is_file():
+            p = pointer
+            break
+    if p.is_file():  # a `latest` pointer: the name of the newest complete step directory beside it
+        p = p.parent / p.read_text().strip()
+    if p.name.startswith(".tmp-") or ((p / "MANIFEST.json").exists() and not (p / "COMPLETE").exists()):
+        raise FileNotFoundError(f"--checkpoint {path}: {p} is still being written (or was abandoned); evaluate a "
+                                "complete checkpoint, e.g. run_dir/checkpoints/latest")
+    hf = p / "hf"
+    if (hf / "config.json").is_file() and any(hf.glob("*.safetensors")):
+        return hf
+    from da3po_megatron.bridge.convert import ConversionError, megatron_to_hf, resolve_ckpt_dir
+
+    try:
+        ckpt = resolve_ckpt_dir(p)
+    except ConversionError as e:
+        raise FileNotFoundError(f"--checkpoint {path}: no config.json (not a Hugging Face model directory), no hf/ "
+                                f"written at save time, and not a Megatron checkpoint: {e}") from None
+    name = p.name if p.name != "policy" else p.parent.name
+    dest = Path(work_dir) / f"hf-{name}"
+    if (dest / ".converted").is_file():
+        return dest
+    log(f"da3po eval: converting the Megatron checkpoint {ckpt} to HF in {dest}")
+    megatron_to_hf(ckpt, dest, force=True)
+    (dest / ".converted").write_text(str(ckpt.resolve()) + "\n")
+    return dest
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="da3po eval", description="Evaluate an HF checkpoint: avg@k / pass@k on math "
                                 "benchmarks with the paper's protocol (temperature 1.0, top-p 0.95).")
     p.add_argument("--checkpoint", required=True, type=Path, help="Hugging Face model directory (config.json, "
-                   "weights, tokenizer); convert Megatron checkpoints first with `da3po convert`")
+                   "weights, tokenizer); or a training run's checkpoint -- run_dir, run_dir/checkpoints, its "
+                   "`latest`, a step_N directory: its hf/ weights written at save time (trainer.save_hf_every), "
+                   "else its Megatron checkpoint converted on the fly into --out (as `da3po convert megatron-to-hf`)")
     p.add_argument("--benchmarks", default=",".join(BENCHMARKS),
                    help=f"comma-separated benchmark names (default: all: {','.join(BENCHMARKS)})")
     p.add_argument("--k", default=None, help="samples per problem: one integer for all, or NAME=K pairs "
@@ -364,17 +410,18 @@ def _engine_config(args: argparse.Namespace, engine_cuda: bool | None = None) ->
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
-        if not (args.checkpoint / "config.json").is_file():
-            raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no config.json (expected a Hugging Face model "
-                                    "directory; convert Megatron checkpoints with `da3po convert` first)")
+        given = args.checkpoint
+        out = args.out or Path("runs") / "eval" / given.resolve().name
+        args.checkpoint = resolve_checkpoint(given, out)
+        if args.checkpoint != given:
+            print(f"da3po eval: evaluating {args.checkpoint} (for --checkpoint {given})")
         benches = [canonical_name(b) for b in args.benchmarks.split(",") if b.strip()]
         ks = parse_k(args.k, benches)
         problem_sets = {b: load_benchmark(b, args.data_dir, args.limit) for b in benches}
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: a failed conversion
         print(f"da3po eval: error: {e}", file=sys.stderr)
         return 2
-    out = args.out or Path("runs") / "eval" / args.checkpoint.resolve().name
-    name = args.name or args.checkpoint.resolve().name
+    name = args.name or given.resolve().name
 
     from da3po_megatron.rewards import RewardPool, default_num_workers
     from da3po_megatron.rollout import RolloutClient
