@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import threading
@@ -494,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                        args.engines_actual or min(size.engines, 4), args.reward_workers, tmp)
     finally:
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
     full = extrapolate(res, size)
     print(table(res, full, size), flush=True)
     if args.json:
