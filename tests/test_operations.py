@@ -66,6 +66,20 @@ def test_phase_ranges_are_a_shared_noop_when_off_and_named_ranges_in_a_torch_tra
     assert {f"da3po/{p}" for p in PHASES} | {"da3po/logprobs"} <= names
 
 
+def test_profile_and_save_fields_are_validated_naming_the_field():
+    from da3po_megatron.config import ConfigError, load_config
+
+    base = [str(ROOT / "examples/tiny_cpu_da3po.yaml")]
+    for override, field in (("trainer.profile.ranks=[1]", "trainer.profile.ranks"),
+                            ("trainer.profile.engines=[2]", "trainer.profile.engines"),
+                            ("trainer.profile.steps=[0]", "trainer.profile.steps"),
+                            ("trainer.save_hf_every=-1", "trainer.save_hf_every")):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(base[0], [override])
+    cfg = load_config(base[0], ["trainer.profile.steps=[3]", "trainer.async_save=true", "trainer.save_hf_every=5"])
+    assert cfg.trainer.profile.steps == [3] and cfg.trainer.profile.ranks == [0] and cfg.trainer.async_save
+
+
 # ------------------------------------------------------------------------------------------------ checkpoints (unit)
 
 
