@@ -1,7 +1,7 @@
 """Routing replay on a real megatron-core MoE model, one process (gloo, world 1): run by tests/test_moe.py as
 ``python tests/_moe_replay.py HF_DIR OUT_JSON``. Records the routes of a forward, replays them (logits must not
-change), replays other routes (logits must change, agreement < 1), and checks the router keeps its gradient under
-replay."""
+change), replays other routes (logits must change, agreement < 1), checks the router keeps its gradient under
+replay, and measures the routing agreement between the same weights computed in float32 and in bfloat16."""
 
 from __future__ import annotations
 
@@ -53,6 +53,17 @@ def main(hf_dir: str, out: str) -> None:
                   "agreement_self": moe.router_agreement(routes, routes),
                   "agreement_other": moe.router_agreement(routes, other),
                   "router_grad_norm": float(grad.norm()) if grad is not None else 0.0}
+        # the mismatch R3 removes: the same weights computed in bf16 route some (token, layer) pairs differently
+        long = torch.randint(0, arch.vocab_size, (1, 400), generator=torch.Generator().manual_seed(1))
+        lpos = torch.arange(400).unsqueeze(0)
+        moe.record_routes(model)
+        model(long, lpos, None)
+        fp32_routes = moe.recorded_routes(model)
+        half = build_gpt_model(arch, ModelConfig(params_dtype="bfloat16"), moe=MoEConfig(routing_replay="rollout"))
+        load_hf_weights(half, hf_dir)
+        moe.record_routes(half)
+        half(long, lpos, None)
+        result["agreement_fp32_vs_bf16"] = moe.router_agreement(fp32_routes, moe.recorded_routes(half))
         with open(out, "w") as f:
             json.dump(result, f)
     finally:
