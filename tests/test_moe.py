@@ -242,3 +242,14 @@ def test_ep2_policy_trains_its_experts_and_each_ep_rank_syncs_its_own_into_vllm(
     finally:
         client.shutdown()
         group.shutdown()
+
+
+def test_expert_parallel_weight_sync_uses_the_transport_whose_senders_include_every_ep_rank():
+    from da3po_megatron.rollout.weight_sync import choose_transport
+
+    hosts = dict(policy_hosts=["a"], engine_hosts=["b"])
+    assert choose_transport("auto", has_cuda=True, colocate=False, **hosts) == "collective"  # dense: unchanged
+    assert choose_transport("auto", has_cuda=True, colocate=True, expert_parallel=8, **hosts) == "bytes"
+    assert choose_transport("auto", has_cuda=False, colocate=False, expert_parallel=2, **hosts) == "bytes"
+    with pytest.raises(ValueError, match="other EP ranks' experts"):
+        choose_transport("collective", has_cuda=False, colocate=False, expert_parallel=2, **hosts)

@@ -153,16 +153,26 @@ TRANSPORTS = ("auto", "bytes", "collective", "ipc")
 
 
 def choose_transport(setting: str, *, has_cuda: bool, colocate: bool, policy_hosts: Iterable[str],
-                     engine_hosts: Iterable[str]) -> str:
+                     engine_hosts: Iterable[str], expert_parallel: int = 1) -> str:
     """The weight transport a run uses (``rollout.weight_transfer``), from the placement.
 
     "auto": "collective" when an engine runs on a node that holds no policy rank, or on CUDA when engines have GPUs
     of their own (not colocated); "ipc" colocated on CUDA; "bytes" otherwise, i.e. policy and engines on one CPU
     node, where Ray's object store is shared memory and measured as fast as a gloo loopback broadcast (see
     docs/rollout.md "Benchmarks"). An explicit choice is checked against what the placement allows.
+
+    ``expert_parallel`` > 1 (an MoE policy with EP): "bytes", the one transport whose senders include every EP rank
+    (:func:`sends_experts`); "collective" and "ipc" keep one sender per pipeline stage and would leave the other EP
+    ranks' experts unsent, so an explicit choice of them is refused (docs/moe.md).
     """
     if setting not in TRANSPORTS:
         raise ValueError(f"rollout.weight_transfer must be one of {TRANSPORTS}, got {setting!r}")
+    if expert_parallel > 1:
+        if setting in ("collective", "ipc"):
+            raise ValueError(f"rollout.weight_transfer={setting!r} with parallel.expert_model_parallel_size="
+                             f"{expert_parallel}: that transport has one sender per pipeline stage and would not "
+                             "carry the other EP ranks' experts; use 'bytes' or 'auto' (docs/moe.md)")
+        return "bytes"
     if setting == "ipc" and not (has_cuda and colocate):
         raise ValueError("rollout.weight_transfer='ipc' needs CUDA and rollout.colocate=true (IPC handles share one "
                          "GPU's memory between the policy and the engine)")
