@@ -63,6 +63,22 @@ def smollm2():
         pytest.fail(str(e))
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 2 MiB filesystem (tmpfs; needs root): a disk that fills up, for the ENOSPC tests."""
+    import subprocess
+
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (root needed): {p.stderr}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 # The suite's longest files (seconds on 2 cores, in this order), started first. `make test` runs two pytest-xdist
 # workers that take whole files (``--dist loadfile``: a file's module fixtures -- one Ray, one torchrun policy --
 # are built once) in collection order; long files first keeps one worker from starting a long file last while the

@@ -161,20 +161,6 @@ def test_trainer_state_loads_with_weights_only_and_old_pickles_need_the_opt_in(t
     assert safe_load(tmp_path / "old.pt")["old"][0] == "MT19937"
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A real 2 MiB filesystem (tmpfs; needs root)."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs (root needed): {p.stderr}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_disk_full_during_a_save_says_so_and_keeps_the_previous_checkpoint(small_tmpfs):
     from da3po_megatron.trainer.checkpoint import CheckpointManager, CheckpointWriteError, verify_checkpoint
 

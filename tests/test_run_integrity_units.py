@@ -386,20 +386,6 @@ def test_save_every_and_a_bad_override_value_are_named(tmp_path):
     assert str(EXAMPLE.name) not in str(e.value)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A real 2 MiB filesystem (tmpfs; needs root, as tests/test_reliability_units.py's)."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs (root needed): {p.stderr}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_a_full_disk_under_torch_save_is_named_enospc_with_the_path_and_the_free_space(small_tmpfs):
     """Point 4: torch.save on a full disk raises "unexpected pos ..." / "file write failed", not ENOSPC (what a
     policy rank's save reported); the error still says the disk is full, where, and how much is free."""
