@@ -295,11 +295,11 @@ class Run:
         mismatch.update(self.drift.update(self.step + 1, mismatch) if fresh else {})
         weights = None
         if self.cfg.algorithm.rollout_correction == "tis":
-            def flat(rows: Any) -> torch.Tensor:  # one float64 vector of all tokens (arrays: no per-token Python)
-                return torch.from_numpy(Ragged.from_rows(rows, np.float64).values)
-
-            w, stats = tis_weights(flat(policy_lp), flat(rollout_lp), self.cfg.algorithm.tis_cap)
-            weights = Ragged(w.numpy().astype(np.float32), Ragged.from_rows(policy_lp, np.float32).offsets)
+            # one float64 vector of all tokens each (arrays: no per-token Python); the weights keep the policy's rows
+            lp, rollout = Ragged.from_rows(policy_lp, np.float64), Ragged.from_rows(rollout_lp, np.float64)
+            w, stats = tis_weights(torch.from_numpy(lp.values), torch.from_numpy(rollout.values),
+                                   self.cfg.algorithm.tis_cap)
+            weights = Ragged(w.numpy().astype(np.float32), lp.offsets)
             mismatch.update(stats)
         return replace(batch, old_logprobs=policy_lp, token_weights=weights), mismatch
 
