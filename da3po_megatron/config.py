@@ -255,6 +255,17 @@ class SyntheticTaskConfig:
     max_digits: int = doc(8, "Hardest prompt: this many digits (difficulty buckets = digit counts).")
     train_per_bucket: int = doc(512, "Training prompts per difficulty bucket.")
     eval_per_bucket: int = doc(32, "Held-out evaluation prompts per bucket (never in the training split).")
+    response_tokens: list[int] = doc([], "[easy, hard]: long-tailed response lengths growing with difficulty, as in "
+                                         "math RL (benchmarks, tools/bench_async.py). Each training prompt's responses "
+                                         "are capped at a length drawn once per prompt from a log-normal (sigma 0.6) "
+                                         "whose median grows geometrically from easy (min_digits) to hard "
+                                         "(max_digits) tokens, clipped to rollout.max_response_length; with "
+                                         "rollout.ignore_eos=true they are exactly that long. Empty: responses end "
+                                         "where the policy ends them (one digit per input digit).")
+    coin_p: list[float] = doc([], "One probability per bucket (min_digits..max_digits): training answers become "
+                                  "'coin:<p>' for reward.kind=coin (correct with probability p, by a hash of the "
+                                  "response), a stand-in verifier with the task's difficulty profile for random-weight "
+                                  "benchmarks. Empty: the real answers. Held-out evaluation always uses them.")
 
 
 @dataclass

@@ -125,6 +125,14 @@ def validate(cfg: Config) -> None:
            "actor.max_tokens_per_microbatch", ac.max_tokens_per_microbatch,
            f">= rollout.max_prompt_length + rollout.max_response_length = {r.max_prompt_length + r.max_response_length}"
            " (one whole sequence must fit)")
+    sy = dc.synthetic
+    _check(not sy.response_tokens or (len(sy.response_tokens) == 2 and 1 <= sy.response_tokens[0] <=
+                                      sy.response_tokens[1]), "data.synthetic.response_tokens", sy.response_tokens,
+           "[] or [easy, hard] with 1 <= easy <= hard")
+    _check(not sy.coin_p or (len(sy.coin_p) == sy.max_digits - sy.min_digits + 1 and all(0 <= p <= 1 for p in
+                                                                                          sy.coin_p)),
+           "data.synthetic.coin_p", sy.coin_p, f"[] or {sy.max_digits - sy.min_digits + 1} probabilities in [0, 1] "
+           "(one per bucket min_digits..max_digits)")
     if dc.format != "synthetic" and not dc.train_files:
         raise ConfigError(f"data.train_files is empty; give at least one file for data.format={dc.format!r}")
     _check(cfg.trainer.total_steps >= 1, "trainer.total_steps", cfg.trainer.total_steps, ">= 1")

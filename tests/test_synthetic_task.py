@@ -90,3 +90,29 @@ def test_warmup_is_deterministic_by_seed(tmp_path):
     assert reports[0]["final_loss"] == reports[1]["final_loss"]
     assert weights[0].keys() == weights[1].keys()
     assert all((weights[0][k] == weights[1][k]).all() for k in weights[0])
+
+
+def test_long_tailed_lengths_grow_with_difficulty_and_coin_answers_follow_the_bucket():
+    """data.synthetic.response_tokens / coin_p (issue 37's benchmark task): per-prompt length caps whose median grows
+    with the bucket (long-tailed within one), coin answers per bucket; the chosen prompts do not change."""
+    import statistics
+
+    from da3po_megatron.config import ConfigError, load_config
+
+    plain = make_synthetic_dataset(64, "train", seed=3, buckets=range(1, 9))
+    ds = make_synthetic_dataset(64, "train", seed=3, buckets=range(1, 9), response_tokens=(4, 64), max_tokens=128,
+                                coin_p=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    assert [e.meta["digits"] for e in ds] == [e.meta["digits"] for e in plain]
+    assert all("max_tokens" not in e.meta for e in plain)
+    by = {b: [e.meta["max_tokens"] for e in ds if e.meta["bucket"] == b] for b in range(1, 9)}
+    medians = [statistics.median(by[b]) for b in range(1, 9)]
+    assert medians == sorted(medians) and medians[0] <= 6 and 40 <= medians[-1] <= 90, medians
+    assert max(by[8]) > 1.8 * medians[-1] and all(1 <= x <= 128 for v in by.values() for x in v)  # the tail, capped
+    assert {e.answer for e in ds if e.meta["bucket"] == 1} == {"coin:0.9"}
+    assert {e.answer for e in ds if e.meta["bucket"] == 8} == {"coin:0.2"}
+    again = make_synthetic_dataset(64, "train", seed=3, buckets=range(1, 9), response_tokens=(4, 64), max_tokens=128)
+    assert [e.meta["max_tokens"] for e in again] == [e.meta["max_tokens"] for e in ds]  # deterministic by seed
+    with pytest.raises(ValueError, match="coin_p"):
+        make_synthetic_dataset(4, "train", buckets=range(1, 3), coin_p=[0.5])
+    with pytest.raises(ConfigError, match="data.synthetic.coin_p"):
+        load_config(None, ["model.path=x", "data.format=synthetic", "data.synthetic.coin_p=[0.5]"])

@@ -79,6 +79,7 @@ def test_stats_count_uniform_groups_and_buckets():
     assert s["gen/p_hat_all_wrong_frac"] == pytest.approx(1 / 3)
     assert s["gen/acc_bucket/0"] == pytest.approx((4 + 1) / 8)
     assert sum(v for k, v in s.items() if "p_hat_hist" in k) == pytest.approx(1.0)
+    assert sum(v for k, v in s.items() if "/group_frac_bucket/" in k) == pytest.approx(1.0)  # shares of the groups
 
 
 def test_dynamic_sampling_with_trainer_groups_keeps_informative_ones():

@@ -15,16 +15,28 @@ Train and held-out splits never share a prompt: every digit string is assigned t
 Reward (:func:`synthetic_reward`, kind ``"synthetic"`` of :class:`da3po_megatron.rewards.RewardPool`): +1 iff the
 response's digits, whitespace ignored, are exactly the answer; -1 otherwise (DAPO convention, like R_acc for math).
 
+**Long-tailed lengths and a stand-in verifier** (benchmarks, ``tools/bench_async.py``; issue 37). In math RL hard
+problems take long: response lengths are long-tailed and grow with difficulty, which is what asynchronous training
+must not turn into a bias against hard prompts. ``response_tokens=(easy, hard)`` caps each prompt's responses at a
+length drawn once per prompt (:func:`long_tailed_length`: a log-normal whose median grows geometrically with the
+bucket from ``easy`` to ``hard`` tokens), stored as the example's ``meta["max_tokens"]``, which the engines honour per
+request (with ``rollout.ignore_eos=true`` the responses are exactly that long). ``coin_p`` (one probability per bucket)
+replaces each answer by ``coin:<p>`` for ``reward.kind=coin`` (:func:`coin_reward`: a response is correct with
+probability p by a hash of its text), so a random-weight model sees the task's difficulty profile -- easy buckets
+mostly solved, hard ones rarely -- without learning anything. The held-out split keeps the real answers.
+
 Left out: curricula, other task families; the supervised warm-up that makes the task learnable from scratch lives in
 :mod:`.warmup`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from da3po_megatron.data.datasets import Example, PromptDataset
 from da3po_megatron.data.templates import format_prompt
@@ -35,6 +47,7 @@ __all__ = [
     "PAD",
     "PROMPT_PREFIX",
     "WIDTH",
+    "long_tailed_length",
     "make_synthetic_dataset",
     "running_sums",
     "split_of",
@@ -85,22 +98,49 @@ def synthetic_example(digits: str, uid: str) -> Example:
     )
 
 
+def long_tailed_length(bucket: int, lo_bucket: int, hi_bucket: int, response_tokens: tuple[int, int],
+                       max_tokens: int, rng: random.Random, sigma: float = 0.6) -> int:
+    """A response-length cap for one prompt of ``bucket``: log-normal with median growing geometrically from
+    ``response_tokens[0]`` (bucket ``lo_bucket``) to ``response_tokens[1]`` (``hi_bucket``), spread ``sigma`` (the
+    long tail: ~10 % of draws exceed 2.2x the median at sigma 0.6), clipped to ``[1, max_tokens]``."""
+    easy, hard = response_tokens
+    if not (1 <= easy <= hard):
+        raise ValueError(f"response_tokens must be (easy, hard) with 1 <= easy <= hard, got {response_tokens}")
+    frac = (bucket - lo_bucket) / (hi_bucket - lo_bucket) if hi_bucket > lo_bucket else 1.0
+    median = easy * (hard / easy) ** frac
+    return max(1, min(int(max_tokens), round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
+
+
 def make_synthetic_dataset(
     n_per_bucket: int,
     split: str = "train",
     seed: int = 0,
     buckets: Iterable[int] = BUCKETS,
+    response_tokens: Sequence[int] = (),
+    max_tokens: int = 0,
+    coin_p: Sequence[float] = (),
 ) -> PromptDataset:
     """``n_per_bucket`` prompts of each difficulty bucket from ``split`` ("train" | "heldout"), deterministic by seed.
 
     Prompts are distinct while the bucket has enough strings in the split; small buckets (n = 1, 2) repeat strings
-    (with distinct uids ``syn-<split>-<seed>-<bucket>-<i>``).
+    (with distinct uids ``syn-<split>-<seed>-<bucket>-<i>``). ``response_tokens=(easy, hard)`` with ``max_tokens``
+    (the rollout's cap) gives every prompt a long-tailed length cap growing with the bucket (``meta["max_tokens"]``);
+    ``coin_p`` (one probability per bucket) makes the answers ``coin:<p>`` (module docstring). The prompts chosen do
+    not depend on either.
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"synthetic split must be 'train' or 'heldout', got {split!r}")
     if n_per_bucket < 1:
         raise ValueError(f"n_per_bucket must be >= 1, got {n_per_bucket}")
+    buckets = list(buckets)
+    if response_tokens and (len(response_tokens) != 2 or max_tokens < 1):
+        raise ValueError(f"response_tokens must be [easy, hard] with a max_tokens >= 1, got {list(response_tokens)}, "
+                         f"max_tokens={max_tokens}")
+    if coin_p and (len(coin_p) != len(buckets) or not all(0.0 <= p <= 1.0 for p in coin_p)):
+        raise ValueError(f"coin_p must hold one probability in [0, 1] per bucket ({len(buckets)}: {buckets}), "
+                         f"got {list(coin_p)}")
     rng = random.Random(f"synthetic:{split}:{seed}")
+    lengths = random.Random(f"synthetic-lengths:{split}:{seed}")  # its own stream: the prompts stay the same
     examples = []
     for n in buckets:
         if not 1 <= n <= 8:
@@ -117,7 +157,15 @@ def make_synthetic_dataset(
                 if split_of(s) == split and s not in seen:
                     seen.add(s)
                     chosen.append(s)
-        examples += [synthetic_example(s, f"syn-{split}-{seed}-{n}-{i}") for i, s in enumerate(chosen)]
+        for i, s in enumerate(chosen):
+            ex = synthetic_example(s, f"syn-{split}-{seed}-{n}-{i}")
+            if response_tokens:
+                ex.meta["max_tokens"] = long_tailed_length(n, buckets[0], buckets[-1],
+                                                           (int(response_tokens[0]), int(response_tokens[1])),
+                                                           max_tokens, lengths)
+            if coin_p:
+                ex = dataclasses.replace(ex, answer=f"coin:{float(coin_p[buckets.index(n)]):g}")
+            examples.append(ex)
     return PromptDataset(examples, name=f"synthetic-{split}-{seed}")
 
 

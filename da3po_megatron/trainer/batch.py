@@ -220,6 +220,9 @@ def group_stats(groups: Sequence[Group], max_response_length: int, prefix: str) 
         by_bucket[g.bucket].extend(a > 0 for a in g.acc)
     for b, vals in sorted(by_bucket.items(), key=lambda kv: str(kv[0])):
         out[f"{prefix}/acc_bucket/{b}"] = sum(vals) / len(vals)
+        # the share of the groups from this bucket (the batch/ one: what the policy trains on, e.g. how many hard
+        # prompts an asynchronous run keeps against the synchronous one; issue 37, tools/bench_async.py)
+        out[f"{prefix}/group_frac_bucket/{b}"] = sum(g.bucket == b for g in groups) / len(groups)
     return out
 
 

@@ -143,7 +143,9 @@ def load_train_data(cfg: Config) -> PromptDataset:
 
         s = d.synthetic
         return make_synthetic_dataset(s.train_per_bucket, "train", cfg.trainer.seed,
-                                      buckets=range(s.min_digits, s.max_digits + 1))
+                                      buckets=range(s.min_digits, s.max_digits + 1),
+                                      response_tokens=s.response_tokens, max_tokens=cfg.rollout.max_response_length,
+                                      coin_p=s.coin_p)
     missing = [f for f in d.train_files if not Path(f).exists()]
     if missing:
         hint = ""
