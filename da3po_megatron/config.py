@@ -325,6 +325,12 @@ class RayConfig:
                                                   "the actors use GPUs, 0 on CPU; colocated: half of its rank's GPU.")
     spread_policy_nodes: bool = doc(False, "Each policy TP group on a node of its own (else TP groups fill nodes in "
                                            "order) -- for the local multi-node tests.")
+    expert_groups_across_nodes: bool = doc(False, "MoE: let an expert-parallel group straddle nodes. Default "
+                                                  "false: the policy is placed in blocks of lcm(TP, EP x ETP) "
+                                                  "consecutive ranks per node, so the dispatcher's all-to-alls stay "
+                                                  "inside a node, and a layout whose block does not fit a node is "
+                                                  "refused; true: blocks of TP ranks only (trainer/placement.py, "
+                                                  "docs/moe.md).")
     placement_timeout_s: float = doc(300.0, "Seconds to wait for the placement groups (resources reserved on their "
                                             "nodes) before failing with what is pending where.")
     start_timeout_s: float = doc(1800.0, "Seconds to wait for the policy ranks' and engines' start-up (process "

@@ -79,6 +79,64 @@ def test_a_tp_group_never_straddles_two_nodes() -> None:
     assert spread.rank_node == [0, 1] and spread.engine_node == [2]
 
 
+def _megatron_expert_groups(world: int, tp: int, pp: int, ep: int, etp: int) -> tuple[list, list]:
+    """(TP groups, EP groups) exactly as megatron-core 0.16.1 builds them (``RankGenerator`` of
+    ``parallel_state.py``, its default order tp-cp-ep-dp-pp): the reference the node blocks must respect."""
+    from megatron.core.parallel_state import RankGenerator
+
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    return dense.get_ranks("tp"), expert.get_ranks("ep")
+
+
+def test_expert_groups_stay_inside_a_node_unless_told_otherwise() -> None:
+    """MoE: blocks of lcm(TP, EP x ETP) consecutive ranks go whole to a node, so every TP group and every EP group
+    (megatron-core's own rank generator is the reference) is on one node; a block larger than a node is refused
+    naming the fields; ray.expert_groups_across_nodes=true packs TP groups only."""
+    from da3po_megatron.trainer.placement import node_block
+
+    assert node_block(2, 1) == node_block(2, 1, 2) == 2  # dense: the TP group
+    assert node_block(2, 8, 1) == 8 and node_block(4, 2, 1) == 4 and node_block(2, 2, 2) == 4
+    assert node_block(4, 8, 1, expert_across_nodes=True) == 4
+    # the Qwen3-30B-A3B recipe's layout: 16 ranks TP 2 x PP 2 x DP 4, EP 8, on 2 nodes x 8 GPUs
+    moe = dict(world_size=16, tp=2, pp=2, ep=8, etp=1, num_engines=0)
+    plan = plan_placement(_need(**moe), _nodes(8, 8))
+    assert plan.rank_node == [0] * 8 + [1] * 8 and "blocks of 8 ranks (TP 2, EP 8 x ETP 1)" in plan.describe()
+    # 3 nodes of 6 GPUs, TP 2 x DP 6 (one stage), EP 4: TP groups alone would fill node1 with ranks 0-5 and
+    # split EP group 1 (ranks 4-7) over two nodes; blocks of 4 leave 2 GPUs free on each node instead
+    layouts = [(dict(world_size=12, tp=2, pp=1, ep=4, etp=1), (6, 6, 6)),
+               (dict(world_size=16, tp=2, pp=2, ep=2, etp=2), (4, 4, 4, 4)),
+               (dict(world_size=16, tp=4, pp=1, ep=2, etp=1), (4, 4, 4, 4)),
+               (dict(world_size=32, tp=2, pp=2, ep=8, etp=1), (8, 8, 8, 8))]
+    for layout, gpus in layouts:
+        plan = plan_placement(_need(num_engines=0, **layout), _nodes(*gpus))
+        tp_groups, ep_groups = _megatron_expert_groups(layout["world_size"], layout["tp"], layout["pp"],
+                                                       layout["ep"], layout["etp"])
+        for grp in tp_groups + ep_groups:
+            assert len({plan.rank_node[r] for r in grp}) == 1, (layout, grp, plan.rank_node)
+    loose = plan_placement(_need(num_engines=0, expert_across_nodes=True, **layouts[0][0]), _nodes(6, 6, 6))
+    assert loose.rank_node == [0] * 6 + [1] * 6  # TP groups only: EP group 1 (ranks 4-7) straddles node1/node2
+    # a block larger than a node: refused naming the fields and the opt-out
+    with pytest.raises(PlacementError, match=r"policy rank block 0 \(ranks 0-7: 8 GPUs.*does not fit on a node.*"
+                                             r"parallel.tensor_model_parallel_size=2.*parallel.expert_model_parallel_"
+                                             r"size=8 x parallel.expert_tensor_parallel_size=1\): lcm = 8.*"
+                                             r"ray.expert_groups_across_nodes=true"):
+        plan_placement(_need(**moe), _nodes(4, 4, 4, 4))
+    plan = plan_placement(_need(expert_across_nodes=True, **moe), _nodes(4, 4, 4, 4))
+    assert plan.rank_node == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    # from the run config: the parallel sizes and the ray setting reach the plan
+    over = ["model.path=/x", "rollout.colocate=false", "rollout.tensor_parallel_size=1", "rollout.num_engines=1",
+            "ray.num_cpus_per_policy_rank=1", "rollout.num_cpus_per_engine=1"]
+    cfg = load_config(REPO / "examples/qwen3_30b_a3b_da3po.yaml", over)
+    need = resources_for_config(cfg, cluster_gpus=17)
+    assert (need.ep, need.etp, need.block) == (8, 1, 8)
+    assert plan_placement(need, _nodes(8, 8, 1)).rank_node == [0] * 8 + [1] * 8
+    with pytest.raises(PlacementError, match=r"lcm = 8"):
+        plan_placement(need, _nodes(6, 6, 6))
+    cfg = load_config(REPO / "examples/qwen3_30b_a3b_da3po.yaml", [*over, "ray.expert_groups_across_nodes=true"])
+    assert resources_for_config(cfg, cluster_gpus=17).block == 2
+
+
 def test_more_gpus_than_the_cluster_has_is_refused_naming_the_numbers_and_the_settings() -> None:
     with pytest.raises(PlacementError, match=r"the run needs 16 GPUs \(policy 8 ranks x 1 \(ray.num_gpus_per_policy_"
                                              r"rank\) \+ engines 8 x 1 \(ray.num_gpus_per_engine.*\) but the Ray "

@@ -9,10 +9,13 @@ Pure functions first (tested without Ray, ``tests/test_placement.py``):
   beside GPU actors keeps ``CUDA_VISIBLE_DEVICES`` unset (measured, Ray 2.60 on logical GPUs) and sees every GPU of
   its node, so all such ranks would pick ``cuda:0``.
 - :func:`plan_placement`: the whole layout or a :class:`PlacementError` naming the numbers and the setting to change.
-  The policy's TP groups (``tensor_model_parallel_size`` consecutive ranks: Megatron's rank order is TP fastest) are
-  placed whole on one node, first fit over the nodes in order (the driver's node first), so a TP group never
-  straddles nodes (its all-reduces run every layer); PP stages and DP replicas may. ``ray.spread_policy_nodes`` puts
-  each TP group on a node of its own. Engines follow ``rollout.engine_placement``: ``other_nodes`` (only nodes without
+  The policy's ranks are placed in blocks of :func:`node_block` consecutive ranks, each block whole on one node,
+  first fit over the nodes in order (the driver's node first). For a dense model a block is a TP group
+  (``tensor_model_parallel_size`` consecutive ranks: Megatron's rank order is TP fastest), so a TP group never
+  straddles nodes (its all-reduces run every layer); PP stages and DP replicas may. With experts (MoE) a block is
+  lcm(TP, EP x ETP) ranks, so the expert groups stay inside a node too (the dispatcher's all-to-alls run twice per
+  MoE layer), unless ``ray.expert_groups_across_nodes`` says otherwise. ``ray.spread_policy_nodes`` puts each block
+  on a node of its own. Engines follow ``rollout.engine_placement``: ``other_nodes`` (only nodes without
   policy ranks: the paper's layout, engines on the second node), ``same_nodes`` (only nodes with policy ranks), or
   ``any``. Colocated (``rollout.colocate``): engine i shares policy rank i's one-GPU bundle, each taking half of it
   (Ray gives both the same GPU id), which needs engine TP = 1, at most one engine per rank and 1 GPU per rank; on
@@ -31,6 +34,7 @@ are taken from those answers; the driver itself never initialises CUDA.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -73,6 +77,14 @@ class Resources:
     pp: int = 1  # parallel.pipeline_model_parallel_size, context_parallel_size: the colocated IPC check
     cp: int = 1
     weight_transfer: str = "auto"  # rollout.weight_transfer
+    ep: int = 1  # parallel.expert_model_parallel_size, expert_tensor_parallel_size (None = TP): the node blocks
+    etp: int | None = None
+    expert_across_nodes: bool = False  # ray.expert_groups_across_nodes: blocks of TP ranks only
+
+    @property
+    def block(self) -> int:
+        """Consecutive policy ranks placed whole on one node (:func:`node_block`)."""
+        return node_block(self.tp, self.ep, self.etp, self.expert_across_nodes)
 
     @property
     def total_gpus(self) -> float:
@@ -121,12 +133,32 @@ class Plan:
         n = self.need
         how = "colocated with policy ranks 0.." + str(n.num_engines - 1) if n.colocate else \
             f"rollout.engine_placement={n.engine_placement}"
+        blocks = f"TP groups of {n.tp}" if n.block == n.tp else \
+            f"blocks of {n.block} ranks (TP {n.tp}, EP {n.ep} x ETP {n.tp if n.etp is None else n.etp})"
         return (f"plan: {runs('policy rank', self.rank_node)} ({self.rank_gpus:g} GPU, {n.cpus_per_rank:g} CPU each, "
-                f"TP groups of {n.tp} on one node); {runs('engine', self.engine_node)} ({self.engine_gpus:g} GPU, "
+                f"{blocks} on one node); {runs('engine', self.engine_node)} ({self.engine_gpus:g} GPU, "
                 f"{n.cpus_per_engine:g} CPU each, {how})")
 
 
 # ------------------------------------------------------------------------------------------------- pure decisions
+def node_block(tp: int, ep: int = 1, etp: int | None = None, expert_across_nodes: bool = False) -> int:
+    """How many consecutive policy ranks must share a node: lcm(TP, EP x ETP) (ETP None = TP).
+
+    Megatron-core 0.16.1 numbers ranks in the order ``tp-cp-ep-dp-pp`` (``initialize_model_parallel``'s default,
+    ``megatron/core/parallel_state.py:562``), TP fastest: a TP group is TP consecutive ranks. The experts get their
+    own rank generator over the same world with ``tp`` = ETP, ``ep`` = EP and ``dp`` = the expert-data-parallel size
+    in that order (``parallel_state.py:798-806``; groups cut by ``RankGenerator.get_ranks``, 506-520), so rank =
+    etp + ETP x (ep + EP x (edp + EDP x pp)): an EP group (fixed ETP rank, expert-DP rank and stage) and the ETP
+    groups beside it lie in EP x ETP consecutive ranks starting at a multiple of EP x ETP. Blocks of lcm(TP, EP x
+    ETP) ranks from rank 0 therefore hold whole TP groups and whole EP / ETP groups. For a dense model (EP = 1,
+    ETP = TP) the block is the TP group. ``expert_across_nodes`` (``ray.expert_groups_across_nodes``): blocks of TP
+    ranks only, the expert groups may straddle nodes (their all-to-alls then cross the network)."""
+    etp = tp if etp is None else etp
+    if expert_across_nodes or ep * etp <= 1:
+        return tp
+    return math.lcm(tp, ep * etp)
+
+
 def resolve_gpus(device: str, gpus_per_rank: float | None, gpus_per_engine: float | None, engine_tp: int,
                  cluster_gpus: float, colocate: bool = False) -> tuple[float, float, str]:
     """(GPUs per policy rank, GPUs per engine, "gpu" | "cpu") for the ``ray`` section's settings on a cluster with
@@ -244,30 +276,46 @@ def plan_placement(need: Resources, nodes: Sequence[Node]) -> Plan:
     free_gpu = [n.gpus for n in nodes]
     eps = 1e-9
     rank_node: list[int] = []
-    groups = need.world_size // need.tp
+    block = need.block  # TP, or lcm(TP, EP x ETP) with experts (node_block)
+    etp = need.tp if need.etp is None else need.etp
+    if need.world_size % block:
+        raise PlacementError(f"policy world size {need.world_size} is not a multiple of lcm(parallel.tensor_model_"
+                             f"parallel_size={need.tp}, parallel.expert_model_parallel_size={need.ep} x "
+                             f"parallel.expert_tensor_parallel_size={etp}) = {block}")
+    kind = "TP group" if block == need.tp else "rank block"
     engine_cpu_of_rank = [need.cpus_per_engine if need.colocate and r < need.num_engines else 0.0
                           for r in range(need.world_size)]
     used_for_policy: list[int] = []
-    for g in range(groups):
-        ranks = range(g * need.tp, (g + 1) * need.tp)
+    for g in range(need.world_size // block):
+        ranks = range(g * block, (g + 1) * block)
         cpu = sum(need.cpus_per_rank + engine_cpu_of_rank[r] for r in ranks)
-        gpu = need.tp * need.gpus_per_rank
+        gpu = block * need.gpus_per_rank
         order = list(range(len(nodes)))
         if need.spread_policy:
             order = [i for i in order if i not in used_for_policy]
         fit = next((i for i in order if free_cpu[i] + eps >= cpu and free_gpu[i] + eps >= gpu), None)
         if fit is None:
-            where = "a node without another TP group (ray.spread_policy_nodes=true)" if need.spread_policy else "a node"
+            where = (f"a node without another {kind} (ray.spread_policy_nodes=true)" if need.spread_policy
+                     else "a node")
             free = ", ".join(f"{n.host} {free_gpu[i]:g} GPU {free_cpu[i]:g} CPU" for i, n in enumerate(nodes))
+            if block == need.tp:
+                raise PlacementError(
+                    f"policy TP group {g} (ranks {ranks.start}-{ranks.stop - 1}: {gpu:g} GPUs, {cpu:g} CPUs on one "
+                    f"node, parallel.tensor_model_parallel_size={need.tp}) does not fit on {where}; free after the "
+                    f"groups before it: {free}. A TP group must not straddle nodes: use a TP size that divides the "
+                    "GPUs per node, or more nodes")
             raise PlacementError(
-                f"policy TP group {g} (ranks {ranks.start}-{ranks.stop - 1}: {gpu:g} GPUs, {cpu:g} CPUs on one node, "
-                f"parallel.tensor_model_parallel_size={need.tp}) does not fit on {where}; free after the groups "
-                f"before it: {free}. A TP group must not straddle nodes: use a TP size that divides the GPUs per "
-                "node, or more nodes")
+                f"policy rank block {g} (ranks {ranks.start}-{ranks.stop - 1}: {gpu:g} GPUs, {cpu:g} CPUs on one "
+                f"node) does not fit on {where}; free after the blocks before it: {free}. The block holds whole TP "
+                f"groups (parallel.tensor_model_parallel_size={need.tp}) and whole expert groups (parallel."
+                f"expert_model_parallel_size={need.ep} x parallel.expert_tensor_parallel_size={etp}): lcm = {block} "
+                "consecutive ranks in Megatron's rank order, kept on one node so that the MoE dispatcher's "
+                "all-to-alls stay off the network. Use an EP x ETP whose lcm with TP divides the GPUs per node, "
+                "or set ray.expert_groups_across_nodes=true to let the expert groups straddle nodes (docs/moe.md)")
         free_cpu[fit] -= cpu
         free_gpu[fit] -= gpu
         used_for_policy.append(fit)
-        rank_node += [fit] * need.tp
+        rank_node += [fit] * block
     engine_node: list[int] = []
     if need.colocate:
         engine_node = rank_node[:need.num_engines]
@@ -314,7 +362,9 @@ def resources_for_config(cfg: Any, cluster_gpus: float) -> Resources:
                      gpus_per_engine=engine_gpus, engine_placement=r.engine_placement, colocate=r.colocate,
                      spread_policy=ray_cfg.spread_policy_nodes, device=device,
                      pp=cfg.parallel.pipeline_model_parallel_size, cp=cfg.parallel.context_parallel_size,
-                     weight_transfer=r.weight_transfer)
+                     weight_transfer=r.weight_transfer, ep=cfg.parallel.expert_model_parallel_size,
+                     etp=cfg.parallel.expert_tensor_parallel_size,
+                     expert_across_nodes=ray_cfg.expert_groups_across_nodes)
 
 
 # ------------------------------------------------------------------------------------------------- Ray side
