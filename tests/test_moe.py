@@ -108,6 +108,15 @@ def test_memory_plan_counts_experts_per_ep_rank_and_the_dispatcher():
     assert e8.total < 80 * 2**30 < e1.total  # fits an 80 GB GPU only with the experts split
     dense = gpt_arch({k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"})
     assert estimate_policy_memory(dense, **kw).components["experts+grads+optimizer"] == 0
+    # per routed token copy, kept for backward: the expert's SwiGLU intermediates (3 f_e / ETP) and the dispatcher's
+    # permuted hidden states out and back (2 h), x the imbalance 1.5, bf16: doubling top-k adds exactly that
+    import dataclasses
+
+    sel = dict(kw, tp=2, pp=1, dp=8, ep=8, etp=1, recompute_granularity="selective",
+               logprob_max_tokens_per_microbatch=8192)
+    k8 = estimate_policy_memory(a, **sel).components["activations"]
+    k16 = estimate_policy_memory(dataclasses.replace(a, moe_router_topk=16), **sel).components["activations"]
+    assert k16 - k8 == pytest.approx(8192 * 48 * 8 * (3 * 768 + 2 * 2048) * 1.5 * 2, rel=1e-9)
 
 
 def test_conversion_round_trips_across_ep_layouts_bit_exactly_with_verify(tiny_moe, tp2_ep2_ckpt, tmp_path,

@@ -340,7 +340,9 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
             f"{estimate_for_config(cfg, arch, fit, device, te).total / GiB:.2f} GiB; actor.memory_check=fit)")
         return fit
     hint = (f"set actor.max_tokens_per_microbatch<={fit} (or actor.memory_check=fit to do so automatically)"
-            if fit is not None else "no micro-batch of one longest sequence fits: use more ranks (TP/PP)")
+            if fit is not None else "no micro-batch of one longest sequence fits: use more ranks (TP/PP"
+            + (", or a larger parallel.expert_model_parallel_size: the experts, their gradients and Adam state "
+               "divide over EP" if arch.is_moe else "") + ")")
     raise MemoryBudgetError(
         f"the policy needs ~{est.total / GiB:.2f} GiB per rank at actor.max_tokens_per_microbatch={tokens} but "
         f"{budget / GiB:.2f} GiB are available per rank ({share}); {hint}. Other levers: "
