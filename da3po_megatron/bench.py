@@ -1,4 +1,4 @@
-"""`da3po bench {train-step,rollout,rl-step,weight-sync,loss,control-plane} [args]`: the benchmarks of ``tools/``.
+"""`da3po bench {train-step,rollout,rl-step,async,weight-sync,loss,control-plane} [args]`: ``tools/``'s benchmarks.
 
 Benchmarks live in ``tools/bench_*.py`` (scripts users also run directly and that ``slurm/bench.sbatch`` calls); this
 sub-command only finds and runs them with the given arguments, from a source checkout (``pip install -e .``).
@@ -12,7 +12,7 @@ from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 BENCHMARKS = {"train-step": "bench_train_step.py", "rollout": "bench_rollout.py", "rl-step": "bench_rl_step.py",
-              "weight-sync": "bench_weight_sync.py", "loss": "bench_loss.py",
+              "async": "bench_async.py", "weight-sync": "bench_weight_sync.py", "loss": "bench_loss.py",
               "control-plane": "bench_control_plane.py"}
 
 

@@ -1,10 +1,13 @@
 """One method run several ways (e.g. DA3PO synchronous vs streaming vs staleness 1): held-out accuracy side by side.
 
 Each variant is a directory of seed runs (``<dir>/seed<k>/metrics.jsonl``, as ``tools/compare_algorithms.py`` writes
-them); the first is the reference. For every variant: the held-out primary metric (avg@k) over all groups and over the
-hard ones (starting value < ``--tau``), mean +- standard deviation over seeds, at equal training steps (the last step
-every run reached) and at equal generated samples (the largest budget every run reached), and its difference from the
-reference with the same 2-standard-error screen as the comparison report (``studies/compare/stats.py``).
+them, or a report's copies ``<report>/logs/<method>/seed<k>.jsonl``); the first is the reference. For every variant:
+the held-out primary metric (avg@k) over all groups and over the hard ones (starting value < ``--tau``), mean +-
+standard deviation over seeds, at equal training steps (the last step every run reached) and at equal generated
+samples (the largest budget every run reached), and its difference from the reference with the same
+2-standard-error screen as the comparison report (``studies/compare/stats.py``).
+``--per-group`` adds the same at equal generated samples for every group (difficulty bucket or benchmark) alone, and
+``--out FILE`` also writes the printed tables there (a report under ``reports/``).
 
     python tools/compare_variants.py sync=runs/compare/cpu_compare_v3/da3po_2 \
         streaming=runs/compare/cpu_compare_v3_streaming/da3po_2 \
@@ -32,8 +35,11 @@ def load(spec: str) -> tuple[str, dict[int, list[dict]]]:
         raise SystemExit(f"variant {spec!r}: expected NAME=DIR")
     runs = {int(d.name.removeprefix("seed")): read_metrics(d / "metrics.jsonl")
             for d in sorted(Path(path).glob("seed*")) if (d / "metrics.jsonl").exists()}
+    # a report's copies (<report>/logs/<method>/seed<k>.jsonl) are read as well as the run directories
+    runs.update({int(f.stem.removeprefix("seed")): read_metrics(f) for f in sorted(Path(path).glob("seed*.jsonl"))
+                 if int(f.stem.removeprefix("seed")) not in runs})
     if not runs:
-        raise SystemExit(f"variant {name}: no seed*/metrics.jsonl under {path}")
+        raise SystemExit(f"variant {name}: no seed*/metrics.jsonl nor seed*.jsonl under {path}")
     return name, runs
 
 
@@ -47,7 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("variants", nargs="+", help="NAME=DIR (the first is the reference)")
     ap.add_argument("--tau", type=float, default=0.5, help="hard groups: starting held-out value < tau")
     ap.add_argument("--z", type=float, default=2.0)
+    ap.add_argument("--per-group", action="store_true", help="also each group (bucket) at equal generated samples")
+    ap.add_argument("--out", type=Path, default=None, help="also write the tables to this Markdown file")
     args = ap.parse_args(argv)
+    lines: list[str] = []
+
+    def emit(line: str = "") -> None:  # every table line also goes to --out
+        lines.append(line)
+        print(line)
+
     variants = dict(load(s) for s in args.variants)
     every = [r for runs in variants.values() for rows in runs.values() for r in rows]
     keys = discover(every)
@@ -61,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                  for rows in runs.values())
     points = [Point(f"step {last}", "step", float(last)), Point(f"{budget:,.0f} samples", SAMPLES, float(budget))]
     ref = next(iter(variants))
-    print(f"held-out {keys.metric}: all {len(keys.groups)} {keys.group_kind}s and the {len(hard)} hard ones "
+    emit(f"held-out {keys.metric}: all {len(keys.groups)} {keys.group_kind}s and the {len(hard)} hard ones "
           f"(starting {keys.metric} < {args.tau:g}); mean +- sd over seeds; diff vs {ref} with a {args.z:g}-SE "
           "screen\n")
-    print(f"| variant | seeds | at | all | diff vs {ref} | hard | diff vs {ref} |")
-    print("|---|---:|---|---:|---|---:|---|")
+    emit(f"| variant | seeds | at | all | diff vs {ref} | hard | diff vs {ref} |")
+    emit("|---|---:|---|---:|---|---:|---|")
     for pt in points:
         base = {what: [value(rows, ks, pt) for rows in variants[ref].values()]
                 for what, ks in (("all", [keys.overall[0]]), ("hard", hard))}
@@ -80,7 +94,28 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     c = compare_means(name, vals, ref, [v for v in base[what] if v is not None], args.z)
                     cells.append(f"{100 * c.diff:+.1f} (SE {100 * c.se:.1f}): {c.outcome}")
-            print(f"| {name} | {len(runs)} | {pt.name} | " + " | ".join(cells) + " |")
+            emit(f"| {name} | {len(runs)} | {pt.name} | " + " | ".join(cells) + " |")
+    if args.per_group:
+        pt = points[1]
+        names = [n for n in variants if n != ref]
+        emit(f"\nper {keys.group_kind} at equal generated samples ({pt.name}): held-out {keys.metric}, {ref} mean +- "
+              f"sd, and each variant's diff vs {ref} ({args.z:g}-SE screen)\n")
+        emit(f"| {keys.group_kind} | {ref} | " + " | ".join(names) + " |")
+        emit("|---|---:|" + "---|" * len(names))
+        for g in keys.groups:
+            k = [keys.key(0, g)]
+            base = [v for v in (value(rows, k, pt) for rows in variants[ref].values()) if v is not None]
+            m, sd, _ = mean_std(base)
+            cells = []
+            for name in names:
+                vals = [v for v in (value(rows, k, pt) for rows in variants[name].values()) if v is not None]
+                c = compare_means(name, vals, ref, base, args.z)
+                flag = "" if c.outcome == "no significant difference" else f": {c.outcome}"
+                cells.append(f"{100 * c.diff:+.1f} (SE {100 * c.se:.1f}){flag}")
+            emit(f"| {g} | {100 * m:.1f} +- {100 * sd:.1f} | " + " | ".join(cells) + " |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
     return 0
 
 
