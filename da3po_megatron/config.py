@@ -79,10 +79,15 @@ class ParallelConfig:
 class MoEConfig:
     routing_replay: Literal["none", "rollout"] = doc(
         "none", "Mixture-of-Experts routing replay. 'rollout' (R3): the engines return the experts they routed each "
-                "token to and the policy replays them in its old-log-prob and training forwards (megatron-core's "
-                "RouterReplay), so engine and trainer use the same experts. The policy side exists "
-                "(megatron/moe.py); 'rollout' is refused at load until the engines return their routes "
-                "(docs/moe.md).")
+                "token to (prompt and response, rollout/routes.py) and the policy replays them in its old-log-prob "
+                "and training forwards (megatron-core's RouterReplay, megatron/moe.py), so engine and trainer use "
+                "the same experts; the router still gets its gradient through the replayed experts' "
+                "probabilities (docs/moe.md 'Routing replay').")
+    router_agreement: bool = doc(
+        True, "MoE models: the engines return their routes also without replay, and every step logs the router "
+              "agreement between rollout and policy (moe/router_agreement*: the fraction of (token, MoE layer) "
+              "pairs whose top-k expert sets match, docs/moe.md). Costs the routes' transfer (one byte per token, "
+              "MoE layer and top-k slot up to 254 experts); false with routing_replay=none turns capture off.")
     aux_loss_coeff: float = doc(0.0, "Load-balancing (auxiliary) loss coefficient of the router; 0 = none (RL "
                                      "default: the loss would move the router away from what the rollouts sampled; "
                                      "Qwen3-MoE pre-training used 0.001).")

@@ -17,6 +17,13 @@ def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name} = {value!r} is out of range: allowed {allowed}")
 
 
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def validate(cfg: Config) -> None:
     """Range and consistency checks; each error names the field and its allowed range."""
     check_finite(cfg)
@@ -34,11 +41,16 @@ def validate(cfg: Config) -> None:
         _check(p.expert_tensor_parallel_size >= 1, "parallel.expert_tensor_parallel_size",
                p.expert_tensor_parallel_size, ">= 1 or null (= tensor_model_parallel_size)")
     _check(cfg.moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", cfg.moe.aux_loss_coeff, ">= 0")
-    if cfg.moe.routing_replay != "none":
-        # the policy side exists (megatron/moe.py); the engines' routes do not reach it yet (docs/moe.md)
-        raise ConfigError(f"moe.routing_replay = {cfg.moe.routing_replay!r}: routing replay is not wired into the "
-                          "trainer yet (the engines do not return their routes to the policy; on CPU vLLM 0.32 "
-                          "cannot: docs/moe.md 'Routing replay'); use moe.routing_replay=none")
+    if cfg.moe.routing_replay != "none":  # what R3 cannot work with (a dense model is refused by preflight)
+        why = {"rollout.mode": "the streaming engines (rollout/stream.py) do not return routes" if
+               cfg.rollout.mode == "streaming" else "",
+               "model.recompute_granularity": "recomputed MoE layers would route again in the backward pass "
+               "(megatron's REPLAY_BACKWARD is not wired)" if cfg.model.recompute_granularity == "full" else ""}
+        for field_name, reason in why.items():
+            if reason:
+                raise ConfigError(f"moe.routing_replay = {cfg.moe.routing_replay!r} with {field_name} = "
+                                  f"{_get(cfg, field_name)!r}: {reason}; use moe.routing_replay=none or change "
+                                  f"{field_name}")
     d = cfg.daa
     _check(d.lambda_ > 0, "daa.lambda_", d.lambda_, "> 0 (1 = no amplification)")
     _check(0 < d.tau < 1, "daa.tau", d.tau, "the open interval (0, 1)")

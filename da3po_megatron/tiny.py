@@ -124,12 +124,18 @@ def build_model(
     family: str = "qwen3",
     seed: int = 0,
     init_std: float = 0.2,
+    router_tie: float = 0.0,
     **config_kwargs,
 ) -> Path:
     """Write a tiny randomly initialised HF checkpoint (model + tokenizer + generation config) to ``out_dir``.
 
     ``init_std`` above the usual 0.02 makes sampled distributions far from uniform, so log-prob comparisons between
     engines are meaningful. Qwen2/Llama default to hidden 128 with 4 heads (head_dim 32).
+
+    ``router_tie`` (Qwen3-MoE): every router row is one shared random row plus noise of this std, so the experts'
+    logits are near-tied and the top-k is decided by differences of that size -- with ``router_tie`` ~1e-6 by the
+    rounding differences between two implementations of the same weights (vLLM vs megatron-core): the tiny model
+    then routes differently in engine and policy, the mismatch routing replay (R3) removes.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -154,16 +160,21 @@ def build_model(
                 p.normal_(0.0, init_std)
             elif "bias" in name:
                 p.normal_(0.0, init_std)
+        if router_tie > 0:
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight") and p.dim() == 2:
+                    p.copy_(p[:1].expand_as(p) + router_tie * torch.randn_like(p))
     model.save_pretrained(str(out), safe_serialization=True)
     model.generation_config.save_pretrained(str(out))
     return out
 
 
-def build_moe_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, **config_kwargs) -> Path:
+def build_moe_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.2, router_tie: float = 0.0,
+                    **config_kwargs) -> Path:
     """The tiny Qwen3-MoE checkpoint (:data:`MOE_DEFAULTS`; override any key, e.g. ``mlp_only_layers=[]``),
     saved per expert as the Hub's Qwen3-MoE checkpoints are (``model.layers.N.mlp.experts.E.{gate,up,down}_proj``,
-    router ``model.layers.N.mlp.gate.weight``)."""
-    return build_model(out_dir, "qwen3_moe", seed, init_std, **config_kwargs)
+    router ``model.layers.N.mlp.gate.weight``). ``router_tie``: near-tied router logits (:func:`build_model`)."""
+    return build_model(out_dir, "qwen3_moe", seed, init_std, router_tie=router_tie, **config_kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -163,6 +163,9 @@ class PolicyBatch:
             checked: a per-token scan would cost more than the step's bookkeeping). None = all ones (no extra work).
         row_lengths: a share only (:meth:`share`): ``[n, 2]`` prompt and response lengths of every row of the whole
             batch, so a rank plans the same mini-batches and DP split as the driver did.
+        routed_experts: MoE, per response, the experts the engine routed each position of the sequence to
+            (``Completion.routed_experts``: ``[P + R - 1, MoE layers, k]`` small ints; routing replay R3 and the
+            router-agreement metric); None for dense models or without route capture.
     """
 
     prompt_ids: Any
@@ -171,9 +174,13 @@ class PolicyBatch:
     advantages: Any = None
     token_weights: Any = None
     row_lengths: np.ndarray | None = None
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = Ragged.from_rows(self.prompt_ids, np.int32)
+        if self.routed_experts is not None and not isinstance(self.routed_experts, Ragged):
+            rows = list(self.routed_experts)
+            self.routed_experts = Ragged.from_rows(rows, rows[0].dtype if rows else np.uint8)
         self.response_ids = Ragged.from_rows(self.response_ids, np.int32)
         self.old_logprobs = _ragged(self.old_logprobs, np.float32)
         self.token_weights = _ragged(self.token_weights, np.float32)
@@ -200,6 +207,14 @@ class PolicyBatch:
                 raise ValueError(f"PolicyBatch: {name}[{i}] has {len(rows[i])} values for {rlen[i]} response tokens")
         if self.advantages is not None and len(self.advantages) != n:
             raise ValueError(f"PolicyBatch: {n} responses but {len(self.advantages)} advantages")
+        if self.routed_experts is not None:
+            want = self.prompt_ids.lengths() + rlen - 1  # every position that was an input of the engine
+            got = self.routed_experts.lengths()
+            bad = np.flatnonzero(got != want) if len(got) == n else [0]
+            if len(bad):
+                i = int(bad[0])
+                raise ValueError(f"PolicyBatch: routed_experts[{i}] has {got[i] if len(got) == n else len(got)} "
+                                 f"positions for {want[i]} (prompt + response - 1)")
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -214,7 +229,8 @@ class PolicyBatch:
             return bool(a == b) if isinstance(a, Ragged) else np.array_equal(a, b)
 
         return all(same(getattr(self, k), getattr(other, k)) for k in
-                   ("prompt_ids", "response_ids", "old_logprobs", "advantages", "token_weights", "row_lengths"))
+                   ("prompt_ids", "response_ids", "old_logprobs", "advantages", "token_weights", "row_lengths",
+                    "routed_experts"))
 
     @property
     def held_rows(self) -> np.ndarray | None:
@@ -242,7 +258,8 @@ class PolicyBatch:
             prompt_ids=self.prompt_ids.take(idx), response_ids=self.response_ids.take(idx),
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs.take(idx),
             advantages=None if self.advantages is None else self.advantages[idx],
-            token_weights=None if self.token_weights is None else self.token_weights.take(idx))
+            token_weights=None if self.token_weights is None else self.token_weights.take(idx),
+            routed_experts=None if self.routed_experts is None else self.routed_experts.take(idx))
 
     def share(self, rows: Sequence[int]) -> PolicyBatch:
         """What one data-parallel rank needs: the per-token arrays of ``rows`` only, still indexed by batch row
@@ -259,14 +276,14 @@ class PolicyBatch:
 
         return PolicyBatch(prompt_ids=part(self.prompt_ids), response_ids=part(self.response_ids),
                            old_logprobs=part(self.old_logprobs), advantages=self.advantages,
-                           token_weights=part(self.token_weights),
+                           token_weights=part(self.token_weights), routed_experts=part(self.routed_experts),
                            row_lengths=np.stack([self.prompt_ids.lengths(), self.response_ids.lengths()],
                                                 axis=1).astype(np.int32))
 
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays (what a serialization of it moves, give or take a few hundred)."""
-        parts = [self.prompt_ids, self.response_ids, self.old_logprobs, self.token_weights]
+        parts = [self.prompt_ids, self.response_ids, self.old_logprobs, self.token_weights, self.routed_experts]
         return sum(p.nbytes for p in parts if p is not None) + sum(
             a.nbytes for a in (self.advantages, self.row_lengths) if a is not None)
 
@@ -355,6 +372,9 @@ class MicroBatch:
         old_logprobs: ``[n, R]`` (R = longest response) or None; advantages: ``[n]`` or None.
         response_mask: ``[n, R]`` float, 1 on response tokens.
         token_weights: ``[n, R]`` (0 on padding) or None (all ones).
+        routes / route_mask: MoE with engine routes: ``[b * S, MoE layers, k]`` int16 in the router's token order
+            (s-major: position s of row r is ``s * b + r``, megatron ``router.py`` 550) and ``[b * S]`` bool, True
+            where the engine ran the position (not padding, not a sequence's last token); else None.
     """
 
     rows: list[int]
@@ -373,6 +393,8 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None
     advantages: torch.Tensor | None
     token_weights: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
+    route_mask: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -485,6 +507,9 @@ def build_microbatch(batch: PolicyBatch, rows: Sequence[int], packing: bool = Tr
     adv = None
     if batch.advantages is not None:
         adv = torch.tensor([float(batch.advantages[i]) for i in rows], dtype=torch.float32)
+    routes = route_mask = None
+    if batch.routed_experts is not None:
+        routes, route_mask = _route_rows(batch.routed_experts, rows, starts, b, s_len)
     return MicroBatch(
         rows=rows,
         tokens=tokens,
@@ -502,7 +527,26 @@ def build_microbatch(batch: PolicyBatch, rows: Sequence[int], packing: bool = Tr
         old_logprobs=old,
         advantages=adv,
         token_weights=weights,
+        routes=routes,
+        route_mask=route_mask,
     )
+
+
+def _route_rows(routed: Ragged, rows: Sequence[int], starts: Sequence[tuple[int, int]], b: int, s_len: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's routes of ``rows`` laid out like the router's tokens (``MicroBatch.routes``): sequence k at
+    (row, start) puts its position t at flat index ``(start + t) * b + row``. Positions marked missing by the
+    engine (``rollout.types.route_missing``) stay out of the mask."""
+    first = routed[rows[0]]
+    out = np.zeros((b * s_len, *first.shape[1:]), dtype=np.int16)
+    mask = np.zeros(b * s_len, dtype=bool)
+    missing = 255 if routed.values.dtype == np.uint8 else -1  # rollout.types.route_missing (no import upwards)
+    for i, (row, start) in zip(rows, starts):
+        r = routed[i]
+        flat = (start + np.arange(len(r))) * b + row
+        out[flat] = r
+        mask[flat] = r[:, 0, 0] != missing if r.ndim == 3 and r.shape[1] else True
+    return torch.from_numpy(out), torch.from_numpy(mask)
 
 
 def _per_token_rows(values: Sequence[Sequence[float]], rows: Sequence[int], resp_len: Sequence[int], r_max: int

@@ -151,6 +151,13 @@ def use_te(options: ModelConfig) -> bool:
     return False
 
 
+def routes_wanted(moe: Any) -> bool:
+    """Whether an MoE policy handles routes (replays them, or records its own for the agreement metric): the run
+    config's ``moe.routing_replay != none`` or ``moe.router_agreement`` (None, e.g. conversion: no)."""
+    return moe is not None and (getattr(moe, "routing_replay", "none") != "none"
+                                or bool(getattr(moe, "router_agreement", False)))
+
+
 def moe_config_kwargs(arch: GPTArch, moe: Any = None, ep: int = 1, etp: int | None = None,
                       te: bool = False) -> dict[str, Any]:
     """The ``TransformerConfig`` MoE fields of ``arch`` ({} for a dense model; see the module doc). ``moe``: the run
@@ -172,7 +179,7 @@ def moe_config_kwargs(arch: GPTArch, moe: Any = None, ep: int = 1, etp: int | No
         moe_token_dispatcher_type="alltoall",
         moe_permute_fusion=False,
         moe_router_fusion=False,
-        moe_enable_routing_replay=getattr(moe, "routing_replay", "none") != "none",
+        moe_enable_routing_replay=routes_wanted(moe),
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )

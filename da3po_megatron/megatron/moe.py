@@ -128,3 +128,92 @@ def router_agreement(a, b) -> float:
         return 1.0
     same = (a.sort(-1).values == b.sort(-1).values).all(-1)
     return float(same.float().mean())
+
+
+# ------------------------------------------------------------------------- R3 in the trainer's forwards
+#
+# What the schedule uses (megatron/schedule.py): a micro-batch carries the engine's routes of its tokens
+# (``MicroBatch.routes`` [tokens, all MoE layers, k] in the router's s-major order, ``route_mask`` True where the
+# engine ran that position). :func:`use_routes` puts this stage's columns on its routers: with ``replay`` the masked
+# tokens take the engine's experts and the others (padding, each sequence's last token, which no engine forward ran)
+# the router's own top-k (:func:`_partial_replay_topk`); without, the routers only record their own choice. Either
+# way :func:`route_counts` then counts, over the masked (token, layer) pairs, those whose experts used by the forward
+# and those the router chose itself have the engine's top-k set.
+
+
+def stage_moe_columns(model, moe_pattern: list[int]) -> list[int]:
+    """For each MoE router of this stage (in :func:`routers` order), its MoE layer's index among ALL the model's
+    MoE layers (the column of the engines' route arrays). ``moe_pattern``: ``GPTArch.moe_pattern()``."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    bare = model
+    while hasattr(bare, "module") and not hasattr(bare, "decoder"):
+        bare = bare.module
+    column = {layer: i for i, layer in enumerate(k for k, m in enumerate(moe_pattern) if m)}
+    return [column[layer.layer_number - 1] for layer in bare.decoder.layers if isinstance(layer.mlp, MoELayer)]
+
+
+def _partial_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+    """``RouterReplay.get_replay_topk`` (megatron-core 0.16.1 ``router_replay.py`` 122-161) with a per-token mask:
+    REPLAY_FORWARD takes ``target_topk_idx`` only where ``da3po_mask`` is True and the router's own top-k elsewhere,
+    and records the router's own top-k in both cases. The probabilities are gathered from ``scores`` for the experts
+    used, as megatron's REPLAY_FORWARD does (so the router keeps its gradient)."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    mask = getattr(self, "da3po_mask", None)
+    if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD or mask is None:
+        return RouterReplay.get_replay_topk(self, scores, topk, num_groups, group_topk, default_compute_topk)
+    _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    self.record_indices(own)
+    idx = torch.where(mask.to(scores.device)[:, None], self.target_topk_idx.to(scores.device), own)
+    return scores.gather(1, idx), idx
+
+
+def use_routes(model, routes, mask, replay: bool) -> None:
+    """Before a forward: this stage's ``routes`` (int [tokens, this stage's MoE layers, k]) and ``mask`` (bool
+    [tokens], where the engine's route exists); ``replay`` makes the routers use them, else they only record."""
+    import types
+
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = _replays(model)
+    routes = torch.as_tensor(routes)
+    if routes.dim() != 3 or routes.shape[1] != len(replays) or routes.shape[0] != mask.shape[0]:
+        raise ValueError(f"routes must be [tokens, {len(replays)} MoE layers of this stage, k] with one mask entry "
+                         f"per token, got {tuple(routes.shape)} and mask {tuple(mask.shape)}")
+    mask = mask.to(torch.bool)
+    for i, r in enumerate(replays):
+        if not getattr(r, "da3po_partial", False):
+            r.get_replay_topk = types.MethodType(_partial_replay_topk, r)
+            r.da3po_partial = True
+        r.clear_indices()
+        target = routes[:, i, :].to(torch.long)
+        r.da3po_engine, r.da3po_mask = target, mask
+        if replay:
+            r.set_target_indices(target)
+            r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        else:
+            r.set_router_replay_action(RouterReplayAction.RECORD)
+
+
+def route_counts(model, replay: bool):
+    """After a forward prepared by :func:`use_routes`: float64 [3] = (masked pairs whose used experts match the
+    engine's set, pairs whose router-chosen experts match, masked pairs); then back to plain routing."""
+    import torch
+
+    out = torch.zeros(3, dtype=torch.float64)
+    for r in _replays(model):
+        engine, mask, own = getattr(r, "da3po_engine", None), getattr(r, "da3po_mask", None), r.recorded_topk_idx
+        if engine is None or own is None:
+            continue
+        own, engine, mask = own.detach().to("cpu"), engine.to("cpu"), mask.to("cpu")
+        used = torch.where(mask[:, None], engine, own) if replay else own
+        key = engine.sort(-1).values
+        out[0] += ((used.sort(-1).values == key).all(-1) & mask).sum()
+        out[1] += ((own.sort(-1).values == key).all(-1) & mask).sum()
+        out[2] += mask.sum()
+        r.da3po_engine = r.da3po_mask = None
+    clear_routes(model)
+    return out

@@ -126,6 +126,9 @@ def validate_config(cfg: Config, arch: GPTArch, world_size: int, *, megatron_con
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     ep, etp = layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
     arch.check_parallel_sizes(tp, pp, ep, etp)
+    if cfg.moe.routing_replay != "none" and not arch.is_moe:
+        raise ValueError(f"moe.routing_replay={cfg.moe.routing_replay!r} needs a Mixture-of-Experts model; "
+                         f"{cfg.model.path} is dense (no experts: nothing to route); use moe.routing_replay=none")
     tconf = transformer_config(arch, cfg.model, tp, pp, layout.context_parallel_size, ep, etp,
                                moe=cfg.moe) if megatron_config else None
     if world_size != cfg.policy_world_size:
@@ -199,8 +202,16 @@ class PolicyWorker:
         model = self._gpt = build_gpt_model(arch, cfg.model, moe=cfg.moe)
         self.model, self.optimizer, self.scheduler = build_ddp_optimizer(
             model, cfg.optim, total_steps=cfg.optimizer_steps, lr_decay_style=cfg.optim.lr_schedule)
+        from da3po_megatron.megatron.model import routes_wanted
+
+        columns = None
+        if arch.is_moe and routes_wanted(cfg.moe):
+            from da3po_megatron.megatron.moe import stage_moe_columns
+
+            columns = stage_moe_columns(model, arch.moe_pattern())
         self.schedule = ForwardSchedule(self.model, self.device, self.te, self.thd, self.pad_id, self.dp,
-                                        self.dp_rank, self.tp_rank)
+                                        self.dp_rank, self.tp_rank, moe_columns=columns,
+                                        replay=cfg.moe.routing_replay == "rollout")
         self.loss_backend = self._make_loss_backend()
         self.step = 0
         return self.info()
@@ -272,6 +283,18 @@ class PolicyWorker:
             batch, self.loss_backend, max_tokens=a.logprob_max_tokens_per_microbatch or 2 * a.max_tokens_per_microbatch,
             packing=a.packing if packing is None else packing, return_entropy=return_entropy, as_arrays=as_arrays)
 
+    def routing_stats(self) -> dict[str, float]:
+        """Router agreement with the engines over the forwards since the last call (collective; {} without routed
+        micro-batches): ``router_agreement`` -- the fraction of (token, MoE layer) pairs with an engine route whose
+        experts used by the forward have the engine's top-k set (1.0 under replay, R3); ``router_agreement_own`` --
+        the same for the experts the router chose itself (what it would use without replay); ``route_pairs``."""
+        counts = self.schedule.take_route_counts().to(self.device)
+        dist.all_reduce(counts)
+        used, own, pairs = counts.tolist()
+        if not pairs:
+            return {}
+        return {"router_agreement": used / pairs, "router_agreement_own": own / pairs, "route_pairs": pairs}
+
     # ------------------------------------------------------------------ training
     @ranged("train")
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
@@ -295,6 +318,7 @@ class PolicyWorker:
         lengths = batch.lengths()
         self.model.train()
         self.loss_backend.ran.clear()  # the step reports what computed its losses (``loss_backend`` below)
+        self.schedule.take_route_counts()  # the router agreement below counts this step's forwards only
         t0 = time.perf_counter()
         stats = torch.zeros(6, dtype=torch.float64, device=self.device)
         grad_norms: list[float] = []  # of every update whose gradient was finite (applied or refused for its size)
@@ -336,6 +360,8 @@ class PolicyWorker:
         elapsed = time.perf_counter() - t0
         dist.all_reduce(stats)  # only last-stage TP-rank-0 ranks contributed: sums over DP ranks
         ran = self._loss_implementations_ran()
+        # MoE with engine routes: the training forwards' router agreement (dense: nothing, no collective)
+        routing = self.routing_stats() if self.schedule.moe_columns is not None else {}
         updates = len(minis) * b.ppo_epochs
         n_tok = max(stats[5].item(), 1.0)
         self.step += 1
@@ -361,6 +387,7 @@ class PolicyWorker:
             "step": self.step,
             "time_s": elapsed,
             "loss_backend": ran,  # what computed the loss in this step ("auto" resolved), e.g. "kernel:triton"
+            **routing,
         }
 
     def _loss_implementations_ran(self) -> str:

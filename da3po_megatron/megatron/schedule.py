@@ -40,6 +40,19 @@ class ForwardSchedule:
     dp: int
     dp_rank: int
     tp_rank: int
+    moe_columns: list[int] | None = None
+    """MoE with route handling (``model.routes_wanted``): this stage's columns of the engines' route arrays
+    (``moe.stage_moe_columns``); None: micro-batches' routes are ignored (dense model, or routes off)."""
+    replay: bool = False
+    """``moe.routing_replay=rollout``: the forwards use the engine's routes (R3), else they only compare."""
+
+    def __post_init__(self) -> None:
+        self.route_counts = torch.zeros(3, dtype=torch.float64)  # moe.route_counts summed since the last take
+
+    def take_route_counts(self) -> torch.Tensor:
+        """The route counts summed since the last call (this rank's; TP rank 0 only: TP ranks route alike)."""
+        out, self.route_counts = self.route_counts, torch.zeros(3, dtype=torch.float64)
+        return out if self.tp_rank == 0 else torch.zeros(3, dtype=torch.float64)
 
     def dp_shard(self, batch: PolicyBatch, rows: Sequence[int] | None = None) -> list[int]:
         """This DP rank's responses among ``rows`` (all of the batch by default), token-balanced over DP ranks."""
@@ -71,8 +84,15 @@ class ForwardSchedule:
                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
             elif self.te:
                 mask = None  # TE attention is causal by type; right-padded rows need nothing more
+            routed = mb.routes is not None and bool(self.moe_columns)
+            if routed:  # R3 replay, or only the router-agreement count (megatron/moe.py)
+                from da3po_megatron.megatron import moe
+
+                moe.use_routes(model, mb.routes[:, self.moe_columns, :], mb.route_mask, self.replay)
             with backend.forward_context():
                 output = model(mb.tokens, mb.position_ids, mask, **kwargs)
+            if routed:
+                self.route_counts += moe.route_counts(model, self.replay)
             return output, partial(loss_builder, mb)
 
         fb = get_forward_backward_func()

@@ -218,6 +218,9 @@ class VLLMEngine(StreamingMixin):
         self._session_open = False
         self._stale: str | None = None  # set when a weight update was aborted half-way: generation refused
         self._streams: dict = {}  # streaming: key -> running group (rollout/stream.py)
+        self.routes = None  # return_routed_experts: the captured routes' shape (rollout/routes.py)
+        if config.return_routed_experts:
+            self.routes = self.llm.collective_rpc("da3po_routes_enable")[0]
 
     # ---------------------------------------------------------------- generation
     def prompt_token_ids(self, prompt: Any, apply_chat_template: bool) -> list[int]:
@@ -277,6 +280,7 @@ class VLLMEngine(StreamingMixin):
             if cap is not None:
                 p.max_tokens = int(cap)
         outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        routes = self._take_routes(outputs, ids, sampling.n) if self.routes is not None else None
         completions: list[Completion] = []
         for gi, pid, out in zip(prompt_indices, ids, outputs):
             if len(out.outputs) != sampling.n:
@@ -293,9 +297,24 @@ class VLLMEngine(StreamingMixin):
                 completions.append(Completion(
                     prompt_index=gi, sample_index=int(sample.index), prompt_token_ids=list(pid),
                     token_ids=token_ids, text=sample.text, logprobs=logprobs,
-                    finish_reason=str(sample.finish_reason), num_tokens=len(token_ids)))
+                    finish_reason=str(sample.finish_reason), num_tokens=len(token_ids),
+                    routed_experts=None if routes is None else routes[(out.request_id, int(sample.index))]))
                 self.generated_tokens += len(token_ids)
         return completions
+
+    def _take_routes(self, outputs: list, ids: list[list[int]], n: int) -> dict:
+        """The routed experts of every finished sample, from worker 0 (the routers of TP workers agree):
+        {(request id, sample index): [P + R - 1, moe layers, top_k]} (``rollout/routes.py``)."""
+        import numpy as np
+
+        keys, wanted = [], []
+        for pid, out in zip(ids, outputs):
+            for sample in out.outputs:
+                seq = np.asarray([*pid, *sample.token_ids], dtype=np.int32)[:-1]  # positions run as inputs
+                keys.append((out.request_id, int(sample.index)))
+                wanted.append((out.request_id, int(sample.index) if n > 1 else None, seq))
+        got = self.llm.collective_rpc("da3po_routes_take", args=(wanted,))[0]
+        return dict(zip(keys, got))
 
     # ------------------------------------------------------ "bytes" weight transport
     def begin_bucket_update(self) -> None:

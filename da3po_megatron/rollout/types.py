@@ -86,6 +86,11 @@ class EngineConfig:
     scores the whole vocabulary), which shows in ``rollout/logprob_diff_*`` and in TIS weights below 1. Raw stays the
     default for engines that do not need log-probs (``da3po eval``): on CUDA, processed log-probs rule out
     FlashInfer's top-k/top-p sampling kernel."""
+    return_routed_experts: bool = False
+    """MoE models: every completion carries the experts each MoE layer routed each position to
+    (:attr:`Completion.routed_experts`), captured inside the workers (``rollout/routes.py: RouteCapture``), for
+    routing replay (``moe.routing_replay=rollout``) and the router-agreement metric. vLLM 0.32's own
+    ``enable_return_routed_experts`` needs Model Runner V2, which needs a GPU."""
     distributed_executor_backend: str | None = None
     """vLLM's executor for tensor_parallel_size > 1 ("mp" or "ray"; None: vLLM decides)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -165,7 +170,8 @@ class Completion:
     """
 
     PER_TOKEN: ClassVar[dict[str, Any]] = {"prompt_token_ids": np.int32, "token_ids": np.int32,
-                                           "logprobs": np.float32}
+                                           "logprobs": np.float32, "routed_experts": None}
+    # ``None``: the array keeps the dtype it came with (routed experts: uint8 up to 255 experts, else int16)
 
     prompt_index: int
     """Index of the prompt in the list given to ``generate``."""
@@ -183,6 +189,12 @@ class Completion:
     """"stop" (EOS or a stop string) or "length" (hit max_tokens: DAPO's overlong case)."""
     num_tokens: int
     """len(token_ids)."""
+    routed_experts: np.ndarray | None = None
+    """MoE engines asked for routes (``EngineConfig.return_routed_experts``, routing replay R3): the experts each MoE
+    layer chose at every position the engine ran for this sequence, ``[P + R - 1, moe_layers, top_k]`` (P prompt, R
+    response tokens; row t = position t, so row P - 1 + j is the input whose logits scored response token j; the
+    last response token is never an input). uint8 (:func:`route_missing`: 255 where a position has no route), int16
+    (-1) beyond 255 experts. ``rollout/routes.py: RouteCapture``."""
 
     def __post_init__(self) -> None:
         for name, dtype in self.PER_TOKEN.items():
@@ -196,6 +208,18 @@ class Completion:
             return NotImplemented
         return all(np.array_equal(getattr(self, k), getattr(other, k)) if k in self.PER_TOKEN else
                    getattr(self, k) == getattr(other, k) for k in self.__dataclass_fields__)
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The dtype routed-expert ids travel in: uint8 while the experts and the "no route" marker fit a byte
+    (Qwen3-30B-A3B's 128 experts), else int16."""
+    return np.dtype(np.uint8) if num_experts < 255 else np.dtype(np.int16)
+
+
+def route_missing(dtype: Any) -> int:
+    """The marker of a position without a route in a routed-experts array of ``dtype`` (255 in uint8, else -1): the
+    policy routes such positions itself."""
+    return 255 if np.dtype(dtype) == np.uint8 else -1
 
 
 def checked_weights(named_tensors, dtype=None):

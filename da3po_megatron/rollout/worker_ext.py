@@ -222,6 +222,7 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
             refreshed = refresh_tied_layers(model, session["loaded"])
             reprepack_cpu_moe_layers(model)  # vLLM 0.32 skips this step on updates (see the function)
         self._da3po_session = None
+        self._da3po_reset_routes()
         runner = self.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(runner, reset, None)
@@ -254,4 +255,24 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
         model = self._da3po_model()  # vLLM's own reload leaves a tied head stale too (see the module docstring)
         refresh_tied_layers(model, {name for name, _ in model.named_parameters()})
         reprepack_cpu_moe_layers(model)
+        self._da3po_reset_routes()
         return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ routed experts (R3, rollout/routes.py)
+    def da3po_routes_enable(self) -> dict:
+        """Capture the experts every MoE layer routes each token to (idempotent); returns the routes' shape."""
+        from da3po_megatron.rollout.routes import RouteCapture
+
+        if getattr(self, "_da3po_routes", None) is None:
+            self._da3po_routes = RouteCapture(self.model_runner)
+        r = self._da3po_routes
+        return {"moe_layers": r.num_layers, "top_k": r.top_k, "dtype": str(r.dtype)}
+
+    def da3po_routes_take(self, wanted: list) -> list:
+        """The routes of finished requests (``RouteCapture.take``)."""
+        return self._da3po_routes.take(wanted)
+
+    def _da3po_reset_routes(self) -> None:
+        """New weights: the captured routes and the prefix store belong to the old ones."""
+        if getattr(self, "_da3po_routes", None) is not None:
+            self._da3po_routes.reset()

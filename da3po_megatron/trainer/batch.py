@@ -58,11 +58,15 @@ class Group:
     rewards: list[float]  # R = R_acc + R_len
     advantages: list[float] = field(default_factory=list)  # filled by compute_advantages (after DAA)
     weight_step: int = 0  # the policy step whose weights generated these responses (0 = the initial checkpoint)
+    routed_experts: list[np.ndarray] | None = None  # MoE: per response the engine's routes (Completion's), or None
 
     def __post_init__(self) -> None:
         self.prompt_ids = _array(self.prompt_ids, np.int32)
         self.response_ids = [_array(r, np.int32) for r in self.response_ids]
         self.rollout_logprobs = [_array(r, np.float32) for r in self.rollout_logprobs]
+        if self.routed_experts is not None:  # [positions, MoE layers, k], dtype kept (uint8 / int16)
+            self.routed_experts = [r.numpy() if isinstance(r, torch.Tensor) else np.asarray(r)
+                                   for r in self.routed_experts]
 
     @property
     def p_hat(self) -> float:
@@ -100,7 +104,9 @@ def make_groups(examples: Sequence[Example], completions: Sequence[Sequence[Any]
         groups.append(Group(
             example=ex, prompt_ids=comps[0].prompt_token_ids, response_ids=[c.token_ids for c in comps],
             texts=[c.text for c in comps], rollout_logprobs=[c.logprobs for c in comps],
-            finish_reasons=[c.finish_reason for c in comps], acc=g_acc, rewards=rewards))
+            finish_reasons=[c.finish_reason for c in comps], acc=g_acc, rewards=rewards,
+            routed_experts=[c.routed_experts for c in comps] if all(
+                getattr(c, "routed_experts", None) is not None for c in comps) else None))
     if i != len(acc):
         raise ValueError(f"make_groups: {len(acc)} rewards for {i} completions")
     require_finite(groups, "rewards")
@@ -116,7 +122,7 @@ def _plain(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
-_TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs")
+_TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "routed_experts")
 
 
 def group_to_dict(g: Group) -> dict[str, Any]:
@@ -128,6 +134,8 @@ def group_to_dict(g: Group) -> dict[str, Any]:
     out["prompt_ids"] = torch.from_numpy(np.ascontiguousarray(g.prompt_ids))
     out["response_ids"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.response_ids]
     out["rollout_logprobs"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.rollout_logprobs]
+    if g.routed_experts is not None:
+        out["routed_experts"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.routed_experts]
     return out
 
 
@@ -190,7 +198,12 @@ def policy_batch(groups: Sequence[Group], old_logprobs: Any = None) -> PolicyBat
                           [r for g in groups for r in g.rollout_logprobs], np.float32)
     adv = np.array([a for g in groups for a in g.advantages], dtype=np.float64) if \
         all(g.advantages for g in groups) else None
-    return PolicyBatch(prompt_ids=prompt_ids, response_ids=response_ids, old_logprobs=lp, advantages=adv)
+    routes = None
+    if groups and all(g.routed_experts is not None for g in groups):  # MoE engine routes (R3 / agreement)
+        rows = [r for g in groups for r in g.routed_experts]
+        routes = Ragged.from_rows(rows, rows[0].dtype)
+    return PolicyBatch(prompt_ids=prompt_ids, response_ids=response_ids, old_logprobs=lp, advantages=adv,
+                       routed_experts=routes)
 
 
 def group_stats(groups: Sequence[Group], max_response_length: int, prefix: str) -> dict[str, float]:

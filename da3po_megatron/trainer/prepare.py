@@ -117,14 +117,16 @@ def plan_for_cluster(cfg: Config) -> Any:
     return plan_placement(resources_for_config(cfg, sum(n.gpus for n in nodes)), nodes)
 
 
-def engine_config(cfg: Config, engine_cuda: bool = False) -> EngineConfig:
+def engine_config(cfg: Config, engine_cuda: bool = False, moe: bool = False) -> EngineConfig:
     """The training engines' :class:`~da3po_megatron.rollout.EngineConfig`. They return the log-probs of the
     distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
     renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
     ``megatron.policy.loss_setup``). ``engine_cuda``: whether an engine sees CUDA (asked of one,
     ``placement.probe_devices``): with it vLLM sizes its KV cache from ``rollout.gpu_memory_utilization`` and
     colocated engines get sleep mode; without it the KV cache is capped at ``rollout.kv_cache_memory_bytes`` (vLLM's CPU
-    default takes 0.9 x RAM) and there is no sleep mode (a no-op on CPU)."""
+    default takes 0.9 x RAM) and there is no sleep mode (a no-op on CPU). ``moe``: the model has experts; the
+    engines then return their routes when the policy wants them (``moe.routing_replay`` / ``moe.router_agreement``,
+    ``megatron.model.routes_wanted``)."""
     r = cfg.rollout
     return EngineConfig(
         model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
@@ -133,7 +135,8 @@ def engine_config(cfg: Config, engine_cuda: bool = False) -> EngineConfig:
         kv_cache_memory_bytes=None if engine_cuda else r.kv_cache_memory_bytes,
         gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed,
         enable_sleep_mode=r.colocate and engine_cuda,
-        logprobs_mode="processed_logprobs")
+        logprobs_mode="processed_logprobs",
+        return_routed_experts=moe and (cfg.moe.routing_replay != "none" or cfg.moe.router_agreement))
 
 
 def load_train_data(cfg: Config) -> PromptDataset:

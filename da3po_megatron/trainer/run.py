@@ -132,7 +132,7 @@ class Run:
                                               num_gpus_per_rank=plan.rank_gpus,
                                               rank_hosts=[plan.host(i) for i in plan.rank_node])
         def start_engines() -> Any:
-            engines = engine_config(cfg, engine_cuda=self.devices["engine"]["cuda"])
+            engines = engine_config(cfg, engine_cuda=self.devices["engine"]["cuda"], moe=arch.is_moe)
             return RolloutClient.ray(with_engine_profiler(engines, cfg, self.run_dir),  # trainer.profile.engines
                                      num_engines=cfg.rollout.num_engines,
                                      num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
@@ -292,6 +292,8 @@ class Run:
             return batch, {**mismatch, **(self.drift.update(self.step + 1, mismatch) if fresh else {})}
         policy_lp = poisoned(self.policy.compute_logprobs(batch), self.step + 1)  # (a no-op outside fault tests)
         mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
+        if batch.routed_experts is not None:  # MoE: router agreement of this pass with the engines (docs/moe.md)
+            mismatch.update({f"moe/{k}": v for k, v in self.policy.call("routing_stats").items()})
         mismatch.update(self.drift.update(self.step + 1, mismatch) if fresh else {})
         weights = None
         if self.cfg.algorithm.rollout_correction == "tis":
