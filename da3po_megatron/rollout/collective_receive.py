@@ -1,8 +1,9 @@
 """Worker side of the "collective" weight transport (:mod:`~da3po_megatron.rollout.collective` holds the groups, the
-wire format, the packing and the sender): a vLLM worker joins each PP stage's group and receives the stages' streams
-into its open layerwise-reload session, a receiving thread fetching bucket k+1 while the worker's thread loads bucket
-k -- both on the worker thread's current CUDA stream (:mod:`~da3po_megatron.rollout.stream_order`), and a pooled
-buffer reused only after an event recorded behind its last load.
+wire format, the packing and the sender): a vLLM worker joins each PP stage's group (one per EP rank of the stage
+with expert parallelism) and receives the stages' streams into its open layerwise-reload session, a receiving
+thread fetching bucket k+1 while the worker's thread loads bucket k -- both on the worker thread's current CUDA
+stream (:mod:`~da3po_megatron.rollout.stream_order`), and a pooled buffer reused only after an event recorded behind
+its last load.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from da3po_megatron.rollout.collective import (
+    _HEADER_CHUNK,
     _HEADER_END,
     BufferPool,
     broadcast,
@@ -28,13 +30,17 @@ from da3po_megatron.rollout.stream_order import DeviceOrder, order_for
 
 
 # ------------------------------------------------------------------------------------------------ receiver
-def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: Any, pool: BufferPool,
+def _receive_stream(pgs: list[Any], dev: torch.device, out: Any, stats: dict, slots: Any, pool: BufferPool,
                     order: DeviceOrder, loader_stream: Any, stop: threading.Event) -> None:
     """Receiving thread of one stage's stream: put ``(buffer, meta, seconds when received)`` per bucket, then None;
-    an error is put as is. ``slots`` (a semaphore of 2) bounds the buffers in hand: one being loaded, one being
-    received. The buffers come from ``pool`` (three, released by the loading thread): vLLM's layerwise reload keeps
-    the tensors of a layer whose tensors straddle two buckets until the second one is loaded, so while bucket k+1
-    loads and k+2 arrives, bucket k's buffer is often still held; from bucket k+3 on the pool cycles through the three.
+    an error is put as is. ``pgs``: the stage's groups, one per EP rank (one for a dense model), read round-robin one
+    chunk at a time (a chunk ends with a chunk header or the group's end marker; see the wire format in
+    :mod:`~da3po_megatron.rollout.collective`) until every group has sent its end marker.
+
+    ``slots`` (a semaphore of 2) bounds the buffers in hand: one being loaded, one being received. The buffers come
+    from ``pool`` (three, released by the loading thread): vLLM's layerwise reload keeps the tensors of a layer whose
+    tensors straddle two buckets until the second one is loaded, so while bucket k+1 loads and k+2 arrives, bucket
+    k's buffer is often still held; from bucket k+3 on the pool cycles through the three.
 
     Everything here -- allocations, broadcasts, the header's copy to the host -- runs on ``loader_stream``, the
     loading thread's current stream (``order.use``): see :mod:`~da3po_megatron.rollout.stream_order`.
@@ -43,18 +49,28 @@ def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: An
     received bucket, whichever comes first, instead of waiting forever for a slot nobody will release."""
     try:
         with order.use(loader_stream):
+            open_groups = list(range(len(pgs)))
+            turn = 0  # index into open_groups: the group whose chunk is being read
+            slots.acquire()
             while True:
-                slots.acquire()
                 if stop.is_set():
                     return
                 t0 = time.perf_counter()
+                pg = pgs[open_groups[turn]]
                 header = torch.empty(3, dtype=torch.int64, device=dev)
                 broadcast(pg, header)
                 kind, n_meta, n_buf = (int(x) for x in header.tolist())
-                if kind == _HEADER_END:
+                if kind in (_HEADER_END, _HEADER_CHUNK):
                     stats["transfer_s"] += time.perf_counter() - t0
-                    out.put(None)
-                    return
+                    if kind == _HEADER_END:
+                        open_groups.pop(turn)
+                    else:
+                        turn += 1
+                    if not open_groups:
+                        out.put(None)
+                        return
+                    turn %= len(open_groups)
+                    continue
                 blob = torch.empty(n_meta, dtype=torch.uint8, device=dev)
                 broadcast(pg, blob)
                 meta = json.loads(bytes(blob.cpu().numpy().tobytes()).decode())
@@ -65,13 +81,15 @@ def _receive_stream(pg: Any, dev: torch.device, out: Any, stats: dict, slots: An
                     return
                 out.put((buf, meta, time.perf_counter()))
                 del buf
+                slots.acquire()
     except BaseException as e:  # noqa: BLE001 - handed to the loading thread, which raises it with the bucket
         out.put(e)
 
 
 def receive_stage(pg: Any, dev: torch.device, load: Callable[[dict[str, torch.Tensor]], Any], stage: int,
                   stats: dict, order: DeviceOrder | None = None, join_s: float = 5.0) -> None:
-    """Receive one stage's stream and ``load`` each bucket's tensors, in the calling (loading) thread: a receiving
+    """Receive one stage's stream and ``load`` each bucket's tensors, in the calling (loading) thread. ``pg``: the
+    stage's group, or its list of groups (one per EP rank, read chunk by chunk round-robin). A receiving
     thread fetches bucket k+1 while this thread loads bucket k (at most two buffers in hand), on this thread's
     current stream. Raises naming the stage and the bucket. ``stats`` gains bytes, buckets, transfer_s, load_s,
     fresh_buffers and overlapped_buckets (buckets that had fully arrived before the previous one finished loading:
@@ -94,7 +112,8 @@ def receive_stage(pg: Any, dev: torch.device, load: Callable[[dict[str, torch.Te
     received: queue.Queue = queue.Queue()
     slots = threading.Semaphore(2)
     stop = threading.Event()
-    args = (pg, dev, received, stats, slots, pool, order, loader_stream, stop)
+    args = (list(pg) if isinstance(pg, (list, tuple)) else [pg], dev, received, stats, slots, pool, order,
+            loader_stream, stop)
     fetcher = threading.Thread(target=_receive_stream, args=args, daemon=True, name=f"da3po-recv-stage{stage}")
     fetcher.start()
     bucket = 0
@@ -140,17 +159,19 @@ class CollectiveReceiverMixin:
     stage groups, receive streams into the open layerwise-reload session, leave."""
 
     def da3po_collective_join(self, groups: list[dict], rank_offset: int, local_ip: str) -> dict:
-        """Join every stage's group as rank ``rank_offset + parallel_config.rank`` (stage order: all engines join in
-        the same order, each join blocks until its group is complete)."""
+        """Join every stage's group(s) as rank ``rank_offset + parallel_config.rank`` (stage order, EP slot order
+        within a stage: all engines join in the same order, each join blocks until its group is complete)."""
         self.da3po_collective_leave()
         t0 = time.perf_counter()
         rank = rank_offset + int(self.vllm_config.parallel_config.rank)
-        pgs = []
+        pgs, stages = [], []
         for g in groups:
             _, pg = make_group(g["host"], g["port"], rank, g["world_size"], backend=g["backend"], local_ip=local_ip,
                                timeout_s=g["timeout_s"], name=g["name"])
             pgs.append(pg)
+            stages.append(int(g.get("stage", len(stages))))
         self._da3po_groups = pgs
+        self._da3po_group_stages = stages
         self._da3po_group_device = group_device(groups[0]["backend"]) if groups else torch.device("cpu")
         return {"rank": rank, "groups": len(pgs), "seconds": time.perf_counter() - t0}
 
@@ -166,8 +187,10 @@ class CollectiveReceiverMixin:
             self.da3po_begin_weight_update()
         stats = {"bytes": 0, "buckets": 0, "transfer_s": 0.0, "load_s": 0.0, "fresh_buffers": 0,
                  "overlapped_buckets": 0}
-        for stage, pg in enumerate(pgs):
-            receive_stage(pg, self._da3po_group_device, self.da3po_load_bucket, stage, stats)
+        stages = getattr(self, "_da3po_group_stages", None) or list(range(len(pgs)))
+        for stage in sorted(set(stages)):  # a stage's groups (one per EP rank) together, chunk by chunk
+            of_stage = [pg for pg, s in zip(pgs, stages) if s == stage]
+            receive_stage(of_stage, self._da3po_group_device, self.da3po_load_bucket, stage, stats)
         if finish:
             t0 = time.perf_counter()
             self.da3po_finish_weight_update(strict=strict)
@@ -186,3 +209,4 @@ class CollectiveReceiverMixin:
         for pg in getattr(self, "_da3po_groups", None) or []:
             destroy_group(pg)
         self._da3po_groups = []
+        self._da3po_group_stages = []

@@ -1,10 +1,11 @@
 """Driver side of the "collective" weight transport (:mod:`da3po_megatron.rollout.collective` holds the group, the
-packing, the sender and the worker-side receiver): :class:`CollectiveTransport` builds one group per PP stage from
-the senders to every engine worker, runs a sync (engines receive in Ray calls while the senders broadcast), rebuilds
-the groups after an engine restart or a failed sync, and measures the link for the benchmark.
+packing, the sender and the worker-side receiver): :class:`CollectiveTransport` builds one group per PP stage (per
+PP stage and EP rank with expert parallelism) from the senders to every engine worker, runs a sync (engines receive
+in Ray calls while the senders broadcast), rebuilds the groups after an engine restart or a failed sync, and
+measures the link for the benchmark.
 
 The senders are reached through a :data:`SendersFn` -- ``PolicyGroup.run_on_all`` for the policy ranks (each rank
-decides with :func:`~da3po_megatron.rollout.weight_sync.sender_stage` whether it sends), :meth:`StreamSender.run`
+decides with :func:`sender_slot` whether and on which group it sends), :meth:`StreamSender.run`
 for an HF stream in this process (tools, tests).
 """
 
@@ -44,13 +45,32 @@ SendersFn = Callable[..., list[Any]]
 process and returns all results (``PolicyGroup.run_on_all``; tools pass a local equivalent)."""
 
 
-def _sender_open(worker: Any, prefix: str, world_size: int, backend: str, timeout_s: float) -> dict | None:
-    from da3po_megatron.rollout.weight_sync import sender_stage
+def sender_slot(worker: Any) -> tuple[int, int] | None:
+    """(PP stage, slot) of the group this rank sends on, or None: slot 0 is the stage's sender
+    (:func:`~da3po_megatron.rollout.weight_sync.sender_stage`, which also owns EP rank 0's experts), slot j > 0 the
+    rank that sends EP rank j's experts (:func:`~da3po_megatron.rollout.weight_sync.sends_experts`)."""
+    from da3po_megatron.rollout.weight_sync import sender_stage, sends_experts
 
     stage = sender_stage(worker)
-    if stage is None:
+    if stage is not None:
+        return stage, 0
+    if sends_experts(worker):
+        from megatron.core import parallel_state as ps
+
+        return int(getattr(worker, "pp_rank", 0)), int(ps.get_expert_model_parallel_rank())
+    return None
+
+
+def _group_name(prefix: str, stage: int, slot: int) -> str:
+    return f"{prefix}/stage{stage}" + (f"/ep{slot}" if slot else "")
+
+
+def _sender_open(worker: Any, prefix: str, world_size: int, backend: str, timeout_s: float) -> dict | None:
+    where = sender_slot(worker)
+    if where is None:
         return None
-    return {"stage": stage, **open_sender(f"{prefix}/stage{stage}", world_size, backend, timeout_s, stage=stage)}
+    stage, slot = where
+    return open_sender(_group_name(prefix, stage, slot), world_size, backend, timeout_s, stage=stage, slot=slot)
 
 
 def _sender_sees_cuda(_worker: Any) -> bool:
@@ -58,22 +78,21 @@ def _sender_sees_cuda(_worker: Any) -> bool:
 
 
 def _sender_connect(worker: Any, prefix: str) -> float:
-    from da3po_megatron.rollout.weight_sync import sender_stage
-
-    stage = sender_stage(worker)
-    return 0.0 if stage is None else get_sender(f"{prefix}/stage{stage}").connect()
+    where = sender_slot(worker)
+    return 0.0 if where is None else get_sender(_group_name(prefix, *where)).connect()
 
 
-def _sender_push(worker: Any, prefix: str, bucket_bytes: int, dtype: torch.dtype | None) -> dict:
-    from da3po_megatron.rollout.weight_sync import policy_hf_stream, sender_stage
+def _sender_push(worker: Any, prefix: str, bucket_bytes: int, dtype: torch.dtype | None,
+                 chunked: bool = False) -> dict:
+    from da3po_megatron.rollout.weight_sync import policy_hf_stream
 
-    stage = sender_stage(worker)
+    where = sender_slot(worker)
     stream = policy_hf_stream(worker)
-    if stage is None:
+    if where is None:
         for _ in stream:  # take part in the export's collectives, send nothing
             pass
         return {"bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
-    return get_sender(f"{prefix}/stage{stage}").send(stream, bucket_bytes, dtype)
+    return get_sender(_group_name(prefix, *where)).send(stream, bucket_bytes, dtype, chunked=chunked)
 
 
 def _sender_close(worker: Any, prefix: str) -> None:  # noqa: ARG001
@@ -84,12 +103,14 @@ def _sender_close(worker: Any, prefix: str) -> None:  # noqa: ARG001
 class CollectiveTransport:
     """Driver-side owner of the stage groups: builds them (lazily, again after an engine restart or a failed sync),
     runs one sync, tears them down. ``run_senders`` is how functions reach the sending processes (see
-    :data:`SendersFn`); ``num_stages`` the number of pipeline stages (one sender each)."""
+    :data:`SendersFn`); ``num_stages`` the number of pipeline stages; ``expert_parallel`` the policy's EP size: a
+    stage has one sender (and group) per EP rank, each sending the experts it owns (:mod:`.collective`)."""
 
     def __init__(self, run_senders: SendersFn, num_stages: int, *, backend: str | None = None,
-                 timeout_s: float = 600.0, name: str | None = None) -> None:
+                 timeout_s: float = 600.0, name: str | None = None, expert_parallel: int = 1) -> None:
         self.run_senders = run_senders
         self.num_stages = num_stages
+        self.expert_parallel = int(expert_parallel)
         self.backend = backend  # None: what the senders see, asked at the first group build (never the driver's CUDA)
         self.timeout_s = timeout_s
         self.prefix = name or f"da3po_weights_{os.getpid()}_{id(self):x}"
@@ -114,11 +135,13 @@ class CollectiveTransport:
         if self.backend is None:
             self.backend = "nccl" if all(self.run_senders(_sender_sees_cuda)) else "gloo"
         opened = [a for a in self.run_senders(_sender_open, prefix, world, self.backend, self.timeout_s) if a]
-        stages = sorted(a["stage"] for a in opened)
-        if stages != list(range(self.num_stages)):
+        slots = sorted((a["stage"], a["slot"]) for a in opened)
+        want = [(s, j) for s in range(self.num_stages) for j in range(self.expert_parallel)]
+        if slots != want:
             raise RuntimeError(f"collective weight transport: expected one sender per PP stage 0..{self.num_stages - 1}"
-                               f", got senders for stages {stages}")
-        groups = [next(a for a in opened if a["stage"] == s) for s in range(self.num_stages)]
+                               f" and EP rank 0..{self.expert_parallel - 1}, got senders for (stage, EP rank) "
+                               f"{slots}")
+        groups = [next(a for a in opened if (a["stage"], a["slot"]) == w) for w in want]
         joins = [(i, client._call(i, "collective_join", groups, 1 + i * tp)) for i in range(client.num_engines)]
         try:
             self.run_senders(_sender_connect, prefix)
@@ -169,7 +192,7 @@ class CollectiveTransport:
         sender_error: BaseException | None = None
         parts: list[Any] = []
         try:
-            parts = self.run_senders(_sender_push, prefix, int(bucket_mb * 2**20), dtype)
+            parts = self.run_senders(_sender_push, prefix, int(bucket_mb * 2**20), dtype, self.expert_parallel > 1)
         except BaseException as e:  # noqa: BLE001 - report together with what the engines saw
             sender_error = e
         engine_reports, engine_errors = [], []
@@ -190,7 +213,8 @@ class CollectiveTransport:
                                "weights and refuse to generate until the next complete sync.") from cause
         client.note_weight_update()
         sent = [p for p in parts if p and p.get("buckets")]
-        stats: dict[str, float] = {k: float(sum(p.get(k, 0) for p in sent)) for k in ("bytes", "buckets", "tensors")}
+        stats: dict[str, float] = {k: float(sum(p.get(k, 0) for p in sent))
+                                   for k in ("bytes", "buckets", "tensors", "chunks")}
         stats["max_bucket_bytes"] = float(max((p["max_bucket_bytes"] for p in sent), default=0))
         stats["pushing_ranks"] = float(len(sent))
         for k in ("export_s", "pack_s", "transfer_s"):
@@ -220,9 +244,7 @@ class CollectiveTransport:
 
 
 def _sender_raw(worker: Any, prefix: str, nbytes: int) -> float | None:
-    from da3po_megatron.rollout.weight_sync import sender_stage
-
-    if sender_stage(worker) != 0:
+    if sender_slot(worker) != (0, 0):
         return None
     s = get_sender(f"{prefix}/stage0")
     return s.send_raw(torch.ones(nbytes, dtype=torch.uint8, device=s.device))

@@ -72,8 +72,10 @@ def sends_experts(worker: Any) -> bool:
     """Whether this policy rank pushes MoE experts it owns although it is no :func:`sender_stage` rank: with
     expert parallelism each EP rank (its expert-TP rank 0 in expert-data-parallel replica 0) sends its own experts,
     in buckets, one expert tensor at a time -- no rank gathers the experts of a layer (the export is ``owner_only``:
-    :func:`~da3po_megatron.bridge.export.export_policy`). Bytes transport only: the collective and IPC transports
-    keep one sender per stage (docs/moe.md)."""
+    :func:`~da3po_megatron.bridge.export.export_policy`). The bytes transport pushes its buckets to the engines; the
+    collective transport gives each such rank a broadcast group of its own
+    (:func:`~da3po_megatron.rollout.collective_transport.sender_slot`); IPC keeps one sender per stage and refuses
+    EP > 1 (docs/moe.md)."""
     arch = getattr(worker, "arch", None)
     if arch is None or not getattr(arch, "is_moe", False) or sender_stage(worker) is not None:
         return False
@@ -161,18 +163,20 @@ def choose_transport(setting: str, *, has_cuda: bool, colocate: bool, policy_hos
     node, where Ray's object store is shared memory and measured as fast as a gloo loopback broadcast (see
     docs/rollout.md "Benchmarks"). An explicit choice is checked against what the placement allows.
 
-    ``expert_parallel`` > 1 (an MoE policy with EP): "bytes", the one transport whose senders include every EP rank
-    (:func:`sends_experts`); "collective" and "ipc" keep one sender per pipeline stage and would leave the other EP
-    ranks' experts unsent, so an explicit choice of them is refused (docs/moe.md).
+    ``expert_parallel`` > 1 (an MoE policy with EP): every EP rank sends the experts it owns (:func:`sends_experts`)
+    over "bytes" or "collective" (one broadcast group per EP rank); "ipc" keeps one sender per pipeline stage and
+    would leave the other EP ranks' experts unsent, so an explicit "ipc" is refused and "auto" colocated on CUDA
+    gives "bytes" (docs/moe.md).
     """
     if setting not in TRANSPORTS:
         raise ValueError(f"rollout.weight_transfer must be one of {TRANSPORTS}, got {setting!r}")
     if expert_parallel > 1:
-        if setting in ("collective", "ipc"):
-            raise ValueError(f"rollout.weight_transfer={setting!r} with parallel.expert_model_parallel_size="
-                             f"{expert_parallel}: that transport has one sender per pipeline stage and would not "
-                             "carry the other EP ranks' experts; use 'bytes' or 'auto' (docs/moe.md)")
-        return "bytes"
+        if setting == "ipc":
+            raise ValueError(f"rollout.weight_transfer='ipc' with parallel.expert_model_parallel_size="
+                             f"{expert_parallel}: the IPC transport has one sender per pipeline stage and would not "
+                             "carry the other EP ranks' experts; use 'collective', 'bytes' or 'auto' (docs/moe.md)")
+        if setting == "auto" and has_cuda and colocate:
+            return "bytes"
     if setting == "ipc" and not (has_cuda and colocate):
         raise ValueError("rollout.weight_transfer='ipc' needs CUDA and rollout.colocate=true (IPC handles share one "
                          "GPU's memory between the policy and the engine)")

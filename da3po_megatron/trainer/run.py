@@ -324,7 +324,8 @@ class Run:
                 self._transport = CollectiveTransport(self.policy.run_on_all,
                                                       self.cfg.parallel.pipeline_model_parallel_size,
                                                       backend="nccl" if self.devices["policy"]["cuda"] else "gloo",
-                                                      timeout_s=r.weight_sync_timeout_s)
+                                                      timeout_s=r.weight_sync_timeout_s,
+                                                      expert_parallel=self.cfg.parallel.expert_model_parallel_size)
             return self._transport.sync(self.rollout, bucket_mb=r.weight_sync_bucket_mb)
         if self.weight_transfer == "ipc":
             from da3po_megatron.rollout.ipc import ipc_sync
