@@ -189,7 +189,18 @@ class RolloutConfig:
         "prompt order (unbiased, reproducible) or in finishing order (biased to short responses).")
     max_inflight_prompts: int = doc(0, "Streaming: prompts in flight across all engines (0 = data.train_batch_size).")
     stream_steps_per_call: int = doc(8, "Streaming: engine steps per driver round trip (bounds how long aborts wait).")
-    staleness: int = doc(0, "0: the paper's synchronous loop; 1: step t+1 generated while t trains (docs/rollout.md).")
+    staleness: int = doc(0, "k: a group whose generation started under policy version v is trained at a version <= v + "
+                            "k. 0: the paper's synchronous loop; 1: step t+1 generated while t trains (exactly "
+                            "reproducible); >= 2 (or partial_rollouts): the engines generate continuously beside the "
+                            "loop and admission of new prompts waits when the bound could break (pacing: nothing is "
+                            "discarded for being late; trainer/async_rollout.py, docs/async.md).")
+    partial_rollouts: bool = doc(False, "At a weight update, interrupt the running requests (tokens kept) and continue "
+                                        "them under the new weights from prompt + tokens so far, instead of letting "
+                                        "them finish before the sync. Every token records the version that sampled it "
+                                        "(TIS and the drift check use it). Needs mode=streaming, staleness >= 1.")
+    max_versions_per_response: int = doc(4, "Partial rollouts: a response may span at most this many policy versions; "
+                                            "a group that reached it is finished under its weights at the next update "
+                                            "(the sync waits for it) instead of being interrupted again.")
     ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")
 
 

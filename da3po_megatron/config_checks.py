@@ -82,7 +82,16 @@ def validate(cfg: Config) -> None:
     _check(r.temperature > 0, "rollout.temperature", r.temperature, "> 0")
     _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "(0, 1]")
     _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, ">= 1")
-    _check(r.staleness in (0, 1), "rollout.staleness", r.staleness, "0 or 1")
+    _check(r.staleness >= 0, "rollout.staleness", r.staleness, ">= 0")
+    _check(r.max_versions_per_response >= 1, "rollout.max_versions_per_response", r.max_versions_per_response, ">= 1")
+    if r.staleness >= 2 or r.partial_rollouts:  # the asynchronous producer (trainer/async_rollout.py)
+        what = "rollout.partial_rollouts=true" if r.partial_rollouts else f"rollout.staleness={r.staleness}"
+        _check(r.mode == "streaming", "rollout.mode", r.mode, f"'streaming' with {what} (the producer streams)")
+        _check(r.stream_order == "submission", "rollout.stream_order", r.stream_order,
+               f"'submission' with {what} (batches are filled in FIFO order)")
+        _check(r.staleness >= 1, "rollout.staleness", r.staleness, f">= 1 with {what} (0 is the synchronous loop)")
+        _check(not r.colocate, "rollout.colocate", r.colocate, f"false with {what} (the engines generate while the "
+               "policy trains)")
     _check(r.stream_steps_per_call >= 1, "rollout.stream_steps_per_call", r.stream_steps_per_call, ">= 1")
     _check(r.mode == "rounds" or a.surplus == "drop", "algorithm.surplus", a.surplus, "'drop' with rollout.mode="
            "streaming (it aborts the surplus instead of generating it)")

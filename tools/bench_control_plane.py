@@ -326,8 +326,8 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     from da3po_megatron.rollout.consistency import DriftMonitor
     from da3po_megatron.rollout.types import EngineConfig
     from da3po_megatron.trainer import batch as B
+    from da3po_megatron.trainer.collect import StepRollout, token_stats
     from da3po_megatron.trainer.run import Run
-    from da3po_megatron.trainer.streaming import StepRollout, token_stats
 
     prompts = max(1, round(size.prompts * scale))
     dp = dp or ranks_actual

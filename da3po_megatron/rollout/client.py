@@ -297,11 +297,14 @@ class RolloutClient:
         return self._gather([(i, self._call(i, method, *args)) for i in range(self.num_engines)], method)
 
     # ------------------------------------------------------------------ streaming
-    def stream_start(self, index: int, submit: list[tuple[str, Any, int, int | None]], sampling: SamplingConfig,
-                     abort: list[str] | None = None, max_steps: int = 16) -> Any:
-        """Start one :meth:`VLLMEngine.stream` call on engine ``index`` (add / abort groups, run a few engine steps):
-        a Ray ref in ray mode, the result itself in local mode. Collect it with :meth:`stream_wait`."""
-        return self._call(index, "stream", submit, sampling, abort, max_steps)
+    def stream_start(self, index: int, submit: list[tuple], sampling: SamplingConfig,
+                     abort: list[str] | None = None, max_steps: int = 16, interrupt: list[str] | None = None) -> Any:
+        """Start one :meth:`VLLMEngine.stream` call on engine ``index`` (add / abort / interrupt groups, run a few
+        engine steps): a Ray ref in ray mode, the result itself in local mode. Collect it with :meth:`stream_wait`.
+        ``interrupt`` (partial rollouts): abort those groups keeping their tokens (returned under "interrupted")."""
+        if interrupt is None:
+            return self._call(index, "stream", submit, sampling, abort, max_steps)
+        return self._call(index, "stream", submit, sampling, abort, max_steps, interrupt)
 
     def stream_wait(self, pending: list[tuple[int, Any]]) -> tuple[int, dict[str, Any]]:
         """The first call of ``pending`` (engine index, ref) to finish: ``(its position in pending, its result)``.

@@ -170,7 +170,8 @@ class Completion:
     """
 
     PER_TOKEN: ClassVar[dict[str, Any]] = {"prompt_token_ids": np.int32, "token_ids": np.int32,
-                                           "logprobs": np.float32, "routed_experts": None}
+                                           "logprobs": np.float32, "routed_experts": None,
+                                           "versions": np.int32}
     # ``None``: the array keeps the dtype it came with (routed experts: uint8 up to 255 experts, else int16)
 
     prompt_index: int
@@ -195,6 +196,11 @@ class Completion:
     response tokens; row t = position t, so row P - 1 + j is the input whose logits scored response token j; the
     last response token is never an input). uint8 (:func:`route_missing`: 255 where a position has no route), int16
     (-1) beyond 255 experts. ``rollout/routes.py: RouteCapture``."""
+    versions: np.ndarray | None = None
+    """The policy version (the trainer step whose weights the engine held) that sampled each response token, int32;
+    set by the driver when it assembles a response from segments generated under several versions (partial rollouts,
+    ``trainer/async_rollout.py``); None = every token from the one version its group records (``Group.weight_step``).
+    ``logprobs[t]`` is the behaviour log-prob of token t under version ``versions[t]``."""
 
     def __post_init__(self) -> None:
         for name, dtype in self.PER_TOKEN.items():

