@@ -189,3 +189,24 @@ def test_routing_replay_is_refused_where_it_cannot_work(tmp_path):
                                "parallel.expert_model_parallel_size=1"])
     with pytest.raises(ValueError, match="needs a Mixture-of-Experts model.*is dense"):
         validate_config(cfg, gpt_arch(dense), 2, megatron_config=False)
+
+
+def test_gpu_engines_ask_vllm_for_routes_and_keep_the_moe_layers_columns_with_stand_in_outputs(tied_moe):
+    """On CUDA the engine passes ``enable_return_routed_experts`` (vLLM's Model Runner V2 capture) instead of the
+    worker hook, and keeps the MoE layers' columns of vLLM's [positions, all layers, k] array (stand-in vLLM outputs:
+    no GPU vLLM here; docs/gpu_only.md)."""
+    from types import SimpleNamespace
+
+    from da3po_megatron.rollout import EngineConfig
+    from da3po_megatron.rollout.engine import llm_kwargs, route_source, vllm_routes
+
+    cfg = EngineConfig(model_path=str(tied_moe), return_routed_experts=True)
+    assert llm_kwargs(cfg, has_cuda=True)["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in llm_kwargs(cfg, has_cuda=False)
+    assert route_source(cfg, has_cuda=False) == {"source": "worker"}
+    src = route_source(cfg, has_cuda=True)
+    assert src == {"source": "vllm", "columns": [0], "num_experts": 8}  # layer 1 is dense (mlp_only_layers)
+    full = np.arange(6 * 2 * 2).reshape(6, 2, 2) % 8  # 6 positions x 2 hidden layers x top-2
+    out = SimpleNamespace(request_id="0", outputs=[SimpleNamespace(index=0, token_ids=[7, 8, 9], routed_experts=full)])
+    got = vllm_routes([out], [[1, 2, 3, 4]], src)[("0", 0)]
+    assert got.dtype == np.uint8 and got.shape == (6, 1, 2) and np.array_equal(got[:, 0], full[:, 0])

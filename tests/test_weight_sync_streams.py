@@ -308,3 +308,54 @@ def test_a_failed_load_leaves_no_receiving_thread_alive_and_the_pool_freed():
         destroy_group(pg)  # the worker's group goes (the engine's teardown after a failed sync)
         sending.join()
         sender.close()
+
+
+def test_a_stage_with_two_ep_ranks_is_received_chunk_by_chunk_each_layers_experts_from_both_before_the_next():
+    """The collective transport with experts, on real gloo pairs without an engine: EP rank 0's sender (the stage's
+    sender: non-expert tensors, then its experts layer by layer) and EP rank 1's (its experts only) each broadcast
+    on a group of their own; the receiver reads the two groups round-robin one chunk at a time, so it loads the
+    non-expert tensors, then layer 0's experts from both ranks, then layer 1's -- vLLM's FusedMoE of a layer is
+    complete before the next layer's experts arrive. A stream out of that order is refused naming the tensor."""
+    from da3po_megatron.rollout.collective import _chunks, chunk_key
+
+    g = torch.Generator().manual_seed(3)
+
+    def t() -> torch.Tensor:
+        return torch.randn(64, 16, generator=g)  # 4 KiB: several tensors per 8 KiB bucket
+
+    def experts(layer: int, ids: range) -> list:
+        return [(f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight", t()) for e in ids for p in ("gate", "up")]
+
+    dense = [("model.embed_tokens.weight", t()), ("model.layers.0.self_attn.q_proj.weight", t()),
+             ("model.layers.1.self_attn.q_proj.weight", t()), ("lm_head.weight", t())]
+    streams = [dense + experts(0, range(0, 2)) + experts(1, range(0, 2)),
+               experts(0, range(2, 4)) + experts(1, range(2, 4))]
+    pairs = [_pair(f"ep_chunks_{i}") for i in range(2)]
+    out: list[dict] = [{}, {}]
+    senders = [threading.Thread(target=lambda i=i: out[i].update(pairs[i][0].send(iter(streams[i]), 8192,
+                                                                                   chunked=True)), name=f"ep{i}")
+               for i in range(2)]
+    for s in senders:
+        s.start()
+    loaded: list[tuple[str, torch.Tensor]] = []
+    stats: dict = {}
+    receive_stage([pairs[0][1], pairs[1][1]], torch.device("cpu"),
+                  lambda tensors: loaded.extend((k, v.clone()) for k, v in tensors.items()), 0, stats)
+    for s in senders:
+        s.join(timeout=30)
+    try:
+        order = [(chunk_key(n), int(n.split(".")[5]) // 2 if chunk_key(n) >= 0 else -1) for n, _ in loaded]
+        # (chunk, EP rank) in the order loaded: every non-expert tensor, then per layer rank 0's then rank 1's
+        runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
+        assert runs == [(-1, -1), (0, 0), (0, 1), (1, 0), (1, 1)], runs
+        sent = dict(streams[0] + streams[1])
+        assert sorted(n for n, _ in loaded) == sorted(sent)
+        assert all(torch.equal(v, sent[n]) for n, v in loaded)
+        assert out[0]["chunks"] == out[1]["chunks"] == 2 and out[1]["buckets"] >= 2
+    finally:
+        for sender, pg in pairs:
+            sender.close()
+            destroy_group(pg)
+    with pytest.raises(ValueError, match=r"'x' \(chunk -1\) after chunk 0: the stream must give every non-expert "
+                                         r"tensor first"):
+        list(list(c) for c in _chunks([("model.layers.0.mlp.experts.1.up_proj.weight", None), ("x", None)]))

@@ -181,12 +181,53 @@ def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
     if backend is not None:
         kw["distributed_executor_backend"] = backend
     resolve_transfer_backend(config, has_cuda)  # refuses "ipc" without CUDA
+    if config.return_routed_experts and has_cuda:  # GPU: vLLM's own capture (Model Runner V2), see route_source
+        kw["enable_return_routed_experts"] = True
     if config.enable_sleep_mode:
         if not has_cuda:
             raise ValueError("EngineConfig.enable_sleep_mode needs CUDA (sleep mode is a no-op on CPU)")
         kw["enable_sleep_mode"] = True
     kw.update(config.extra)
     return kw
+
+
+def route_source(config: EngineConfig, has_cuda: bool) -> dict[str, Any]:
+    """Where an engine with ``return_routed_experts`` gets its routes. CPU: the worker-side capture
+    (``rollout/routes.py``; vLLM's own needs Model Runner V2, which needs a GPU). CUDA: vLLM 0.32's
+    ``enable_return_routed_experts`` (``config/aux_output.py``; V2, the default runner where Triton has a GPU,
+    ``config/vllm.py`` 702-738), whose ``CompletionOutput.routed_experts`` is ``[positions, all hidden layers,
+    top_k]`` (``outputs.py`` 84; dense layers' columns unused): the MoE layers' columns are kept
+    (:func:`vllm_routes`). The GPU path has not run in this project's CI (docs/gpu_only.md)."""
+    if not has_cuda:
+        return {"source": "worker"}
+    from da3po_megatron.bridge.hf_config import gpt_arch
+
+    arch = gpt_arch(config.model_path)
+    return {"source": "vllm", "columns": [i for i, m in enumerate(arch.moe_pattern()) if m],
+            "num_experts": arch.num_moe_experts}
+
+
+def vllm_routes(outputs: list, ids: list[list[int]], source: dict[str, Any]) -> dict:
+    """{(request id, sample index): [P + R - 1, MoE layers, top_k]} from vLLM's own ``routed_experts`` (GPU), in
+    the worker capture's layout and dtype (rows beyond vLLM's marked missing)."""
+    import numpy as np
+
+    from da3po_megatron.rollout.types import route_dtype, route_missing
+
+    dtype = route_dtype(source["num_experts"])
+    out = {}
+    for pid, o in zip(ids, outputs):
+        for sample in o.outputs:
+            got = getattr(sample, "routed_experts", None)
+            if got is None:
+                raise RolloutError(f"request {o.request_id}: vLLM returned no routed_experts (needs Model Runner "
+                                   "V2: LLM(enable_return_routed_experts=True))")
+            got = np.asarray(got)[:, source["columns"], :]
+            n = len(pid) + len(sample.token_ids) - 1
+            rows = np.full((n, got.shape[1], got.shape[2]), route_missing(dtype), dtype=dtype)
+            rows[:min(n, len(got))] = got[:n]
+            out[(o.request_id, int(sample.index))] = rows
+    return out
 
 
 class VLLMEngine(StreamingMixin):
@@ -218,9 +259,11 @@ class VLLMEngine(StreamingMixin):
         self._session_open = False
         self._stale: str | None = None  # set when a weight update was aborted half-way: generation refused
         self._streams: dict = {}  # streaming: key -> running group (rollout/stream.py)
-        self.routes = None  # return_routed_experts: the captured routes' shape (rollout/routes.py)
+        self.routes = None  # return_routed_experts: where the routes come from and their shape
         if config.return_routed_experts:
-            self.routes = self.llm.collective_rpc("da3po_routes_enable")[0]
+            self.routes = route_source(config, self.has_cuda)
+            if self.routes["source"] == "worker":
+                self.routes.update(self.llm.collective_rpc("da3po_routes_enable")[0])
 
     # ---------------------------------------------------------------- generation
     def prompt_token_ids(self, prompt: Any, apply_chat_template: bool) -> list[int]:
@@ -280,7 +323,10 @@ class VLLMEngine(StreamingMixin):
             if cap is not None:
                 p.max_tokens = int(cap)
         outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
-        routes = self._take_routes(outputs, ids, sampling.n) if self.routes is not None else None
+        routes = None
+        if self.routes is not None:
+            routes = self._take_routes(outputs, ids, sampling.n) if self.routes["source"] == "worker" else \
+                vllm_routes(outputs, ids, self.routes)
         completions: list[Completion] = []
         for gi, pid, out in zip(prompt_indices, ids, outputs):
             if len(out.outputs) != sampling.n:
