@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--expert-width", type=int, default=2048, help="moe_intermediate_size")
     ap.add_argument("--experts", type=int, default=8)
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     hf = tiny.build_moe_model(tmp / "policy", seed=3, **shape)
     other = tiny.build_moe_model(tmp / "engine", seed=4, **shape)
     arch = gpt_arch(hf)
-    world = max(args.tp, args.ep)  # ETP 1: EP must divide TP x DP
-    dp = world // args.tp
+    dp = max(args.tp, args.ep) // args.tp  # ETP 1: EP must divide TP x DP
+    world = args.tp * args.pp * dp
     expert_tensor = args.expert_width * args.hidden * 4  # one gate / up / down projection, fp32
     one_expert = 3 * expert_tensor
     layer_experts = args.experts * one_expert
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = standalone_policy_config(str(hf), [
         "model.params_dtype=float32", f"parallel.tensor_model_parallel_size={args.tp}",
         f"parallel.data_parallel_size={dp}", f"parallel.expert_model_parallel_size={args.ep}",
+        f"parallel.pipeline_model_parallel_size={args.pp}",
         "parallel.expert_tensor_parallel_size=1", "trainer.total_steps=10", "actor.ppo_mini_batch_size=512",
         "data.train_batch_size=512", "actor.loss_backend=torch"])
     group = PolicyGroup(cfg, arch, world_size=world, num_cpus_per_rank=1, env={"OMP_NUM_THREADS": "1"})
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts, sampling = ["What is 2+3?", "hello"], SamplingConfig(n=2, max_tokens=8, seed=3)
         for transport in args.transports:
             traced = _Traced(group, _sender_push if transport == "collective" else push_policy_weights)
-            t = CollectiveTransport(traced.run_on_all, num_stages=1, expert_parallel=args.ep, timeout_s=300)
+            t = CollectiveTransport(traced.run_on_all, num_stages=args.pp, expert_parallel=args.ep, timeout_s=300)
             sync = (lambda tr, tt: tt.sync(client, bucket_mb=args.bucket_mb)) if transport == "collective" else \
                 (lambda tr, tt: sync_policy_group_to_engines(tr, client, bucket_mb=args.bucket_mb))
             sync(traced, t)  # warm-up: groups built, first-touch of every path
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             seconds = time.perf_counter() - t0
             diff = check_consistency(client.generate(prompts, sampling), group, fraction=1.0)[
                 "rollout/logprob_diff_max"]
-            row = {"transport": transport, "tp": args.tp, "ep": args.ep, "dp": dp, "bucket_mb": args.bucket_mb,
+            row = {"transport": transport, "tp": args.tp, "pp": args.pp, "ep": args.ep, "dp": dp,
+                   "bucket_mb": args.bucket_mb,
                    "peak_extra_bytes_per_rank": traced.peaks, "max_bucket_bytes": int(stats["max_bucket_bytes"]),
                    "buckets": int(stats["buckets"]), "tensors": int(stats["tensors"]),
                    "pushing_ranks": int(stats["pushing_ranks"]), "seconds": round(seconds, 3),
@@ -138,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             if transport == "collective":
                 t.teardown(client)
             peak = max(traced.peaks)
-            print(f"{transport}: TP {args.tp} x EP {args.ep} (DP {dp}), bucket {args.bucket_mb:g} MiB: peak extra "
-                  f"per rank {', '.join(f'{p / MiB:.2f}' for p in traced.peaks)} MiB (max {peak / MiB:.2f} MiB = "
+            print(f"{transport}: TP {args.tp} x PP {args.pp} x EP {args.ep} (DP {dp}), bucket {args.bucket_mb:g} MiB: "
+                  f"peak extra per rank {', '.join(f'{p / MiB:.2f}' for p in traced.peaks)} MiB "
+                  f"(max {peak / MiB:.2f} MiB = "
                   f"{peak / one_expert:.2f} x one expert of {one_expert / MiB:.2f} MiB, {peak / expert_tensor:.2f} "
                   f"x one expert tensor; a layer's experts {layer_experts / MiB:.1f} MiB); largest bucket "
                   f"{stats['max_bucket_bytes'] / MiB:.2f} MiB, {int(stats['buckets'])} buckets from "
