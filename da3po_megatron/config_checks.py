@@ -101,6 +101,10 @@ def validate(cfg: Config) -> None:
            "auto, bytes, collective or ipc")
     _check(r.weight_transfer != "ipc" or r.colocate, "rollout.weight_transfer", r.weight_transfer,
            "'ipc' only with rollout.colocate=true (CUDA IPC shares one GPU's memory)")
+    _check(r.weight_transfer != "ipc" or p.expert_model_parallel_size == 1, "rollout.weight_transfer",
+           r.weight_transfer, f"not 'ipc' with parallel.expert_model_parallel_size = {p.expert_model_parallel_size} "
+           "(IPC has one sender per pipeline stage and would leave the other EP ranks' experts unsent; use "
+           "'collective', 'bytes' or 'auto', docs/moe.md)")
     if r.weight_transfer == "ipc":  # the IPC routing of the first sync, on the layout the run will have (issue 34)
         from da3po_megatron.rollout.ipc_routing import check_colocated_layout
 

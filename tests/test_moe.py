@@ -315,6 +315,13 @@ def test_expert_parallel_weight_sync_uses_a_transport_whose_senders_include_ever
     assert choose_transport("collective", has_cuda=False, colocate=False, expert_parallel=2, **hosts) == "collective"
     with pytest.raises(ValueError, match="other EP ranks' experts"):
         choose_transport("ipc", has_cuda=True, colocate=True, expert_parallel=2, **hosts)
+    from da3po_megatron.config import load_config
+    from da3po_megatron.config_io import ConfigError
+
+    recipe = Path(__file__).resolve().parents[1] / "examples/qwen3_30b_a3b_da3po.yaml"
+    with pytest.raises(ConfigError, match=r"rollout.weight_transfer = 'ipc' is out of range: allowed not 'ipc' with "
+                                          r"parallel.expert_model_parallel_size = 8"):  # refused at load, in ms
+        load_config(recipe, ["model.path=/x", "rollout.weight_transfer=ipc"])
 
 
 def test_memory_check_refuses_the_30b_recipe_without_expert_parallelism_and_accepts_it_with_ep8(tmp_path):
