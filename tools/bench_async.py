@@ -10,15 +10,17 @@ keeps and filters groups as it would on a policy that solves easy prompts and ra
 same prompts and seeds; ``--warmup`` steps, then ``--steps`` measured.
 
 Settings (``--settings``, comma-separated): ``K`` = ``rollout.staleness=K``; a suffix ``p`` adds
-``rollout.partial_rollouts=true``; ``d`` the discard policy (``rollout.stale_policy=discard``) where the trainer has
-one. ``0`` is the paper's synchronous loop, the reference.
+``rollout.partial_rollouts=true``, ``d`` the comparison's discard policy (``rollout.late_policy=discard``: groups
+released as they complete, late kept groups thrown away, counted per bucket). ``0`` is the paper's synchronous loop,
+the reference.
 
-Printed per setting (means over the measured steps): step time, generate / train / wait phases, trained tokens per
-step and per second (and the speed-up over the reference), the share of *hard* groups (buckets whose coin p < tau,
-the p_hat < tau regime where DAA acts) in the trained batches and in everything generated, the hard share's change
-against the reference (issue 37: it must not fall), the histogram of staleness (versions behind, over the trained
-groups) and, with partial rollouts, of versions spanned per response; and, where the trainer counts them, the groups
-discarded for being stale, per bucket.
+Printed per setting (means over the measured steps): step time, generate / train / wait / pause phases (wait: the
+policy waiting for its batch; pause: draining or interrupting the producer's requests before the weight sync),
+trained tokens per step and per second (and the speed-up over the reference), the share of *hard* groups (buckets
+whose coin p < tau, the p_hat < tau regime where DAA acts) in the trained batches with its binomial standard error,
+and in everything generated, the hard share's change against the reference (issue 37: it must not fall), the
+histogram of staleness (versions behind, over the trained groups) and, with partial rollouts, of versions spanned
+per response, and with ``d`` the groups discarded for being late per bucket (summed over the measured steps).
 
     python tools/bench_async.py                                  # the issue-37 table (docs/throughput.md)
     python tools/bench_async.py --settings 0,1,2p --steps 2     # a quick look
@@ -41,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COIN_P = (0.9, 0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.12)  # buckets 1..8: hard (p < tau = 0.5) are 5..8
 HIST = re.compile(r"^rollout/(staleness|versions_spanned)_hist/(\d+)$")
-DISCARD = re.compile(r"^rollout/discarded_stale_groups/bucket/(\w+)$")
+DISCARD = re.compile(r"^rollout/async/discarded_late/bucket_(\w+)$")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +66,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="", help="working directory (default: a temporary one)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--run-timeout", type=float, default=900, help="seconds per setting before it is stopped")
     ap.add_argument("--small", action="store_true", help="CI-sized: 4 prompts x 4 responses, short lengths")
     ap.add_argument("extra", nargs="*", help="section.key=value overrides for every run")
     args = ap.parse_args(argv)
@@ -74,17 +77,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def setting_overrides(spec: str) -> tuple[int, list[str]]:
-    """``2p`` -> (2, [rollout.staleness=2, rollout.partial_rollouts=true]); ``4d`` -> the discard policy."""
-    m = re.fullmatch(r"(\d+)([pd]*)", spec.strip())
+    """``2p`` -> (2, [rollout.staleness=2, rollout.partial_rollouts=true]); ``2d`` / ``2pd``: the discard policy."""
+    m = re.fullmatch(r"(\d+)(p?)(d?)", spec.strip())
     if not m:
-        raise SystemExit(f"setting {spec!r}: expected K, Kp (partial rollouts) or Kd (discard), e.g. 2p")
-    k, flags = int(m.group(1)), m.group(2)
-    ov = [f"rollout.staleness={k}"]
-    if "p" in flags:
-        ov.append("rollout.partial_rollouts=true")
-    if "d" in flags:
-        ov.append("rollout.stale_policy=discard")
-    return k, ov
+        raise SystemExit(f"setting {spec!r}: expected K, Kp (partial rollouts), Kd or Kpd (discard), e.g. 2p")
+    k = int(m.group(1))
+    return k, ([f"rollout.staleness={k}"] + (["rollout.partial_rollouts=true"] if m.group(2) else [])
+               + (["rollout.late_policy=discard"] if m.group(3) else []))
 
 
 def overrides(args: argparse.Namespace, model: Path, run_dir: Path) -> list[str]:
@@ -115,12 +114,15 @@ def summarise(rows: list[dict], hard: set[int]) -> dict:
         return sum(vals) / len(vals) if vals else 0.0
 
     out: dict = {k: mean(f"time/{k}") for k in ("step", "generate", "old_logprobs", "train", "weight_sync",
-                                                 "wait_rollout")}
+                                                 "wait_rollout", "rollout_pause")}
     out["kept_tokens"], out["decoded_tokens"] = mean("rollout/kept_tokens"), mean("rollout/decoded_tokens")
     total_s = sum(float(r.get("time/step", 0.0)) for r in rows)
     out["trained_tokens_per_s"] = sum(float(r.get("rollout/kept_tokens", 0.0)) for r in rows) / max(total_s, 1e-9)
     for where in ("batch", "gen"):
         out[f"{where}_hard_share"] = mean_share(rows, where, hard)
+    out["groups"] = sum(float(r.get("dynamic_sampling/kept_groups", 0.0)) for r in rows)
+    s = out["batch_hard_share"]
+    out["batch_hard_share_se"] = (s * (1 - s) / max(out["groups"], 1.0)) ** 0.5
     hists: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     discarded: dict[str, float] = defaultdict(float)
     for r in rows:
@@ -129,11 +131,11 @@ def summarise(rows: list[dict], hard: set[int]) -> dict:
                 hists[m.group(1)][int(m.group(2))] += float(v) / len(rows)
             elif (m := DISCARD.match(key)) and isinstance(v, int | float):
                 discarded[m.group(1)] += float(v)
+    out["discarded_late"] = dict(sorted(discarded.items()))
     if not hists["staleness"]:  # a trainer without the histogram: the per-step maximum (rollout/staleness)
         for r in rows:
             hists["staleness"][int(r.get("rollout/staleness", 0))] += 1.0 / len(rows)
     out["hist"] = {name: dict(sorted(h.items())) for name, h in hists.items() if h}
-    out["discarded_stale"] = dict(discarded)
     return out
 
 
@@ -167,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", *overrides(args, model, run_dir), *extra,
                *args.extra]
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            print(f"error: setting {spec} did not finish in {args.run_timeout:.0f} s (--run-timeout); logs in "
+                  f"{run_dir / 'logs'}; command: {' '.join(cmd)}", file=sys.stderr)
+            return 1
         if p.returncode != 0:
             print(p.stdout[-3000:], p.stderr[-5000:], file=sys.stderr)
             print(f"error: setting {spec} failed (exit {p.returncode}); command: {' '.join(cmd)}", file=sys.stderr)
@@ -186,18 +193,18 @@ def main(argv: list[str] | None = None) -> int:
           f"'{args.engine_cpus}', policy cpus '{args.policy_cpus}', {args.steps} steps after {args.warmup} warm-up "
           "(means per step)\n")
     ref = results[0]
-    print("| setting | step s | generate s | train s | wait s | trained tok/step | trained tok/s | speed-up | "
-          "hard share (trained) | vs ref | hard share (generated) | staleness hist | versions spanned | "
-          "discarded stale |")
-    print("|---|" + "---|" * 13)
+    print("| setting | step s | generate s | train s | wait s | pause s | trained tok/step | trained tok/s | "
+          "speed-up | hard share (trained) | vs ref | hard share (generated) | staleness hist | versions spanned | "
+          "discarded late |")
+    print("|---|" + "---|" * 14)
     for r in results:
         print(f"| {r['label']} | {r['step']:.2f} | {r['generate']:.2f} | {r['train']:.2f} | {r['wait_rollout']:.2f} "
-              f"| {r['kept_tokens']:,.0f} | {r['trained_tokens_per_s']:,.0f} | "
+              f"| {r['rollout_pause']:.2f} | {r['kept_tokens']:,.0f} | {r['trained_tokens_per_s']:,.0f} | "
               f"{r['trained_tokens_per_s'] / max(ref['trained_tokens_per_s'], 1e-9):.2f}x | "
-              f"{r['batch_hard_share']:.3f} | {r['batch_hard_share'] - ref['batch_hard_share']:+.3f} | "
-              f"{r['gen_hard_share']:.3f} | {fmt_hist(r['hist'].get('staleness', {}))} | "
-              f"{fmt_hist(r['hist'].get('versions_spanned', {}))} | "
-              f"{' '.join(f'{b}:{v:g}' for b, v in sorted(r['discarded_stale'].items())) or '-'} |")
+              f"{r['batch_hard_share']:.3f} +- {r['batch_hard_share_se']:.3f} | "
+              f"{r['batch_hard_share'] - ref['batch_hard_share']:+.3f} | {r['gen_hard_share']:.3f} | "
+              f"{fmt_hist(r['hist'].get('staleness', {}))} | {fmt_hist(r['hist'].get('versions_spanned', {}))} | "
+              f"{' '.join(f'{b}:{v:g}' for b, v in r['discarded_late'].items() if v) or '-'} |")
     print(f"\nreference: {ref['label']}; staleness hist = mean fraction of trained groups per versions-behind value "
           "(or, where the trainer logs no histogram, the fraction of steps per step maximum)")
     if args.json:
