@@ -92,6 +92,8 @@ def validate(cfg: Config) -> None:
         _check(r.staleness >= 1, "rollout.staleness", r.staleness, f">= 1 with {what} (0 is the synchronous loop)")
         _check(not r.colocate, "rollout.colocate", r.colocate, f"false with {what} (the engines generate while the "
                "policy trains)")
+    _check(r.late_policy == "pace" or r.staleness >= 2 or r.partial_rollouts, "rollout.late_policy", r.late_policy,
+           "'pace' unless the asynchronous producer runs (rollout.staleness >= 2 or rollout.partial_rollouts)")
     _check(r.stream_steps_per_call >= 1, "rollout.stream_steps_per_call", r.stream_steps_per_call, ">= 1")
     _check(r.mode == "rounds" or a.surplus == "drop", "algorithm.surplus", a.surplus, "'drop' with rollout.mode="
            "streaming (it aborts the surplus instead of generating it)")

@@ -176,8 +176,10 @@ def mock_run(task, need=2, k=2, partial=False, max_versions=4, inflight=4, steps
                            score=score, totals={"kept_groups": 0})
 
 
-def drive(run, steps, k, state=None, version=0):
-    """The loop's side of the protocol (trainer/loop.py): take, (train), pause, (sync), resume."""
+def drive(run, steps, k, state=None, version=0, train_s=0.0):
+    """The loop's side of the protocol (trainer/loop.py): take, train (``train_s`` of sleep), pause, (sync), resume."""
+    import time
+
     producer = AsyncRollout(run, version, state)
     out = []
     try:
@@ -185,6 +187,7 @@ def drive(run, steps, k, state=None, version=0):
             r = producer.take(step)
             out.append((step, r))
             assert all((step - 1) - g.weight_step <= k for g in r.groups), "the staleness bound broke"
+            time.sleep(train_s)
             producer.pause()
             assert all(not x for x in run.rollout.running), "a request runs through the weight update"
             if step < version + steps:
@@ -194,6 +197,8 @@ def drive(run, steps, k, state=None, version=0):
         producer.close()
     return out, state
 
+
+LONG = 20000  # mock tokens of a long group: ~0.2 s of the mock engine, far longer than the gap take -> pause
 
 # hard (long) prompts mixed with easy (short) ones; every 5th is filtered (all correct)
 TASK = [((23 if i % 4 == 0 else 3), "all" if i % 5 == 4 else "mix") for i in range(200)]
@@ -219,19 +224,19 @@ def test_the_producer_fills_exact_fifo_batches_within_the_bound_and_drains_at_up
 def test_partial_rollouts_interrupt_at_updates_and_record_every_token_version_mock(max_versions):
     """Prompts 2 and 3 (batch 2) are long: still running at the first update, they are interrupted and continued
     (versions 0 then 1) -- or, with max_versions_per_response=1, finished under version 0 before the sync."""
-    task = [(2, "mix")] * 2 + [(3000, "mix")] * 2 + [(2, "mix")] * 60
+    task = [(2, "mix")] * 2 + [(LONG, "mix")] * 2 + [(2, "mix")] * 60
     run = mock_run(task, need=2, k=2, partial=True, max_versions=max_versions, inflight=4)
     out, _ = drive(run, 4, 2)
-    long = [g for _, r in out for g in r.groups if g.example.meta["bucket"] == 3000]
+    long = [g for _, r in out for g in r.groups if g.example.meta["bucket"] == LONG]
     assert [g.example.uid for g in long] == ["u002", "u003"]
     for g in long:
         versions = g.token_versions if g.token_versions is not None else [None] * G
         for ids, lps, v in zip(g.response_ids, g.rollout_logprobs, versions):
-            assert len(ids) == len(lps) == 3000
+            assert len(ids) == len(lps) == LONG
             if max_versions == 1:
                 assert v is None  # drained: one version
                 continue
-            assert len(v) == 3000 and v.dtype == np.int32  # tokens, behaviour log-probs and versions aligned
+            assert len(v) == LONG and v.dtype == np.int32  # tokens, behaviour log-probs and versions aligned
             assert np.all(np.diff(v) >= 0) and v[0] == g.weight_step == 0 and v[-1] == 1
             assert versions_spanned(v) == 2
     counts = {k: sum(r.stats.get(f"rollout/async/{k}", 0) for _, r in out)
@@ -244,7 +249,7 @@ def test_the_checkpoint_state_resumes_interrupted_groups_with_their_versions_moc
 
     import torch
 
-    task = [(2, "mix")] * 2 + [(3000, "mix")] * 2 + [(2, "mix")] * 60
+    task = [(2, "mix")] * 2 + [(LONG, "mix")] * 2 + [(2, "mix")] * 60
     run = mock_run(task, need=2, k=2, partial=True, max_versions=8, inflight=4)
     first, state = drive(run, 1, 2)  # paused after step 1: prompts 2, 3 interrupted
     assert [p["j"] for p in state["partials"]] == [2, 3] and all(len(p["versions"][0][0]) for p in state["partials"])
@@ -254,9 +259,27 @@ def test_the_checkpoint_state_resumes_interrupted_groups_with_their_versions_moc
     second, _ = drive(run, 3, 2, state=state, version=1)  # a fresh producer from the saved state
     trained = [g.example.uid for _, r in first + second for g in r.groups]
     assert trained == sorted(trained) and len(set(trained)) == len(trained) == 8
-    long = [g for _, r in second for g in r.groups if g.example.meta["bucket"] == 3000]
+    long = [g for _, r in second for g in r.groups if g.example.meta["bucket"] == LONG]
     assert [g.example.uid for g in long] == ["u002", "u003"]
-    assert all(v[0] == 0 and v[-1] == 1 and len(v) == 3000 for g in long for v in g.token_versions)
+    assert all(v[0] == 0 and v[-1] == 1 and len(v) == LONG for g in long for v in g.token_versions)
+
+
+def test_late_policy_discard_throws_away_the_long_groups_and_counts_them_by_bucket_mock():
+    """For comparison only: released in completion order, the long (hard) groups are overtaken by short ones, come
+    back too late for the bound and are discarded -- the starvation FIFO release with pacing avoids: the same task
+    with pacing trains every one of them, in order."""
+    task = [((LONG if i % 6 == 3 else 2), "mix") for i in range(300)]  # 1 in 6 hard, ~10 training steps long
+    runs = {}
+    for policy in ("pace", "discard"):
+        run = mock_run(task, need=2, k=1, inflight=8, partial=True, max_versions=64)
+        run.cfg.rollout.late_policy = policy
+        runs[policy] = drive(run, 8, 1, train_s=0.02)[0]
+    trained = {p: [g.example.meta["bucket"] for _, r in out for g in r.groups] for p, out in runs.items()}
+    late = {p: sum(r.stats.get("rollout/async/discarded_late_groups", 0) for _, r in out) for p, out in runs.items()}
+    assert late["pace"] == 0 and trained["pace"] == [b for b, _ in task[:16]]  # 1 in 6 hard, as in the task
+    assert late["discard"] > 0 and trained["discard"].count(LONG) < trained["pace"].count(LONG)
+    by_bucket = sum(r.stats.get(f"rollout/async/discarded_late/bucket_{LONG}", 0) for _, r in runs["discard"])
+    assert by_bucket == late["discard"]  # every discarded group is a hard one
 
 
 # ------------------------------------------------------------------------------------------- a real engine

@@ -19,6 +19,12 @@ loop's :meth:`~AsyncRollout.take` fills batches from (exactly ``data.train_batch
   kept groups so far + every undecided group before it (all counted as kept), so it is admitted only if
   ``p_max // B <= v + k``; otherwise admission waits for the next weight update (pacing). A group is never discarded
   for being late: the bound holds by construction (``rollout/staleness_hist/*`` shows it every step).
+- ``rollout.late_policy=discard`` (for comparison only; the design of systems that bound staleness by discarding):
+  groups are released in *completion* order, so short groups overtake long ones and push them to later batches, and
+  a kept group that would be trained more than k versions after it started is thrown away when it is released,
+  counted as ``rollout/async/discarded_late_groups`` and per difficulty bucket
+  ``rollout/async/discarded_late/bucket_<b>``. The long (hard) groups are the late ones -- the starvation FIFO
+  release with pacing avoids, which is why ``pace`` is the default.
 - **Weight updates** (:meth:`~AsyncRollout.pause` before the sync, :meth:`~AsyncRollout.resume` after): without
   partial rollouts the producer stops admitting and lets every running group finish (drain), so weights never change
   under a running request. With ``rollout.partial_rollouts`` the running groups are interrupted instead -- aborted on
@@ -55,6 +61,7 @@ import numpy as np
 
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.collect import DynamicSamplingError, StepRollout, token_stats
+from da3po_megatron.trainer.faults import fault_point
 
 if TYPE_CHECKING:
     from da3po_megatron.config import Config
@@ -199,6 +206,7 @@ class AsyncRollout:
         self.k, self.B = int(r.staleness), cfg.data.train_batch_size
         self.partial, self.max_versions = bool(r.partial_rollouts), int(r.max_versions_per_response)
         self.filter = bool(cfg.algorithm.filter_groups)
+        self.discard = r.late_policy == "discard"  # comparison only: no pacing, late kept groups thrown away
         self.steps_per_call = r.stream_steps_per_call
         n_eng = self.client.num_engines
         self.per_engine = max(1, math.ceil((r.max_inflight_prompts or self.B) / n_eng))
@@ -221,6 +229,7 @@ class AsyncRollout:
         self._waiting: collections.deque[int] = collections.deque(sorted(self.partials))  # to (re)submit first
         self._cv = threading.Condition()
         self._want_pause = self._paused = self._stop = False
+        self._held = False  # admission is waiting for the bound
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="da3po-async-rollout", daemon=True)
         self._thread.start()
@@ -365,6 +374,8 @@ class AsyncRollout:
             for e, submit in work.items():
                 if submit:
                     calls[e] = client.stream_start(e, submit, self.sampling, None, self.steps_per_call)
+                    if any(len(x) > 4 for x in submit):  # continuations now run: tests/test_async_faults.py
+                        fault_point("partial_rollout", self.version + 1, self.run)
             for e in range(n_eng):  # keep every engine with running groups stepping
                 if e not in calls and self._running[e]:
                     calls[e] = client.stream_start(e, [], self.sampling, None, self.steps_per_call)
@@ -389,8 +400,10 @@ class AsyncRollout:
             self.counters["resumed_groups"] += 1
         while len(self._running[e]) < self.per_engine and not self.prompts_exhausted:
             if not admissible(self._p_max(), self.version, self.first_version, self.B, self.k):
-                self.counters["admission_waits"] += 1 if not out else 0
+                self.counters["admission_waits"] += not self._held  # times admission began to wait (pacing)
+                self._held = True
                 break
+            self._held = False
             examples = self.run.next_prompts(1)
             if not examples:
                 self.prompts_exhausted = True
@@ -451,11 +464,18 @@ class AsyncRollout:
 
     def _release(self) -> None:
         """Move decided groups to the queue in submission order (under the lock)."""
-        while self.release_j in self.decided:
-            g = self.decided.pop(self.release_j)
+        while self.decided if self.discard else self.release_j in self.decided:
+            # FIFO (pace): the next j in submission order; discard: whichever finished first (insertion order)
+            g = self.decided.pop(next(iter(self.decided)) if self.discard else self.release_j)
             self.release_j += 1
             keep = self.keeps(g)
             self.decided_kept -= keep
+            if keep and self.discard and self.first_version + self.released_kept // self.B - g.weight_step > self.k:
+                b = g.bucket  # too late for the bound (late_policy=discard): thrown away, counted by difficulty
+                self.counters["discarded_late_groups"] += 1
+                self.counters[f"discarded_late/bucket_{b}"] += 1
+                self.counters["discarded_late_tokens"] += sum(len(r) for r in g.response_ids)
+                continue
             self.released_kept += keep
             self.released.append(g)
             if self.released_kept < self.B and len(self.released) >= self.budget:  # the next batch cannot fill
