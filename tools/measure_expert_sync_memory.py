@@ -14,6 +14,8 @@ of the sync above what was allocated when it began -- the timeline of ``torch.pr
 summed in time order. It counts the bucket buffers, the TP / ETP gathers and every copy of the mapping; views of the
 live weights count nothing (they are the weights). Not counted: Python ``bytes`` / numpy copies outside torch's
 allocator (the bytes transport's Ray object-store payloads) -- that transport's row is therefore a lower bound.
+The engine side is sampled from outside (:class:`_RssPeak`: resident memory of the engine actor's process tree every
+2 ms above its value before the sync) -- an estimate that includes what the allocator keeps after frees.
 
     python tools/measure_expert_sync_memory.py                       # TP 2 x EP 2, 8 experts of 2048 x 256
     python tools/measure_expert_sync_memory.py --tp 1 --ep 2 --bucket-mb 16
@@ -52,16 +54,54 @@ def _traced(worker: Any, fn: Any, *args: Any) -> dict:
     return {"result": out, "peak_bytes": int(peak), "rank": int(getattr(worker, "rank", -1))}
 
 
+class _RssPeak:
+    """The engine side, sampled from outside: the peak resident memory of the engine actor's process tree (vLLM's
+    worker may be a child process) above its value when sampling began, every ``interval_s``. Freed memory that the
+    allocator keeps counts as still resident, and a peak shorter than the interval can be missed: an estimate."""
+
+    def __init__(self, pid: int, interval_s: float = 0.002) -> None:
+        import threading
+
+        import psutil
+
+        self.proc, self.interval_s = psutil.Process(pid), interval_s
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _rss(self) -> int:
+        total = 0
+        for p in [self.proc, *self.proc.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except Exception:  # noqa: BLE001 - a child gone between listing and reading
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(self.interval_s)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.base
+
+
 class _Traced:
     """The policy group as a sync sees it, with ``fn`` of the measured kind run under :func:`_traced`."""
 
-    def __init__(self, group: Any, measured: Any) -> None:
-        self.group, self.measured, self.cfg = group, measured, group.cfg
+    def __init__(self, group: Any, measured: Any, no_chunks: bool = False) -> None:
+        self.group, self.measured, self.cfg, self.no_chunks = group, measured, group.cfg, no_chunks
         self.peaks: list[int] = []
 
     def run_on_all(self, fn: Any, *args: Any) -> list[Any]:
         if self.measured is not None and fn is not self.measured:
             return self.group.run_on_all(fn, *args)
+        if self.no_chunks and len(args) == 4:  # _sender_push(prefix, bucket_bytes, dtype, chunked)
+            args = (*args[:3], False)
         res = self.group.run_on_all(_traced, fn, *args)
         self.peaks = [r["peak_bytes"] for r in res]
         return [r["result"] for r in res]
@@ -78,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--transports", nargs="+", default=["collective", "bytes"])
+    ap.add_argument("--no-chunks", action="store_true",
+                    help="collective: no chunk markers, so the engine reads the EP ranks' groups one after the other "
+                         "(the comparison for the engine-side memory; the weights are still exact)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -120,14 +163,18 @@ def main(argv: list[str] | None = None) -> int:
         assert all(group.run_on_all(load_policy_hf, str(hf)))
         prompts, sampling = ["What is 2+3?", "hello"], SamplingConfig(n=2, max_tokens=8, seed=3)
         for transport in args.transports:
-            traced = _Traced(group, _sender_push if transport == "collective" else push_policy_weights)
+            traced = _Traced(group, _sender_push if transport == "collective" else push_policy_weights,
+                             no_chunks=args.no_chunks)
             t = CollectiveTransport(traced.run_on_all, num_stages=args.pp, expert_parallel=args.ep, timeout_s=300)
             sync = (lambda tr, tt: tt.sync(client, bucket_mb=args.bucket_mb)) if transport == "collective" else \
                 (lambda tr, tt: sync_policy_group_to_engines(tr, client, bucket_mb=args.bucket_mb))
             sync(traced, t)  # warm-up: groups built, first-touch of every path
+            engine_pid = client._gather([(0, client._call(0, "pid"))], "engine pid")[0]
+            rss = _RssPeak(engine_pid)
             t0 = time.perf_counter()
             stats = sync(traced, t)
             seconds = time.perf_counter() - t0
+            engine_peak = rss.stop()
             diff = check_consistency(client.generate(prompts, sampling), group, fraction=1.0)[
                 "rollout/logprob_diff_max"]
             row = {"transport": transport, "tp": args.tp, "pp": args.pp, "ep": args.ep, "dp": dp,
@@ -136,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                    "buckets": int(stats["buckets"]), "tensors": int(stats["tensors"]),
                    "pushing_ranks": int(stats["pushing_ranks"]), "seconds": round(seconds, 3),
                    "expert_tensor_bytes": expert_tensor, "one_expert_bytes": one_expert,
-                   "layer_experts_bytes": layer_experts, "engine_vs_policy_logprob_max": diff}
+                   "layer_experts_bytes": layer_experts, "engine_rss_peak_extra_bytes": engine_peak,
+                   "all_experts_bytes": layer_experts * args.layers, "engine_vs_policy_logprob_max": diff}
             rows.append(row)
             if transport == "collective":
                 t.teardown(client)
@@ -147,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{peak / one_expert:.2f} x one expert of {one_expert / MiB:.2f} MiB, {peak / expert_tensor:.2f} "
                   f"x one expert tensor; a layer's experts {layer_experts / MiB:.1f} MiB); largest bucket "
                   f"{stats['max_bucket_bytes'] / MiB:.2f} MiB, {int(stats['buckets'])} buckets from "
-                  f"{int(stats['pushing_ranks'])} ranks, {seconds:.2f} s; engine vs policy {diff:.3g}", flush=True)
+                  f"{int(stats['pushing_ranks'])} ranks, {seconds:.2f} s; engine RSS peak extra "
+                  f"{engine_peak / MiB:.1f} MiB (all experts {layer_experts * args.layers / MiB:.0f} MiB); engine vs "
+                  f"policy {diff:.3g}", flush=True)
     finally:
         client.shutdown()
         group.shutdown()

@@ -221,6 +221,7 @@ class AsyncRollout:
         self.released: list[B.Group] = []  # released, not yet taken, in FIFO order (kept and filtered)
         self.released_kept = 0  # kept groups among them (FIFO positions 0.. from the next batch's first)
         self.counters: collections.Counter = collections.Counter()  # per-take counts (rollout/async/*)
+        self.seconds = {"generate": 0.0, "reward": 0.0}  # per-take producer time (time/generate, time/reward)
         self.prompts_exhausted = False
         if state:
             self._load(state)
@@ -248,6 +249,7 @@ class AsyncRollout:
             groups = [g for g in generated if self.keeps(g)]
             self.released_kept -= len(groups)
             counters, self.counters = self.counters, collections.Counter()
+            seconds, self.seconds = self.seconds, {"generate": 0.0, "reward": 0.0}
             queued, inflight = self.released_kept, len(self.partials)
             self.first_version += 1
             self._cv.notify_all()
@@ -264,7 +266,9 @@ class AsyncRollout:
                  **{f"rollout/async/{k}": float(v) for k, v in sorted(counters.items())}}
         stats.update(token_stats(groups, generated))
         weight_step = min(g.weight_step for g in groups)
-        return StepRollout(groups, generated, stats, weight_step, {"wait_rollout": waited})
+        # generate / reward: the producer's time waiting for engine calls / scoring since the previous take (beside
+        # training, not on the step's critical path); wait_rollout: what the loop waited for this batch
+        return StepRollout(groups, generated, stats, weight_step, {**seconds, "wait_rollout": waited})
 
     def _cut(self) -> int:
         """How many released groups form the next batch: up to and including its B-th kept one."""
@@ -381,7 +385,9 @@ class AsyncRollout:
                     calls[e] = client.stream_start(e, [], self.sampling, None, self.steps_per_call)
             if not calls:
                 continue
+            t0 = time.perf_counter()
             pos, res = client.stream_wait(pending := list(calls.items()))
+            self.seconds["generate"] += time.perf_counter() - t0
             e = pending[pos][0]
             del calls[e]
             self._finished(e, res)
@@ -448,7 +454,9 @@ class AsyncRollout:
             return
         parts = [self.partials[j] for j, _ in done]
         comps = [p.completions(c, self.version) for p, (_, c) in zip(parts, done)]
+        t0 = time.perf_counter()
         groups = self.run.score([p.example for p in parts], comps)  # the reward pool, as groups complete
+        self.seconds["reward"] += time.perf_counter() - t0
         with self._cv:
             for p, g, cs in zip(parts, groups, comps):
                 g.weight_step = p.start_version
