@@ -344,8 +344,9 @@ class RayConfig:
                                                        "(ray.device), 0 on CPU; 0 on a GPU cluster is refused.")
     num_gpus_per_engine: float | None = doc(None, "Ray GPUs per vLLM engine. None = rollout.tensor_parallel_size when "
                                                   "the actors use GPUs, 0 on CPU; colocated: half of its rank's GPU.")
-    spread_policy_nodes: bool = doc(False, "Each policy TP group on a node of its own (else TP groups fill nodes in "
-                                           "order) -- for the local multi-node tests.")
+    spread_policy_nodes: bool = doc(False, "Each policy TP group (MoE: each block of lcm(TP, EP x ETP) ranks) on a "
+                                           "node of its own (else they fill nodes in order) -- for the local "
+                                           "multi-node tests.")
     expert_groups_across_nodes: bool = doc(False, "MoE: let an expert-parallel group straddle nodes. Default "
                                                   "false: the policy is placed in blocks of lcm(TP, EP x ETP) "
                                                   "consecutive ranks per node, so the dispatcher's all-to-alls stay "
