@@ -55,6 +55,26 @@ from da3po_megatron.trainer.profiling import with_engine_profiler
 from da3po_megatron.trainer.signals import StopSignals
 
 
+def fresh_drift(drift: Any, step: int, rollout_lp: Any, policy_lp: Any, mismatch: dict[str, float], fresh: bool,
+                versions: Ragged | None) -> dict[str, float]:
+    """The drift alert's update (``drift``: the run's DriftMonitor, ``step``: the last completed step = the current
+    weights' version) from the tokens the current weights sampled (see :meth:`Run.old_logprobs`)."""
+    from da3po_megatron.rollout.consistency import logprob_diff_metrics
+
+    if versions is None:
+        return drift.update(step + 1, mismatch) if fresh else {}
+    mask = versions.values == step
+    out = {"rollout/fresh_token_frac": float(mask.mean()) if len(mask) else 0.0}
+    if mask.all():  # every token fresh (the synchronous loop): the whole batch's mismatch, as without versions
+        return {**out, **drift.update(step + 1, mismatch)}
+    if not mask.any():
+        return out
+    prefix = "rollout/logprob_diff_fresh"
+    fresh_m = logprob_diff_metrics([Ragged.from_rows(rollout_lp, np.float64).values[mask]],
+                                   [Ragged.from_rows(policy_lp, np.float64).values[mask]], prefix)
+    return {**out, **fresh_m, **drift.update(step + 1, fresh_m, prefix)}
+
+
 class Run:
     def __init__(self, cfg: Config, allow_config_change: bool = False) -> None:
         """Build the run; a failure on the way (bad input, placement, start-up, a restore that raises) closes what was
@@ -306,7 +326,7 @@ class Run:
         mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
         if batch.routed_experts is not None:  # MoE: router agreement of this pass with the engines (docs/moe.md)
             mismatch.update({f"moe/{k}": v for k, v in self.policy.call("routing_stats").items()})
-        mismatch.update(self._drift(rollout_lp, policy_lp, mismatch, fresh, versions))
+        mismatch.update(fresh_drift(self.drift, self.step, rollout_lp, policy_lp, mismatch, fresh, versions))
         weights = None
         if self.cfg.algorithm.rollout_correction == "tis":
             # one float64 vector of all tokens each (arrays: no per-token Python); the weights keep the policy's rows
@@ -316,24 +336,6 @@ class Run:
             weights = Ragged(w.numpy().astype(np.float32), lp.offsets)
             mismatch.update(stats)
         return replace(batch, old_logprobs=policy_lp, token_weights=weights), mismatch
-
-    def _drift(self, rollout_lp: Any, policy_lp: Any, mismatch: dict[str, float], fresh: bool,
-               versions: Ragged | None) -> dict[str, float]:
-        """The drift alert's update from the tokens the current weights sampled (see :meth:`old_logprobs`)."""
-        from da3po_megatron.rollout.consistency import logprob_diff_metrics
-
-        if versions is None:
-            return self.drift.update(self.step + 1, mismatch) if fresh else {}
-        mask = versions.values == self.step
-        out = {"rollout/fresh_token_frac": float(mask.mean()) if len(mask) else 0.0}
-        if mask.all():  # every token fresh (the synchronous loop): the whole batch's mismatch, as without versions
-            return {**out, **self.drift.update(self.step + 1, mismatch)}
-        if not mask.any():
-            return out
-        prefix = "rollout/logprob_diff_fresh"
-        fresh_m = logprob_diff_metrics([Ragged.from_rows(rollout_lp, np.float64).values[mask]],
-                                       [Ragged.from_rows(policy_lp, np.float64).values[mask]], prefix)
-        return {**out, **fresh_m, **self.drift.update(self.step + 1, fresh_m, prefix)}
 
     def check_update(self, step: int, train_metrics: dict[str, Any]) -> None:
         """Refused optimizer updates (non-finite, or too large: ``megatron/update_guard.py``): counted, warned, and
@@ -458,7 +460,7 @@ class Run:
             "drift_baseline": self.drift.baseline,  # the fresh-sync mismatch level, so a resumed run compares alike
             "engine_weight_step": self.engine_weight_step,
             "pending": [rollout_to_dict(r) for r in self.pending],
-            "async_rollout": self.async_rollout.state_dict() if self.async_rollout is not None else None,
+            "async_rollout": producer.state_dict() if (producer := getattr(self, "async_rollout", None)) else None,
             "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()},
             "config": to_dict(self.cfg),
         }
