@@ -311,14 +311,21 @@ class Run:
         from da3po_megatron.rollout.consistency import logprob_diff_metrics
 
         rollout_lp = batch.old_logprobs
+        if self.cfg.moe.routing_replay != "none" and batch.routed_experts is None:  # R3 must not fall back silently
+            raise RuntimeError(f"moe.routing_replay={self.cfg.moe.routing_replay!r}, but the step's batch carries no "
+                               "routes from the engines (every completion needs Completion.routed_experts; "
+                               "docs/moe.md 'Routing replay')")
         if self.cfg.actor.use_rollout_logprobs:
             n = len(batch)
             k = min(n, math.ceil(self.cfg.rollout.logprob_check_fraction * n))
             idx = sorted(_random.Random(self.step).sample(range(n), k))
             if not idx:
                 return batch, {}
-            sub = PolicyBatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx])
+            sub = PolicyBatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
+                              routed_experts=None if batch.routed_experts is None else batch.routed_experts.take(idx))
             mismatch = logprob_diff_metrics([rollout_lp[i] for i in idx], self.policy.compute_logprobs(sub))
+            if sub.routed_experts is not None:  # MoE: the checked sample's router agreement (docs/moe.md)
+                mismatch.update({f"moe/{k}": v for k, v in self.policy.call("routing_stats").items()})
             if versions is not None:  # the sample measures the sync only if the current weights sampled all of it
                 fresh = all(bool((versions[i] == self.step).all()) for i in idx)
             return batch, {**mismatch, **(self.drift.update(self.step + 1, mismatch) if fresh else {})}
