@@ -320,20 +320,21 @@ def test_expert_parallel_weight_sync_uses_a_transport_whose_senders_include_ever
 
     recipe = Path(__file__).resolve().parents[1] / "examples/qwen3_30b_a3b_da3po.yaml"
     with pytest.raises(ConfigError, match=r"rollout.weight_transfer = 'ipc' is out of range: allowed not 'ipc' with "
-                                          r"parallel.expert_model_parallel_size = 8"):  # refused at load, in ms
-        load_config(recipe, ["model.path=/x", "rollout.weight_transfer=ipc"])
+                                          r"parallel.expert_model_parallel_size = 4"):  # refused at load, in ms
+        load_config(recipe, ["model.path=/x", "rollout.weight_transfer=ipc", "rollout.colocate=true",
+                             "rollout.tensor_parallel_size=1"])
 
 
-def test_memory_check_refuses_the_30b_recipe_without_expert_parallelism_and_accepts_it_with_ep8(tmp_path):
+def test_memory_check_refuses_the_30b_recipe_without_expert_parallelism_and_accepts_it_with_ep4(tmp_path):
     from da3po_megatron.config import load_config
     from da3po_megatron.megatron.memory import MemoryBudgetError, check_policy_memory
 
     recipe = Path(__file__).resolve().parents[1] / "examples/qwen3_30b_a3b_da3po.yaml"
     arch = gpt_arch(QWEN3_30B_A3B)
     lines: list[str] = []
-    kw = dict(available=80 * 10**9, where="an 80 GB GPU", device="cuda", te=True, log=lines.append)
+    kw = dict(available=141 * 10**9, where="an H200", device="cuda", te=True, log=lines.append)
     cfg = load_config(recipe, ["model.path=/x", f"trainer.run_dir={tmp_path}"])
-    assert check_policy_memory(cfg, arch, **kw) == 8192  # fits: 48.2 GiB in 52.2 GiB (80 GB x (1 - 0.3))
+    assert check_policy_memory(cfg, arch, **kw) == 8192  # fits: 76.0 GiB in 131.3 GiB (141 GB, not colocated)
     print(lines[-1])
     no_ep = load_config(recipe, ["model.path=/x", f"trainer.run_dir={tmp_path}",
                                  "parallel.expert_model_parallel_size=1"])

@@ -128,13 +128,22 @@ def test_expert_groups_stay_inside_a_node_unless_told_otherwise() -> None:
     over = ["model.path=/x", "rollout.colocate=false", "rollout.tensor_parallel_size=1", "rollout.num_engines=1",
             "ray.num_cpus_per_policy_rank=1", "rollout.num_cpus_per_engine=1"]
     cfg = load_config(REPO / "examples/qwen3_30b_a3b_da3po.yaml", over)
-    need = resources_for_config(cfg, cluster_gpus=17)
-    assert (need.ep, need.etp, need.block) == (8, 1, 8)
-    assert plan_placement(need, _nodes(8, 8, 1)).rank_node == [0] * 8 + [1] * 8
-    with pytest.raises(PlacementError, match=r"lcm = 8"):
-        plan_placement(need, _nodes(6, 6, 6))
+    need = resources_for_config(cfg, cluster_gpus=9)
+    assert (need.ep, need.etp, need.block) == (4, 1, 4)  # the recipe: TP 4 x EP 4 -> blocks of 4 ranks
+    assert plan_placement(need, _nodes(4, 4, 1)).rank_node == [0] * 4 + [1] * 4
+    with pytest.raises(PlacementError, match=r"ranks 0-3: 4 GPUs.*does not fit on a node"):  # block = the TP group
+        plan_placement(need, _nodes(3, 3, 3))
     cfg = load_config(REPO / "examples/qwen3_30b_a3b_da3po.yaml", [*over, "ray.expert_groups_across_nodes=true"])
-    assert resources_for_config(cfg, cluster_gpus=17).block == 2
+    assert resources_for_config(cfg, cluster_gpus=9).block == 4  # the TP group (4) still stays on one node
+
+
+def test_the_30b_moe_recipes_place_on_two_8_gpu_nodes_policy_on_one_engines_on_the_other() -> None:
+    """examples/qwen3_30b_a3b_{da3po,dapo}.yaml as written: the 8 policy ranks (TP 4 x PP 2, EP 4) on node 0, the
+    two TP-4 engines on node 1 (they once set rollout.colocate with engine TP 4, which placement refuses)."""
+    for name in ("da3po", "dapo"):
+        cfg = load_config(REPO / f"examples/qwen3_30b_a3b_{name}.yaml", ["model.path=/x"])
+        plan = plan_placement(resources_for_config(cfg, cluster_gpus=16), _nodes(8, 8))
+        assert plan.rank_node == [0] * 8 and plan.engine_node == [1, 1], name
 
 
 def test_more_gpus_than_the_cluster_has_is_refused_naming_the_numbers_and_the_settings() -> None:
