@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_trainer_streaming import scripted_score
 
 from da3po_megatron.config import ConfigError, load_config
 from da3po_megatron.data.datasets import Example, PromptDataset
@@ -165,15 +166,10 @@ def mock_run(task, need=2, k=2, partial=False, max_versions=4, inflight=4, steps
                           for i, (n, kind) in enumerate(task)])
     prompts = data.iterator(shuffle=False)
 
-    def score(examples, completions):
-        acc = [1.0 if (ex.answer == "all" or j == 0) else -1.0 for ex, cs in zip(examples, completions)
-               for j, _ in enumerate(cs)]
-        return B.make_groups(examples, completions, acc, 64, None)
-
     return SimpleNamespace(cfg=cfg, rollout=ScriptedPartialEngineClientMock(2), prompts=prompts,
                            next_prompts=prompts.take, render_prompts=lambda exs: [ex.problem_text for ex in exs],
                            sampling_config=lambda seed: SimpleNamespace(seed=seed, n=G), sampling_seed=lambda s, r: 7,
-                           score=score, totals={"kept_groups": 0})
+                           score=scripted_score, totals={"kept_groups": 0})
 
 
 def drive(run, steps, k, state=None, version=0, train_s=0.0):

@@ -57,6 +57,14 @@ class ScriptedEngineClientMock:
         return out
 
 
+def scripted_score(examples, completions):
+    """The stand-in reward of the scripted-engine tests: prompts whose answer is "all" are all correct, else only
+    sample 0 is (so the group is informative)."""
+    acc = [1.0 if (ex.answer == "all" or j == 0) else -1.0 for ex, cs in zip(examples, completions)
+           for j, _ in enumerate(cs)]
+    return B.make_groups(examples, completions, acc, 64, None)
+
+
 def fake_run(lengths_kinds: list[tuple[int, str]], order: str, need: int = 3, engines: int = 1, inflight: int = 4):
     """kinds: 'mix' (one of G correct: kept), 'all' (all correct: filtered)."""
     cfg = load_config(None, ["model.path=x", "data.format=synthetic", f"data.train_batch_size={need}", f"rollout.n={G}",
@@ -67,15 +75,10 @@ def fake_run(lengths_kinds: list[tuple[int, str]], order: str, need: int = 3, en
                           for i, (n, k) in enumerate(lengths_kinds)])
     prompts = data.iterator(shuffle=False)
 
-    def score(examples, completions):
-        acc = [1.0 if (ex.answer == "all" or j == 0) else -1.0 for ex, cs in zip(examples, completions)
-               for j, _ in enumerate(cs)]
-        return B.make_groups(examples, completions, acc, 64, None)
-
     return SimpleNamespace(cfg=cfg, rollout=ScriptedEngineClientMock(engines), prompts=prompts, engine_weight_step=7,
                            next_prompts=prompts.take, render_prompts=lambda exs: [ex.problem_text for ex in exs],
                            sampling_config=lambda seed: SimpleNamespace(seed=seed), sampling_seed=lambda s, r: s,
-                           score=score, totals={"kept_groups": 0})
+                           score=scripted_score, totals={"kept_groups": 0})
 
 
 # prompt 0 is long, the others short; prompt 1 is filtered (all correct)
