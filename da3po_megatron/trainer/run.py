@@ -199,8 +199,7 @@ class Run:
         has_cuda = self.devices["policy"]["cuda"] and self.devices["engine"]["cuda"]  # what the actors see
         self.weight_transfer = choose_transport(cfg.rollout.weight_transfer, has_cuda=has_cuda,
                                                 colocate=cfg.rollout.colocate, policy_hosts=policy_hosts,
-                                                engine_hosts=engine_hosts,
-                                                expert_parallel=cfg.parallel.expert_model_parallel_size)
+                                                engine_hosts=engine_hosts)
         self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
         self._transport: Any = None
         self.rollout.resync = self.sync_weights  # an engine restarted after a sync gets the weights again
