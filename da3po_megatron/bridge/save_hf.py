@@ -98,7 +98,7 @@ def assemble_hf_dir(out_dir: str | Path, parts: list[dict[str, Any]], model_dir:
     directory at ``out_dir`` with the config / tokenizer files of ``model_dir``. Raises ValueError naming missing
     tensors. Returns ``{"files", "tensors", "bytes"}``."""
     out = Path(out_dir)
-    parts = sorted((p for p in parts if p), key=lambda p: (p["stage"], p.get("rank", 0)))
+    parts = sorted((p for p in parts if p), key=lambda p: (p["stage"], p["rank"]))
     seen: dict[str, str] = {}
     for p in parts:  # every tensor from exactly one writer
         for t in p["weight_map"]:

@@ -138,7 +138,6 @@ def _ep_group(worker: Any) -> Any:
     arch = getattr(worker, "arch", None)
     if arch is None or not getattr(arch, "is_moe", False):
         return None
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() == 1:
@@ -146,8 +145,19 @@ def _ep_group(worker: Any) -> Any:
     if ps.get_expert_tensor_parallel_world_size() != 1:
         raise RuntimeError("ipc weight sync: parallel.expert_tensor_parallel_size must be 1 (an expert's shards "
                            "would have to be gathered across GPUs first; use rollout.weight_transfer=bytes)")
-    group = ps.get_expert_model_parallel_group()
-    return group if dist.get_world_size(group) > 1 else None
+    return ps.get_expert_model_parallel_group()
+
+
+def ipc_buckets(worker: Any, bucket_bytes: int, device: torch.device, dtype: torch.dtype | None = None
+                ) -> Iterator[tuple[torch.Tensor, list[list]]]:
+    """The packed buckets this rank exports in an IPC sync (collective: every rank iterates to the end): its
+    :func:`ipc_stream` packed as it comes, or with EP > 1 through :func:`ep_shared_buckets`."""
+    from da3po_megatron.rollout.collective import iter_flat_buckets
+
+    stream, ep_group = ipc_stream(worker), _ep_group(worker)
+    if ep_group is None:
+        return iter_flat_buckets(stream, bucket_bytes, device, dtype)
+    return ep_shared_buckets(stream, ep_group, bucket_bytes, device, dtype)
 
 
 def ipc_stream(worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -210,7 +220,7 @@ def ep_shared_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
                 dist.broadcast_object_list([(meta, buf.numel())], src=src, group=group, device=device)
                 dist.broadcast(buf, src=src, group=group)
                 yield buf, meta
-                del buf
+                del buf  # not held while the next bucket is packed
             dist.broadcast_object_list([None], src=src, group=group, device=device)
             continue
         while True:
@@ -222,7 +232,7 @@ def ep_shared_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             dist.broadcast(buf, src=src, group=group)
             yield buf, meta
-            del buf
+            del buf  # not held while the next bucket is allocated
 
 
 def ipc_bucket_plan(worker: Any, bucket_bytes: int, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
@@ -232,15 +242,10 @@ def ipc_bucket_plan(worker: Any, bucket_bytes: int, device: str = "cpu", dtype: 
     "nbytes": [...], "sha256": {hf_name: digest of its bytes}}``; nothing is exported or sent to an engine."""
     import hashlib
 
-    from da3po_megatron.rollout.collective import iter_flat_buckets, unpack_flat
+    from da3po_megatron.rollout.collective import unpack_flat
 
-    dev = torch.device(device)
-    stream = ipc_stream(worker)
-    ep_group = _ep_group(worker)
-    buckets = (iter_flat_buckets(stream, bucket_bytes, dev, dtype) if ep_group is None
-               else ep_shared_buckets(stream, ep_group, bucket_bytes, dev, dtype))
     out: dict[str, Any] = {"buckets": [], "nbytes": [], "sha256": {}}
-    for buf, meta in buckets:
+    for buf, meta in ipc_buckets(worker, bucket_bytes, torch.device(device), dtype):
         out["buckets"].append([r[0] for r in meta])
         out["nbytes"].append(int(buf.numel()))
         for name, t in unpack_flat(buf, meta).items():
@@ -255,15 +260,13 @@ def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | 
     import torch.distributed as dist
     from torch.multiprocessing.reductions import reduce_tensor
 
-    from da3po_megatron.rollout.collective import iter_flat_buckets
     from da3po_megatron.rollout.ipc_routing import merge_handles
 
-    stream = ipc_stream(worker)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     role = routes.role(rank)
     stats = {"bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
     if role is None:  # TP rank != 0: take part in the export's gathers, hold nothing
-        for _ in stream:
+        for _ in ipc_stream(worker):
             pass
         return stats
     require_ipc("policy sender")
@@ -271,10 +274,7 @@ def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | 
     group = getattr(worker, "dp_group", None) if len(routes.holders[stage]) > 1 else None
     uuid = gpu_uuid()
     device = _cuda_device()
-    ep_group = _ep_group(worker)
-    buckets = (iter_flat_buckets(stream, bucket_bytes, device, dtype) if ep_group is None
-               else ep_shared_buckets(stream, ep_group, bucket_bytes, device, dtype))
-    for buf, meta in buckets:
+    for buf, meta in ipc_buckets(worker, bucket_bytes, device, dtype):
         torch.cuda.synchronize(device)  # the packing copies are done before another process reads the buffer
         mine = {uuid: reduce_tensor(buf)[1]} if routes.exports(rank) else {}
         names = [r[0] for r in meta]
