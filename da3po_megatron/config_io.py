@@ -9,6 +9,7 @@ import difflib
 import math
 import types
 import typing
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -148,3 +149,10 @@ def check_finite(obj: Any, prefix: str = "") -> None:
             check_finite(value, f"{prefix}{f.name}.")
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{prefix}{f.name} = {value!r} is not a finite number")
+
+
+def doc(default: Any, help_: str, **kw: Any) -> Any:
+    """A dataclass field with its documentation attached (shown by ``da3po train --describe``)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help_}, **kw)
+    return field(default=default, metadata={"help": help_}, **kw)

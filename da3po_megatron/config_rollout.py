@@ -1,0 +1,79 @@
+"""The ``rollout`` config section: generation engines, sampling, weight sync, staleness (re-exported by
+``config.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from da3po_megatron.config_io import doc
+
+
+@dataclass
+class RolloutConfig:
+    n: int = doc(16, "G: responses sampled per prompt (paper: 16). Eq. 3 normalises within these groups.")
+    temperature: float = doc(1.0, "T: training rollouts sample from softmax(logits / T) (ours, as DAPO: the paper "
+                                  "states none). The same T divides the policy's logits before every log-softmax "
+                                  "(pi_old, pi_theta of the Eq. 5/11 ratio, the logged entropy), and the engines "
+                                  "return log-probs after T (vLLM processed_logprobs): one distribution.")
+    top_p: float = doc(1.0, "Nucleus sampling for training rollouts (ours, as DAPO). Below 1 the engines' log-probs "
+                            "are renormalised over the nucleus, the policy's cover the whole vocabulary: the "
+                            "rollout/policy log-prob diff and TIS weights then carry that gap.")
+    max_prompt_length: int = doc(2048, "Prompts longer than this many tokens are rejected (paper: 2K).")
+    max_response_length: int = doc(4096, "L_max of Eq. 8: generation stops here (paper: 4K).")
+    num_engines: int = doc(1, "vLLM engines (data-parallel rollout); prompts are spread across them.")
+    tensor_parallel_size: int = doc(1, "vLLM tensor parallelism per engine.")
+    dtype: Literal["auto", "float32", "bfloat16"] = doc("auto", "Engine dtype ('auto' = the policy's).")
+    gpu_memory_utilization: float = doc(0.5, "GPU: fraction of memory vLLM may take (KV cache included).")
+    kv_cache_memory_bytes: int = doc(256 * 2**20, "CPU: KV-cache budget per engine in bytes (vLLM's default takes "
+                                                  "0.9 x RAM).")
+    weight_sync_bucket_mb: int = doc(512, "Weight sync streams HF-named tensors in buckets of at most this size.")
+    weight_transfer: Literal["auto", "bytes", "collective", "ipc"] = doc(
+        "auto", "How weights reach the engines after a step. 'bytes': buckets through Ray's object store (one pull "
+                "per engine). 'collective': a private gloo (CPU) / NCCL (CUDA) group from each PP stage's sender to "
+                "every engine worker, flat buckets broadcast (rollout/collective.py). 'ipc': CUDA IPC handles, "
+                "colocated on CUDA only. 'auto': 'collective' when engines and policy are on different nodes or "
+                "(CUDA, not colocated) different GPUs, 'ipc' colocated on CUDA, 'bytes' on one CPU node (measured "
+                "there: Ray's shared-memory object store is as fast as gloo over loopback; docs/rollout.md).")
+    weight_sync_timeout_s: float = doc(600.0, "Collective transport: group set-up and per-broadcast timeout; a sync "
+                                              "whose sender stops sending fails after at most this long.")
+    logprob_check_fraction: float = doc(0.05, "With actor.use_rollout_logprobs: fraction of responses whose rollout "
+                                              "log-probs are recomputed by the policy and compared (mean/max abs diff "
+                                              "logged). Without it every response is compared (pi_old is recomputed "
+                                              "anyway).")
+    logprob_drift_factor: float = doc(10.0, "Alert (a warning and rollout/logprob_drift_alert=1) when a step's mean "
+                                            "rollout/policy log-prob mismatch exceeds this multiple of the fresh-sync "
+                                            "level (the first step's, floored by dtype: rollout/consistency.py "
+                                            "DriftMonitor). 0 = no alert; the ratio is logged either way.")
+    colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate: "
+                                "engine i and policy rank i take half of one GPU each (trainer/placement.py).")
+    engine_placement: Literal["any", "same_nodes", "other_nodes"] = doc(
+        "any", "Nodes the engines may use: 'other_nodes' = only nodes without policy ranks (the paper's layout: "
+               "policy on one 8-GPU node, engines on the second), 'same_nodes' = only nodes with policy ranks, 'any'. "
+               "Enforced by node-pinned placement-group bundles (trainer/placement.py).")
+    num_cpus_per_engine: float = doc(1, "Ray resources per engine actor.")
+    restart_on_failure: bool = doc(False, "Restart an engine that died (else the step fails with a clear error).")
+    mode: Literal["rounds", "streaming"] = doc("rounds", "Dynamic sampling: 'rounds' (the paper's; whole rounds until "
+        "the batch is full) or 'streaming' (groups scored as they finish, the rest aborted; docs/rollout.md).")
+    stream_order: Literal["submission", "completion"] = doc("submission", "Streaming batch = the first kept groups in "
+        "prompt order (unbiased, reproducible) or in finishing order (biased to short responses).")
+    max_inflight_prompts: int = doc(0, "Streaming: prompts in flight across all engines (0 = data.train_batch_size).")
+    stream_steps_per_call: int = doc(8, "Streaming: engine steps per driver round trip (bounds how long aborts wait).")
+    staleness: int = doc(0, "k: a group whose generation started under policy version v is trained at a version <= v + "
+                            "k. 0: the paper's synchronous loop; 1: step t+1 generated while t trains (exactly "
+                            "reproducible); >= 2 (or partial_rollouts): the engines generate continuously beside the "
+                            "loop and admission of new prompts waits when the bound could break (pacing: nothing is "
+                            "discarded for being late; trainer/async_rollout.py, docs/async.md).")
+    partial_rollouts: bool = doc(False, "At a weight update, interrupt the running requests (tokens kept) and continue "
+                                        "them under the new weights from prompt + tokens so far, instead of letting "
+                                        "them finish before the sync. Every token records the version that sampled it "
+                                        "(TIS and the drift check use it). Needs mode=streaming, staleness >= 1.")
+    late_policy: Literal["pace", "discard"] = doc(
+        "pace", "The asynchronous producer's staleness bound: 'pace' (admission waits, nothing is discarded) or "
+                "'discard' (for comparison only: groups released in completion order, and a kept group that would be "
+                "trained more than staleness versions after it started is thrown away, counted per difficulty "
+                "bucket in rollout/async/discarded_late/*; hard prompts, the long ones, are the ones it starves).")
+    max_versions_per_response: int = doc(4, "Partial rollouts: a response may span at most this many policy versions; "
+                                            "a group that reached it is finished under its weights at the next update "
+                                            "(the sync waits for it) instead of being interrupted again.")
+    ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")
