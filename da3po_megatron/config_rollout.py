@@ -68,11 +68,14 @@ class RolloutConfig:
                                         "them under the new weights from prompt + tokens so far, instead of letting "
                                         "them finish before the sync. Every token records the version that sampled it "
                                         "(TIS and the drift check use it). Needs mode=streaming, staleness >= 1.")
-    late_policy: Literal["pace", "discard"] = doc(
+    late_policy: Literal["pace", "discard", "discard_unpaced"] = doc(
         "pace", "The asynchronous producer's staleness bound: 'pace' (admission waits, nothing is discarded) or "
                 "'discard' (for comparison only: groups released in completion order, and a kept group that would be "
                 "trained more than staleness versions after it started is thrown away, counted per difficulty "
-                "bucket in rollout/async/discarded_late/*; hard prompts, the long ones, are the ones it starves).")
+                "bucket in rollout/async/discarded_late/*; hard prompts, the long ones, are the ones it starves). "
+                "'discard_unpaced' (comparison only, issue 47): as 'discard' but admission is not paced -- the "
+                "engines generate ahead freely (only rollout.max_inflight_prompts bounds them) and the bound is "
+                "enforced by discarding alone.")
     max_versions_per_response: int = doc(4, "Partial rollouts: a response may span at most this many policy versions; "
                                             "a group that reached it is finished under its weights at the next update "
                                             "(the sync waits for it) instead of being interrupted again.")

@@ -206,7 +206,8 @@ class AsyncRollout:
         self.k, self.B = int(r.staleness), cfg.data.train_batch_size
         self.partial, self.max_versions = bool(r.partial_rollouts), int(r.max_versions_per_response)
         self.filter = bool(cfg.algorithm.filter_groups)
-        self.discard = r.late_policy == "discard"  # comparison only: no pacing, late kept groups thrown away
+        self.discard = r.late_policy != "pace"  # comparison only: completion order, late kept groups thrown away
+        self.paced = r.late_policy != "discard_unpaced"  # discard_unpaced: admission ignores the bound (issue 47)
         self.steps_per_call = r.stream_steps_per_call
         n_eng = self.client.num_engines
         self.per_engine = max(1, math.ceil((r.max_inflight_prompts or self.B) / n_eng))
@@ -405,7 +406,7 @@ class AsyncRollout:
             self._assign(e, p.j)
             self.counters["resumed_groups"] += 1
         while len(self._running[e]) < self.per_engine and not self.prompts_exhausted:
-            if not admissible(self._p_max(), self.version, self.first_version, self.B, self.k):
+            if self.paced and not admissible(self._p_max(), self.version, self.first_version, self.B, self.k):
                 self.counters["admission_waits"] += not self._held  # times admission began to wait (pacing)
                 self._held = True
                 break
