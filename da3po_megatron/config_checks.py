@@ -140,6 +140,12 @@ def validate(cfg: Config) -> None:
     _check(cfg.trainer.lock_lease_s > 0, "trainer.lock_lease_s", cfg.trainer.lock_lease_s, "> 0")
     dc = cfg.data
     _check(dc.train_batch_size >= 1, "data.train_batch_size", dc.train_batch_size, ">= 1")
+    for name in ("target_all_correct", "target_all_wrong", "explore_init", "explore_step", "explore_min",
+                 "explore_min_all_wrong"):
+        v = getattr(dc, f"selection_{name}")
+        _check(0.0 <= v <= 1.0, f"data.selection_{name}", v, "in [0, 1]")
+    _check(dc.selection_max_skips_all_wrong >= 0, "data.selection_max_skips_all_wrong",
+           dc.selection_max_skips_all_wrong, ">= 0")
     ac = cfg.actor
     _check(ac.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, ">= 1")
     _check(dc.train_batch_size % ac.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size,

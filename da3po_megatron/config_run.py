@@ -109,6 +109,23 @@ class DataConfig:
                              "data position count unique problems (docs/data_and_rewards.md).")
     on_bad_row: Literal["error", "skip"] = doc("error", "Malformed rows: stop with file/row/field, or skip and count.")
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+    # Pre-rollout selection (data/selection.py; docs/algorithms.md "Selective rollout"; GRESO, arXiv 2506.02177)
+    selection: Literal["none", "skip_zero_variance"] = doc(
+        "none", "Skip prompts before generation with a probability growing with their zero-variance streak "
+                "(P(keep) = p^z), all-correct and all-wrong streaks by separate rules; none = the paper's sampling.")
+    selection_tails: Literal["separate", "shared"] = doc(
+        "separate", "separate: own rate, floor and re-admission for all-wrong streaks (hard prompts stay in play); "
+                    "shared: one rate for both tails (naive GRESO, for comparison).")
+    selection_target_all_correct: float = doc(0.10, "Target fraction of generated groups that are all correct; p_c "
+                                                    "steps down when a window exceeds it, up otherwise.")
+    selection_target_all_wrong: float = doc(0.20, "Target fraction of all-wrong generated groups (adapts p_w).")
+    selection_explore_init: float = doc(0.5, "Initial exploration rates p_c, p_w (P(keep) of a streak of 1).")
+    selection_explore_step: float = doc(0.05, "Additive step eta of the rates per window of train_batch_size "
+                                              "generated groups.")
+    selection_explore_min: float = doc(0.05, "Floor of p_c (and of the shared rate).")
+    selection_explore_min_all_wrong: float = doc(0.5, "Floor of p_w: an all-wrong streak of z keeps P >= this^z.")
+    selection_max_skips_all_wrong: int = doc(1, "An all-wrong prompt skipped this many times in a row is generated "
+                                                "the next time it comes up (0 = never skip all-wrong streaks).")
 
 
 @dataclass

@@ -27,6 +27,7 @@ from da3po_megatron.studies.compare.keys import discover  # noqa: E402
 from da3po_megatron.studies.compare.stats import Point, compare_means, curve_at, mean_std  # noqa: E402
 
 SAMPLES = "gen/cumulative_samples"
+TOKENS = "gen/cumulative_tokens"
 
 
 def load(spec: str) -> tuple[str, dict[int, list[dict]]]:
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--z", type=float, default=2.0)
     ap.add_argument("--per-group", action="store_true", help="also each group (bucket) at equal generated samples")
     ap.add_argument("--out", type=Path, default=None, help="also write the tables to this Markdown file")
+    ap.add_argument("--tokens", action="store_true", help="also at equal generated tokens (gen/cumulative_tokens)")
     args = ap.parse_args(argv)
     lines: list[str] = []
 
@@ -74,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     budget = min(max((r.get(SAMPLES, 0) for r in rows), default=0) for runs in variants.values()
                  for rows in runs.values())
     points = [Point(f"step {last}", "step", float(last)), Point(f"{budget:,.0f} samples", SAMPLES, float(budget))]
+    if args.tokens:  # selection (issue 50) changes tokens per sample: compare at equal generated tokens too
+        tok = min(max((r.get(TOKENS, 0) for r in rows), default=0) for runs in variants.values()
+                  for rows in runs.values())
+        points.append(Point(f"{tok:,.0f} tokens", TOKENS, float(tok)))
     ref = next(iter(variants))
     emit(f"held-out {keys.metric}: all {len(keys.groups)} {keys.group_kind}s and the {len(hard)} hard ones "
           f"(starting {keys.metric} < {args.tau:g}); mean +- sd over seeds; diff vs {ref} with a {args.z:g}-SE "

@@ -33,6 +33,7 @@ import torch
 from da3po_megatron.algorithms import DynamicSamplingBuffer, tis_weights
 from da3po_megatron.config import Config, to_dict
 from da3po_megatron.data.datasets import Example
+from da3po_megatron.data.selection import selecting, selection_batch_metrics
 from da3po_megatron.data.templates import render_prompt
 from da3po_megatron.megatron.batching import PolicyBatch, Ragged
 from da3po_megatron.trainer import batch as B
@@ -120,7 +121,9 @@ class Run(RunCheckpoints):
         torch.manual_seed(cfg.trainer.seed)
         self.dataset = check_prompts(dataset, self.tokenizer, cfg)
         self.data_skipped_rows = self.dataset.stats.skipped if self.dataset.stats is not None else 0
-        self.prompts = self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+        self.prompts = selecting(self.dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle), cfg.data,
+                                 cfg.trainer.seed)  # data.selection: skips by each prompt's history (data/selection.py)
+        self.selection_metrics: dict[str, float] = {}  # drained when a step completes (run_checkpoints.py)
         self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
         self.rewards = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
         if self.dataset.stats is not None:  # what the reader kept, dropped and skipped (docs/data_and_rewards.md)
@@ -227,6 +230,8 @@ class Run(RunCheckpoints):
         far in this run (at most 4x; exactly ``need`` without filtering or on the first round of a run)."""
         if not self.cfg.algorithm.filter_groups or self.totals["groups"] == 0:
             return need
+        if hasattr(self.prompts, "round_size"):  # data.selection: the keep rate of the recent windows
+            return self.prompts.round_size(need)
         keep_rate = max(self.totals["kept_groups"] / self.totals["groups"], 0.25)
         return max(need, math.ceil(need / keep_rate))
 
@@ -286,6 +291,8 @@ class Run(RunCheckpoints):
         self.totals["groups"] += len(groups)
         self.totals["reward_timeouts"] += scored.timeouts
         self.totals["reward_errors"] += scored.errors
+        if hasattr(self.prompts, "observe"):  # data.selection: the history and the exploration rates
+            self.prompts.observe([(g.example.uid, g.p_hat) for g in groups])
         return groups
 
     # ------------------------------------------------------------------------------------------------ training
@@ -431,6 +438,8 @@ class Run(RunCheckpoints):
         m["time/step"] = step_seconds
         n_tok = sum(len(r) for g in generated for r in g.response_ids)
         m["perf/rollout_tokens_per_s"] = n_tok / max(phase_seconds.get("generate", 0.0), 1e-9)
+        m.update(selection_batch_metrics([g.bucket for g in groups], len(generated), n_tok))
+        m.update(self.selection_metrics)  # data.selection: skipped prompts per tail, exploration rates
         return m
 
     # ------------------------------------------------------------------------------------------------ evaluation

@@ -48,6 +48,7 @@ class RunCheckpoints:
             "engine_weight_step": self.engine_weight_step,
             "pending": [rollout_to_dict(r) for r in self.pending],
             "async_rollout": producer.state_dict() if (producer := getattr(self, "async_rollout", None)) else None,
+            "selection": self.prompts.selection_state() if hasattr(self.prompts, "selection_state") else None,
             "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()},
             "config": to_dict(self.cfg),
         }
@@ -56,6 +57,8 @@ class RunCheckpoints:
         """Step ``step`` is done (policy updated, engines synced): remember the trainer state a checkpoint of it holds
         (a stop request during the next step saves this, not the half-done step's state)."""
         self.step = step
+        if hasattr(self.prompts, "drain"):  # data.selection: this step's counters, reset before the state is taken
+            self.selection_metrics = self.prompts.drain()
         self.completed_state = self.trainer_state()
 
     def best_candidate(self, metrics: dict[str, Any]) -> float | None:
@@ -141,6 +144,8 @@ class RunCheckpoints:
         self.policy.load(str(path / "policy"))
         self.step = int(state["step"])
         self.prompts.load_state_dict(state["prompts"])
+        if hasattr(self.prompts, "load_selection_state"):  # data.selection (another dataset: a new history)
+            print(self.prompts.load_selection_state(state.get("selection")), flush=True)
         groups = state["buffer"]["groups"]
         self.buffer.load_state_dict({**state["buffer"], "groups": [  # dicts; Group objects in old (pickled) states
             B.group_from_dict(g) if isinstance(g, dict) else g for g in groups]})

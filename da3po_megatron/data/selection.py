@@ -1,0 +1,310 @@
+"""Pre-rollout prompt selection (``data.selection=skip_zero_variance``): skip prompts whose recent groups were
+zero-variance before paying for their generation, with separate rules for all-correct and all-wrong streaks.
+
+Reference: GRESO, "Act Only When It Pays: Efficient Reinforcement Learning for LLM Reasoning via Selective Rollouts"
+(arXiv 2506.02177): a prompt whose last ``z`` groups were all zero-variance is skipped with probability
+``1 - p_e^z``, and the exploration rate ``p_e`` is moved by a fixed step toward a target zero-variance rate. What is
+ours (the DA3PO-aware part): the two tails are separate.
+
+**History** (:class:`PromptHistory`): per prompt uid its last outcome -- p_hat, all-correct, all-wrong, the
+selection step -- the current streak ``z`` (consecutive zero-variance groups of the same tail; a group with
+0 < p_hat < 1 resets it) and the consecutive skips since it was last generated. Keyed by uid, so it spans epochs.
+
+**Skip rule** (:func:`keep_probability`), for a prompt with streak ``z`` of tail ``t`` (c = all-correct,
+w = all-wrong) and ``s`` consecutive skips:
+
+    P(keep) = 1                                   if z = 0 (no history, or its last group taught something)
+    P(keep) = p_c^z                               all-correct streak: aggressive, p_c >= explore_min
+    P(keep) = 1                                   all-wrong streak with s >= max_skips_all_wrong (re-admitted)
+    P(keep) = p_w^z,  p_w >= explore_min_all_wrong   all-wrong streak otherwise
+
+so a hard prompt is generated at least once every ``max_skips_all_wrong + 1`` times it comes up (every
+``max_skips_all_wrong + 1`` epochs at most), and with probability >= ``explore_min_all_wrong^z`` each time: an all-wrong
+streak is where DAA's rare correct responses come from (Eq. 14 amplifies exactly those), so it is never retired,
+while an all-correct streak carries no such value and is retired geometrically. ``tails="shared"`` is the naive
+GRESO arm of the comparison: one rate for both tails, the all-correct floor, no re-admission.
+
+**Adaptation** (:meth:`ExplorationRates.update`, once per window of ``window`` generated groups), with the window's
+observed all-correct / all-wrong fractions r_c, r_w and targets t_c, t_w:
+
+    p_t <- clip(p_t - eta, floor_t, 1)   if r_t > t_t    (too many zero-variance groups of tail t: skip more)
+    p_t <- clip(p_t + eta, floor_t, 1)   otherwise       (explore more)
+
+``shared``: one p on r_c + r_w against t_c + t_w. The same window updates the keep-rate estimate used to size each
+generation round (adaptive over-sampling): ``keep_ema <- (keep_ema + r_keep) / 2``, prompts per round =
+ceil(need / max(keep_ema, 0.25)).
+
+The skip draw is a pure function of (seed, the prompt stream's position): a resumed run draws what an uninterrupted
+one would, and a rewound stream (streaming mode) replays the memoised decisions. Left out: GRESO's per-step
+time budget; selection by anything but the prompt's own history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ExplorationRates", "PromptHistory", "SelectingPrompts", "SelectionParams", "keep_probability",
+           "oversample", "selecting", "selection_batch_metrics", "uniform"]
+
+CORRECT, WRONG = "all_correct", "all_wrong"
+
+
+@dataclass(frozen=True)
+class SelectionParams:
+    """The rule's constants (``data.selection_*``)."""
+
+    tails: str = "separate"  # "separate" (DA3PO-aware) | "shared" (naive GRESO: one rate)
+    target_all_correct: float = 0.10
+    target_all_wrong: float = 0.20
+    explore_init: float = 0.5
+    explore_step: float = 0.05
+    explore_min: float = 0.05
+    explore_min_all_wrong: float = 0.5
+    max_skips_all_wrong: int = 1
+    window: int = 16
+
+
+def uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) that depends only on (seed, position): the skip coin of the prompt at ``position``."""
+    h = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2**64
+
+
+def keep_probability(streak: int, tail: str | None, skips: int, rate_correct: float, rate_wrong: float,
+                     params: SelectionParams) -> float:
+    """P(keep) of a prompt (the module docstring's rule). ``tail``: the tail of its streak (None: no streak)."""
+    if streak <= 0 or tail is None:
+        return 1.0
+    if params.tails == "shared":
+        return rate_correct ** streak  # one rate (rate_correct holds it) for both tails, no re-admission
+    if tail == CORRECT:
+        return rate_correct ** streak
+    if skips >= params.max_skips_all_wrong:
+        return 1.0
+    return max(rate_wrong, params.explore_min_all_wrong) ** streak
+
+
+def oversample(need: int, keep_rate: float, max_factor: float = 4.0) -> int:
+    """Prompts to send for ``need`` missing kept groups at the measured keep rate (at most ``max_factor`` x need)."""
+    return max(need, math.ceil(need / max(keep_rate, 1.0 / max_factor)))
+
+
+@dataclass
+class ExplorationRates:
+    """The exploration rates p_c, p_w (``shared``: p_c serves both) and the keep-rate estimate, adapted per window."""
+
+    params: SelectionParams
+    correct: float = -1.0
+    wrong: float = -1.0
+    keep_ema: float = 1.0
+    window: dict[str, int] = field(default_factory=lambda: {"groups": 0, CORRECT: 0, WRONG: 0})
+
+    def __post_init__(self) -> None:
+        if self.correct < 0:
+            self.correct = self.params.explore_init
+        if self.wrong < 0:
+            self.wrong = max(self.params.explore_init, self.params.explore_min_all_wrong)
+
+    def observe(self, all_correct: int, all_wrong: int, groups: int) -> bool:
+        """Count generated groups; update the rates when a window is complete (returns whether it did)."""
+        w = self.window
+        w["groups"] += groups
+        w[CORRECT] += all_correct
+        w[WRONG] += all_wrong
+        if w["groups"] < self.params.window:
+            return False
+        self.update(w[CORRECT] / w["groups"], w[WRONG] / w["groups"])
+        self.window = {"groups": 0, CORRECT: 0, WRONG: 0}
+        return True
+
+    def update(self, r_correct: float, r_wrong: float) -> None:
+        p, eta = self.params, self.params.explore_step
+        if p.tails == "shared":
+            self.correct = _step(self.correct, eta, r_correct + r_wrong > p.target_all_correct + p.target_all_wrong,
+                                 p.explore_min)
+            self.wrong = self.correct
+        else:
+            self.correct = _step(self.correct, eta, r_correct > p.target_all_correct, p.explore_min)
+            self.wrong = _step(self.wrong, eta, r_wrong > p.target_all_wrong, p.explore_min_all_wrong)
+        self.keep_ema = 0.5 * (self.keep_ema + (1.0 - r_correct - r_wrong))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"correct": self.correct, "wrong": self.wrong, "keep_ema": self.keep_ema, "window": dict(self.window)}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.correct, self.wrong, self.keep_ema = float(s["correct"]), float(s["wrong"]), float(s["keep_ema"])
+        self.window = {k: int(v) for k, v in s["window"].items()}
+
+
+def _step(rate: float, eta: float, too_many: bool, floor: float) -> float:
+    return min(1.0, max(floor, rate - eta if too_many else rate + eta))
+
+
+class PromptHistory:
+    """Per-uid outcome history: ``{uid: [p_hat, all_correct, all_wrong, step, streak, skips]}`` (plain values)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list] = {}
+
+    def record(self, uid: str, p_hat: float, step: int) -> None:
+        """A generated group's outcome: extends the streak of its tail, or resets it (0 < p_hat < 1)."""
+        prev = self.rows.get(uid)
+        correct, wrong = p_hat >= 1.0, p_hat <= 0.0
+        streak = 0
+        if correct or wrong:
+            same = prev is not None and bool(prev[1]) == correct and bool(prev[2]) == wrong
+            streak = (prev[4] + 1) if same else 1
+        self.rows[uid] = [float(p_hat), correct, wrong, int(step), streak, 0]
+
+    def streak(self, uid: str) -> tuple[int, str | None, int]:
+        row = self.rows.get(uid)
+        if row is None or row[4] == 0:
+            return 0, None, 0
+        return row[4], CORRECT if row[1] else WRONG, row[5]
+
+    def skipped(self, uid: str) -> None:
+        self.rows[uid][5] += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"uids": list(self.rows), "rows": [list(r) for r in self.rows.values()]}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.rows = {u: [float(r[0]), bool(r[1]), bool(r[2]), int(r[3]), int(r[4]), int(r[5])]
+                     for u, r in zip(s["uids"], s["rows"], strict=True)}
+
+
+class SelectingPrompts:
+    """A prompt iterator that skips by the rule; a drop-in for :class:`~da3po_megatron.data.datasets.PromptIterator`
+    (``take`` / ``state_dict`` / ``load_state_dict``; the wrapped iterator's state is unchanged, so a checkpoint's
+    ``prompts`` entry reads the same with selection on or off). Thread-safe: the staleness-1 prefetch and the
+    asynchronous producer draw and score from their own threads.
+
+    ``observe(groups)`` (from ``Run.score``) records outcomes and adapts the rates; ``drain()`` returns and resets the
+    per-step counters."""
+
+    def __init__(self, inner: Any, params: SelectionParams, seed: int) -> None:
+        self.inner, self.params, self.seed = inner, params, int(seed)
+        self.history, self.rates = PromptHistory(), ExplorationRates(params)
+        self.memo: dict[int, bool] = {}  # stream position -> skipped (a rewound stream replays its decisions)
+        self.step = 0  # the selection step (windows observed)
+        self.counters = _zero_counters()
+        self.lock = threading.RLock()
+
+    # --- the iterator interface
+    def take(self, k: int) -> list[Any]:
+        out: list[Any] = []
+        with self.lock:
+            run_of_skips = 0
+            while len(out) < k:
+                pos = self.inner.consumed
+                got = self.inner.take(1)
+                if not got:
+                    break
+                ex = got[0]
+                if pos in self.memo:
+                    skip = self.memo[pos]
+                else:
+                    z, tail, s = self.history.streak(ex.uid)
+                    p = keep_probability(z, tail, s, self.rates.correct, self.rates.wrong, self.params)
+                    skip = uniform(self.seed, pos) >= p and run_of_skips < len(self.inner.dataset)
+                    self.memo[pos] = skip
+                    if skip:
+                        self.history.skipped(ex.uid)
+                        self.counters[f"skipped_{tail}"] += 1
+                run_of_skips = run_of_skips + 1 if skip else 0
+                if not skip:
+                    out.append(ex)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.lock:
+            s = self.inner.state_dict()
+            self.memo = {p: v for p, v in self.memo.items() if p >= s["consumed"]}  # no rewind goes before this
+            return s
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            self.inner.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:  # epoch, position, consumed, dataset, ...
+        return getattr(self.inner, name)
+
+    # --- outcomes, rates, counters
+    def observe(self, p_hats: list[tuple[str, float]]) -> None:
+        with self.lock:
+            for uid, p_hat in p_hats:
+                self.history.record(uid, p_hat, self.step)
+            c = sum(p >= 1.0 for _, p in p_hats)
+            w = sum(p <= 0.0 for _, p in p_hats)
+            self.counters["generated_groups"] += len(p_hats)
+            if self.rates.observe(c, w, len(p_hats)):
+                self.step += 1
+
+    def round_size(self, need: int) -> int:
+        with self.lock:
+            return oversample(need, self.rates.keep_ema)
+
+    def drain(self) -> dict[str, float]:
+        """This step's selection metrics (counters since the last drain, the current rates); resets the counters."""
+        with self.lock:
+            c, self.counters = self.counters, _zero_counters()
+            return {"selection/skipped_all_correct": float(c["skipped_all_correct"]),
+                    "selection/skipped_all_wrong": float(c["skipped_all_wrong"]),
+                    "selection/skipped": float(c["skipped_all_correct"] + c["skipped_all_wrong"]),
+                    "selection/explore_all_correct": self.rates.correct,
+                    "selection/explore_all_wrong": self.rates.wrong,
+                    "selection/keep_rate_estimate": self.rates.keep_ema,
+                    "selection/history_prompts": float(len(self.history.rows))}
+
+    def selection_state(self) -> dict[str, Any]:
+        with self.lock:
+            return {"fingerprint": self.inner.dataset.fingerprint(), "history": self.history.state_dict(),
+                    "rates": self.rates.state_dict(), "memo": [[p, v] for p, v in sorted(self.memo.items())],
+                    "step": self.step, "counters": dict(self.counters)}
+
+    def load_selection_state(self, s: dict[str, Any] | None) -> str:
+        """Restore; returns the one line to print. Another dataset (fingerprint): a new, empty history."""
+        with self.lock:
+            if not s:
+                return "selection: no history in the checkpoint (selection was off): starting a new history"
+            if s["fingerprint"] != self.inner.dataset.fingerprint():
+                return (f"selection: the checkpoint's history is of another dataset (fingerprint {s['fingerprint']} "
+                        f"!= {self.inner.dataset.fingerprint()}): starting a new history")
+            self.history.load_state_dict(s["history"])
+            self.rates.load_state_dict(s["rates"])
+            self.memo = {int(p): bool(v) for p, v in s["memo"]}
+            self.step, self.counters = int(s["step"]), {k: int(v) for k, v in s["counters"].items()}
+            return f"selection: resumed the history of {len(self.history.rows)} prompts"
+
+
+def _zero_counters() -> dict[str, int]:
+    return {"skipped_all_correct": 0, "skipped_all_wrong": 0, "generated_groups": 0}
+
+
+def selection_batch_metrics(batch_buckets: list[Any], generated_groups: int, generated_tokens: int
+                            ) -> dict[str, float]:
+    """Per step: generated groups and tokens per kept (trained) group, and the trained share of each bucket."""
+    n = max(len(batch_buckets), 1)
+    out = {"selection/generated_groups_per_kept": generated_groups / n,
+           "selection/generated_tokens_per_kept_group": generated_tokens / n}
+    for b in sorted(set(batch_buckets), key=str):
+        out[f"selection/trained_share_bucket/{b}"] = sum(x == b for x in batch_buckets) / n
+    return out
+
+
+def selecting(inner: Any, data: Any, seed: int) -> Any:
+    """The run's prompt stream: ``inner`` itself with ``data.selection=none``, else a :class:`SelectingPrompts`."""
+    if data.selection == "none":
+        return inner
+    params = SelectionParams(tails=data.selection_tails, target_all_correct=data.selection_target_all_correct,
+                             target_all_wrong=data.selection_target_all_wrong,
+                             explore_init=data.selection_explore_init, explore_step=data.selection_explore_step,
+                             explore_min=data.selection_explore_min,
+                             explore_min_all_wrong=data.selection_explore_min_all_wrong,
+                             max_skips_all_wrong=data.selection_max_skips_all_wrong,
+                             window=data.train_batch_size)
+    return SelectingPrompts(inner, params, seed)
