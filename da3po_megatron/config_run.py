@@ -148,6 +148,11 @@ class EvalConfig:
     data_dir: str = doc("", "Benchmark directory (see docs/evaluation.md); empty = $DA3PO_DATA/benchmarks.")
     template: Literal["boxed", "dapo", "none"] = doc("boxed", "Prompt template of math benchmarks (the verifier reads "
                                                               "the last \\boxed{} or 'Answer:' line either way).")
+    rescore_groups: int = doc(0, "Diagnostic (issue 47), 0 = off: every step after the weight sync, generate G fresh "
+                                 "responses for up to this many kept and this many dropped groups of the step and "
+                                 "log how often the filter's (0 < p_hat < 1) and DAA's (p_hat < daa.tau) decisions "
+                                 "made with the old p_hat differ under the new weights (rescore/*, per bucket; "
+                                 "trainer/rescore.py). Not trained on, not counted in gen/cumulative_samples.")
 
 
 @dataclass

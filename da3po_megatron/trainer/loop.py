@@ -30,6 +30,7 @@ from da3po_megatron.ranges import phase as named_range
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.async_rollout import AsyncRollout, Prefetch, uses_producer
 from da3po_megatron.trainer.collect import DynamicSamplingError, PhaseTimer, collect
+from da3po_megatron.trainer.rescore import rescore
 from da3po_megatron.trainer.run import Run
 
 __all__ = ["DynamicSamplingError", "PhaseTimer", "collect", "run_steps", "train"]  # (the error: tests, main.py)
@@ -107,6 +108,7 @@ def run_steps(run: Run) -> None:
             # 3. pi_old: recomputed by the policy (default) or the engines' sampled-token log-probs; the tokens the
             #    current weights sampled (per-token versions) measure the sync.
             batch = B.policy_batch(groups)
+            run.replay.record(step, rollout, batch)  # rollout.dump_dir: the step's rollout + batch (trainer/replay.py)
             with timer("old_logprobs"):
                 batch, mismatch = run.old_logprobs(batch, versions=B.token_versions(groups))
 
@@ -132,6 +134,8 @@ def run_steps(run: Run) -> None:
         run.step_completed(step)
         metrics = run.step_metrics(rollout, daa, mismatch, train_metrics, sync, timer.seconds,
                                    time.perf_counter() - t_step)
+        if cfg.eval.rescore_groups:  # diagnostic (issue 47): this step's p_hat decisions under the new weights
+            metrics.update(rescore(run, rollout.generated, step))
         if run.should_evaluate(step):
             with timer("eval"):
                 metrics.update(run.evaluate())
