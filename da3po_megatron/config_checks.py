@@ -92,6 +92,15 @@ def validate(cfg: Config) -> None:
         _check(r.staleness >= 1, "rollout.staleness", r.staleness, f">= 1 with {what} (0 is the synchronous loop)")
         _check(not r.colocate, "rollout.colocate", r.colocate, f"false with {what} (the engines generate while the "
                "policy trains)")
+        # behaviour-policy correction cannot be forgotten (issue 47, point 2; docs/async.md "Correction")
+        _check(not cfg.actor.use_rollout_logprobs, "actor.use_rollout_logprobs", True, f"false with {what}: pi_old "
+               "must be one policy (recomputed), not the engines' per-token log-probs of up to k versions stitched")
+        _check(r.allow_uncorrected or a.ratio_level == "token", "algorithm.name", a.name, f"a token-ratio algorithm "
+               f"(grpo, dapo, da3po) with {what}: GSPO's sequence ratio has no behaviour correction here (per-token "
+               "TIS does not apply to it); rollout.allow_uncorrected=true runs it uncorrected")
+        _check(r.allow_uncorrected or a.rollout_correction != "none", "algorithm.rollout_correction",
+               a.rollout_correction, f"'tis' with {what} (tokens sampled by up to k older policies need the "
+               "behaviour correction); rollout.allow_uncorrected=true opts out")
     _check(r.late_policy == "pace" or r.staleness >= 2 or r.partial_rollouts, "rollout.late_policy", r.late_policy,
            "'pace' unless the asynchronous producer runs (rollout.staleness >= 2 or rollout.partial_rollouts)")
     _check(r.stream_steps_per_call >= 1, "rollout.stream_steps_per_call", r.stream_steps_per_call, ">= 1")

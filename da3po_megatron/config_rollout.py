@@ -79,4 +79,13 @@ class RolloutConfig:
     max_versions_per_response: int = doc(4, "Partial rollouts: a response may span at most this many policy versions; "
                                             "a group that reached it is finished under its weights at the next update "
                                             "(the sync waits for it) instead of being interrupted again.")
+    producer_timeout_s: float = doc(600.0, "The asynchronous producer: seconds an engine's stream call may take "
+                                           "before the engine counts as hung (restarted with restart_on_failure, "
+                                           "else the run checkpoints its last completed step and stops, naming it); "
+                                           "the loop waits at most twice this for a producer that shows no progress.")
+    allow_uncorrected: bool = doc(False, "Opt-out (comparisons only): let the asynchronous producer (staleness >= 2 "
+                                         "or partial_rollouts) train with algorithm.rollout_correction=none, or with "
+                                         "GSPO's sequence ratio (which has no per-token TIS), i.e. ignore that tokens "
+                                         "were sampled by up to k older policies. docs/async.md 'Correction'.")
+    ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")
     ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")

@@ -60,7 +60,8 @@ def test_partial_stitches_segments_with_the_version_of_every_token():
     p.add_segment(_segment([2, 1], [False, True]), version=3)  # sample 1 finished inside the first segment
     p.span += 1
     cont = p.continuation([100, 101])
-    assert cont["prefix"] == [[9, 9], [9]] and cont["done"] == [False, True]
+    assert [x.tolist() for x in cont["prefix"]] == [[9, 9], [9]] and cont["done"] == [False, True]
+    assert all(isinstance(x, np.ndarray) and x.dtype == np.int32 for x in cont["prefix"])  # arrays, not lists
     assert cont["seeds"] == [continuation_seed(100, 1), continuation_seed(101, 1)] and p.key == "a0s1"
     final = [Completion(0, 0, [1], [7, 7, 7], "whole", [-0.25] * 3, "stop", 3),
              Completion(0, 1, [1], [], "", [], "", 0)]
@@ -71,7 +72,9 @@ def test_partial_stitches_segments_with_the_version_of_every_token():
     assert c0.versions.dtype == np.int32 and versions_spanned(c0.versions) == 2
     # the state round-trips through a checkpoint's plain data
     q = Partial.from_dict(p.to_dict())
-    assert q.continuation([100, 101]) == cont and q.span == 2 and q.start_version == 3
+    back = q.continuation([100, 101])
+    assert [x.tolist() for x in back["prefix"]] == [[9, 9], [9]] and back["seeds"] == cont["seeds"]
+    assert q.span == 2 and q.start_version == 3
 
 
 def test_token_versions_and_the_version_histograms():
@@ -97,7 +100,7 @@ def test_the_producer_needs_streaming_in_submission_order():
         load_config(None, base + ["rollout.staleness=2"])
     with pytest.raises(ConfigError, match="rollout.staleness = 0 is out of range"):
         load_config(None, base + ["rollout.mode=streaming", "rollout.partial_rollouts=true"])
-    cfg = load_config(None, base + ["rollout.mode=streaming", "rollout.staleness=4"])
+    cfg = load_config(None, base + ["rollout.mode=streaming", "rollout.staleness=4", "algorithm.rollout_correction=tis"])
     assert uses_producer(cfg) and not uses_producer(load_config(None, base + ["rollout.staleness=1"]))
 
 
@@ -119,6 +122,8 @@ class ScriptedPartialEngineClientMock:
         run = self.running[e]
         interrupted = {}
         for key in interrupt or []:
+            if key not in run:  # as the real engine (rollout/stream.py _stream_interrupt): unknown keys are ignored
+                continue
             g = run.pop(key)
             interrupted[key] = {"token_ids": [[9] * n for n in g["seg"]], "logprobs": [[-1.0] * n for n in g["seg"]],
                                 "finished": list(g["done"]), "reasons": ["stop" if d else "" for d in g["done"]],
@@ -160,6 +165,7 @@ def mock_run(task, need=2, k=2, partial=False, max_versions=4, inflight=4, steps
                              f"rollout.staleness={k}", f"rollout.partial_rollouts={str(partial).lower()}",
                              f"rollout.max_versions_per_response={max_versions}",
                              f"rollout.max_inflight_prompts={inflight}", "algorithm.name=dapo",
+                             "algorithm.rollout_correction=tis",
                              f"rollout.stream_steps_per_call={steps_per_call}"])
     data = PromptDataset([Example(f"u{i:03d}", [{"role": "user", "content": f"L{n}:{kind}"}], kind, "s",
                                   {"bucket": n})
@@ -327,7 +333,7 @@ def test_an_interrupted_request_continues_as_a_fresh_seed_sample_from_its_prefix
         m = len(cont["prefix"][j])
         assert whole[j].num_tokens == 24 and whole[j].versions.tolist() == [0] * m + [1] * (24 - m)
         assert whole[j].prompt_token_ids.tolist() == ref[j].prompt_token_ids.tolist()
-        fresh = engine.generate([ref[j].prompt_token_ids.tolist() + cont["prefix"][j]],
+        fresh = engine.generate([ref[j].prompt_token_ids.tolist() + cont["prefix"][j].tolist()],
                                 SamplingConfig(n=1, max_tokens=24 - m, seed=cont["seeds"][j],
                                                apply_chat_template=False, ignore_eos=True))[0][0]
         assert tail[j].token_ids.tolist() == fresh.token_ids.tolist()

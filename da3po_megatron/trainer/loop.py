@@ -28,7 +28,7 @@ import time
 from da3po_megatron.config import Config
 from da3po_megatron.ranges import phase as named_range
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.async_rollout import AsyncRollout, Prefetch, uses_producer
+from da3po_megatron.trainer.async_rollout import AsyncRollout, EngineFailure, Prefetch, ProducerStalled, uses_producer
 from da3po_megatron.trainer.collect import DynamicSamplingError, PhaseTimer, collect
 from da3po_megatron.trainer.rescore import rescore
 from da3po_megatron.trainer.run import Run
@@ -61,6 +61,10 @@ def train(cfg: Config, allow_config_change: bool = False) -> Run:
         except KeyboardInterrupt:  # StepAbandoned (ray.get re-raises it as a plain KeyboardInterrupt) or SIGINT x2
             if run.stop.exit_now or not run.stop.abandoned:
                 raise
+        except (EngineFailure, ProducerStalled):  # an engine of the producer died / hung, not restarted: the last
+            run.save_checkpoint()  # completed step is saved (a no-op when it is), then the run stops, naming it
+            run.poll_checkpoint(wait=True)
+            raise
         if run.preempted():
             run.save_checkpoint()
             run.poll_checkpoint(wait=True)  # an asynchronous save completes before the run ends
@@ -76,8 +80,9 @@ def run_steps(run: Run) -> None:
     if run.step == 0 and run.should_evaluate(0):  # the starting policy, for before/after comparisons
         run.logger.log(0, run.evaluate())
     previous: dict[str, float] = {}  # the last completed step's metrics (named when dynamic sampling fails)
-    producer = run.async_rollout = AsyncRollout(run, run.engine_weight_step, run.async_state) if (
-        uses_producer(cfg) and run.step < cfg.trainer.total_steps) else None  # generates from here on, beside us
+    # generates from here on, beside us (a staleness-1 checkpoint's prefetched batch moves into its queue)
+    producer = run.async_rollout = AsyncRollout(run, run.engine_weight_step, run.async_state, run.pending) if (
+        uses_producer(cfg) and run.step < cfg.trainer.total_steps) else None
     for step in range(run.step + 1, cfg.trainer.total_steps + 1):
         t_step, timer = time.perf_counter(), PhaseTimer(run, step)
         run.profiler.start(step)  # trainer.profile.steps: traces of this step (a no-op otherwise)

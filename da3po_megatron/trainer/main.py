@@ -88,6 +88,7 @@ def _train(cfg, args: argparse.Namespace) -> int:
     from da3po_megatron.data.datasets import BadRowError
     from da3po_megatron.megatron.memory import MemoryBudgetError
     from da3po_megatron.rewards import RewardPoolError
+    from da3po_megatron.trainer.async_rollout import EngineFailure, ProducerStalled
     from da3po_megatron.trainer.checkpoint import CheckpointWriteError, NoIntactCheckpointError
     from da3po_megatron.trainer.config_drift import ConfigDriftError
     from da3po_megatron.trainer.console import configure
@@ -129,6 +130,10 @@ def _train(cfg, args: argparse.Namespace) -> int:
     except RewardPoolError as e:
         print(f"reward error: {e}", file=sys.stderr)
         return 2
+    except (EngineFailure, ProducerStalled) as e:  # the async producer's engine died / hung (no restart): the last
+        print(f"rollout error: {e}; the last completed step is checkpointed (rollout.restart_on_failure=true "
+              "restarts the engine instead)", file=sys.stderr)  # completed step is checkpointed (trainer/loop.py)
+        return 1
     except MemoryBudgetError as e:  # before anything started; the message says what to change
         print(f"memory error: {e}", file=sys.stderr)
         return 2

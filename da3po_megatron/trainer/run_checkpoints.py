@@ -15,6 +15,7 @@ import torch
 
 from da3po_megatron.config import to_dict
 from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.async_partial import plain_state
 from da3po_megatron.trainer.best import save_checkpoint
 from da3po_megatron.trainer.collect import rollout_from_dict, rollout_to_dict
 from da3po_megatron.trainer.faults import fault_point
@@ -47,7 +48,8 @@ class RunCheckpoints:
             "drift_baseline": self.drift.baseline,  # the fresh-sync mismatch level, so a resumed run compares alike
             "engine_weight_step": self.engine_weight_step,
             "pending": [rollout_to_dict(r) for r in self.pending],
-            "async_rollout": producer.state_dict() if (producer := getattr(self, "async_rollout", None)) else None,
+            # the producer's snapshot (references, taken while paused), serialised only when a checkpoint is written
+            "async_rollout": producer.snapshot() if (producer := getattr(self, "async_rollout", None)) else None,
             "selection": self.prompts.selection_state() if hasattr(self.prompts, "selection_state") else None,
             "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()},
             "config": to_dict(self.cfg),
@@ -90,14 +92,14 @@ class RunCheckpoints:
             fault_point("checkpoint", step, self)
 
         if asynchronous:
-            pending = self.ckpt.start(step, save_policy, self.completed_state)
+            pending = self.ckpt.start(step, save_policy, plain_state(self.completed_state))
             self.saved_step = step
             self._async_save = {"pending": pending, "best": best_value, "t0": t0,
                                 "blocking_s": time.perf_counter() - t0}
             print(f"checkpoint step {step}: written asynchronously into {pending.tmp} "
                   f"({self._async_save['blocking_s']:.1f} s in the step)", flush=True)
             return None
-        path = save_checkpoint(self.ckpt, self.best, step, save_policy, self.completed_state, best_value)
+        path = save_checkpoint(self.ckpt, self.best, step, save_policy, plain_state(self.completed_state), best_value)
         self.saved_step = step
         note = f"; best {self.best.metric} = {best_value:.4f}" if self.best and best_value is not None else ""
         print(f"checkpoint step {step} -> {path} ({time.perf_counter() - t0:.1f} s){note}", flush=True)
