@@ -105,6 +105,13 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
     grids = {p: g for p, g in grids.items() if g}
     if "sync" not in grids:
         raise SystemExit(f"no sync runs under {root}/sync/{SLUG}")
+    # paired: only the seeds every policy finished (the last step of the longest run)
+    done = max(r["step"] for g in grids.values() for rows in g.values() for r in rows)
+    common = set.intersection(*[{s for s, rows in g.items() if max(r["step"] for r in rows) == done}
+                                for g in grids.values()])
+    grids = {p: {s: rows for s, rows in g.items() if s in common} for p, g in grids.items()}
+    if not common:
+        raise SystemExit(f"no seed finished step {done} under every policy")
     every = [r for g in grids.values() for rows in g.values() for r in rows]
     buckets = sorted({int(key.rsplit("/", 1)[1]) for r in every for key in r
                       if key.startswith("batch/group_frac_bucket/")})
@@ -120,6 +127,7 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
             v["discarded/hard"] = sum(v[f"discarded/{b}"] for b in hard)
             v["avg_samples/hard"] = sum(v[f"avg_samples/{b}"] for b in hard) / len(hard)
             v["avg_step/hard"] = sum(v[f"avg_step/{b}"] for b in hard) / len(hard)
+            v["avg_start/hard"] = sum(v[f"avg_start/{b}"] for b in hard) / len(hard)
     ref, others = "sync", [p for p in vals if p != "sync"]
     lines: list[str] = []
 
@@ -148,7 +156,7 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
                      f"{sum(v['discarded/hard'] for v in vals[p].values()):.0f} | "
                      f"{pooled(p, ['rescore/age_sum'], 'rescore/groups'):.2f} |")
     lines.append("\n**Trained share** of each bucket (kept groups trained, summed over steps; % of all trained groups; "
-                 "pooled over seeds) and the paired difference vs sync (points)\n")
+                 "mean over seeds) and the paired difference vs sync (points)\n")
     lines.append(f"| bucket | {ref} | " + " | ".join(f"{p} | diff" for p in others) + " | discarded late (" +
                  ", ".join(others) + ") |")
     lines.append("|---|---:|" + "---:|---|" * len(others) + "---|")
@@ -157,32 +165,32 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
         cells = [f"{100 * mean(p, key):.1f} | {diff(p, key)}" for p in others]
         disc = ", ".join(f"{sum(v[f'discarded/{b}'] for v in vals[p].values()):.0f}" for p in others)
         lines.append(f"| {b} | {100 * mean(ref, key):.1f} | " + " | ".join(cells) + f" | {disc} |")
-    lines.append("\n**Decision flips** under the new weights: keep/drop (0 < p_hat < 1) over re-scored kept + dropped "
-                 f"groups, DAA (p_hat < {tau:g}) over re-scored kept groups; % pooled over seeds (n = groups), "
-                 "paired difference vs sync (points)\n")
-    lines.append(f"| bucket | {ref} keep | {ref} DAA | " + " | ".join(f"{p} keep | diff | {p} DAA | diff"
-                                                                  for p in others) + " |")
-    lines.append("|---|---:|---:|" + "---:|---|---:|---|" * len(others))
-    for b in [None, *buckets]:
-        pre = "rescore" if b is None else f"rescore/bucket{b}"
-        cells = []
-        for p in [ref, *others]:
-            kr = pooled(p, [f"{pre}/kept_to_dropped", f"{pre}/dropped_to_kept"], f"{pre}/groups")
-            dr = pooled(p, [f"{pre}/daa_flips"], f"{pre}/kept")
-            ng = sum(v[f"{pre}/groups"] for v in vals[p].values())
-            nk = sum(v[f"{pre}/kept"] for v in vals[p].values())
-            c = [f"{100 * kr:.1f} (n {ng:.0f})", f"{100 * dr:.1f} (n {nk:.0f})"]
-            if p != ref:
-                c = [c[0], diff(p, f"{pre}/keep_flip_rate"), c[1], diff(p, f"{pre}/daa_flip_rate")]
-            cells += c
-        lines.append(f"| {'all' if b is None else b} | " + " | ".join(cells) + " |")
+    flips = (("kept_to_dropped", "kept", "the filter kept it (0 < p_hat < 1); the new p_hat would drop it"),
+             ("dropped_to_kept", "dropped", "the filter dropped it; the new p_hat would keep it"),
+             ("daa_flips", "kept", f"kept, and DAA's decision (p_hat < {tau:g}) differs under the new p_hat"))
+    for num, den, what in flips:
+        lines.append(f"\n**Decision flips, {num}** (%): re-scored groups where {what}; pooled over seeds "
+                     f"(n = re-scored {den} groups), paired difference vs sync (points)\n")
+        lines.append(f"| bucket | {ref} | " + " | ".join(f"{p} | diff" for p in others) + " |")
+        lines.append("|---|---:|" + "---:|---|" * len(others))
+        for b in [None, *buckets]:
+            pre = "rescore" if b is None else f"rescore/bucket{b}"
+            for v in (x for p in vals for x in vals[p].values()):
+                v[f"{pre}/{num}_rate"] = ratio(v[f"{pre}/{num}"], v[f"{pre}/{den}"])
+            cells = []
+            for p in [ref, *others]:
+                n = sum(v[f"{pre}/{den}"] for v in vals[p].values())
+                cells.append(f"{100 * pooled(p, [f'{pre}/{num}'], f'{pre}/{den}'):.1f} (n {n:.0f})")
+                if p != ref:
+                    cells.append(diff(p, f"{pre}/{num}_rate"))
+            lines.append(f"| {'all' if b is None else b} | " + " | ".join(cells) + " |")
     for at, label in (("avg_samples", f"equal generated samples ({budget:,.0f})"), ("avg_step", f"step {last}")):
         lines.append(f"\n**Held-out avg@{k}** (%) at {label}: {ref} mean +- sd over seeds, paired difference vs sync\n")
         lines.append(f"| bucket | start | {ref} | " + " | ".join(others) + " |")
         lines.append("|---|---:|---:|" + "---|" * len(others))
         for b in ["all", *[str(x) for x in buckets], "hard"]:
             m, sd, _ = mean_std([v[f"{at}/{b}"] for v in vals[ref].values()])
-            st = mean(ref, f"avg_start/{b}") if b != "hard" else math.nan
+            st = mean(ref, f"avg_start/{b}")
             lines.append(f"| {b} | {100 * st:.1f} | {100 * m:.1f} +- {100 * sd:.1f} | "
                          + " | ".join(diff(p, f"{at}/{b}") for p in others) + " |")
     text = "\n".join(lines) + "\n"
