@@ -13,7 +13,11 @@ The tokenizer is character level: every printable ASCII character and newline is
 ``<pad> <s> </s> <|im_start|> <|im_end|>`` and a ChatML chat template. One token per digit makes the synthetic
 arithmetic tasks learnable by a tiny model.
 
-Command line: ``python -m da3po_megatron.tiny OUT_DIR [--family qwen3] [--seed 0]``.
+Real proportions (:data:`REAL_SHAPES`, :func:`real_shape`): the models the recipes name, shrunk keeping their ratios
+(expert width to hidden, dense width to hidden, tied or untied head). The defaults above stay as they are (the existing
+tests assert on them and are timed at that size); tests of shipped shapes take ``real_shape(name)``.
+
+Command line: ``python -m da3po_megatron.tiny OUT_DIR [--family qwen3] [--seed 0] [--like Qwen3-30B-A3B]``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,36 @@ FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama")
 MOE_DEFAULTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                     mlp_only_layers=[1], decoder_sparse_step=1)
 HEAD_DIM = 32
+
+# Tiny models at the proportions of the models the recipes name (issue 46: a square or kernel-aligned toy shape hides
+# shape bugs). Each entry: the real config's figures, then the shrink. head_dim 32 everywhere (vLLM CPU attention's
+# smallest); KV heads at least the recipes' largest TP (4), which bounds how far the GQA ratio can follow.
+REAL_SHAPES: dict[str, dict] = {
+    # Qwen3-4B(-Base): hidden 2560, intermediate 9728 (3.8x), 32 heads x 128 (q width 1.6x hidden), 8 KV heads, 36
+    # layers, tied embeddings (Qwen3 technical report, Table 1: 0.6B/1.7B/4B tie, 8B and up do not).
+    "Qwen3-4B": dict(family="qwen3", hidden_size=160, ffn_hidden_size=608, num_heads=8, num_kv_heads=2,
+                     num_layers=2, tie_word_embeddings=True),
+    # Qwen3-8B(-Base): hidden 4096, intermediate 12288 (3x), 32 heads x 128 (q width 1x), 8 KV heads, untied head.
+    "Qwen3-8B": dict(family="qwen3", hidden_size=256, ffn_hidden_size=768, num_heads=8, num_kv_heads=4,
+                     num_layers=2, tie_word_embeddings=False),
+    # Qwen3-30B-A3B(-Base): hidden 2048, moe_intermediate 768 (0.375x: 2 x 768 != 2048, and 768 is a multiple of 32
+    # where the tiny width 48 is not -- vLLM's CPU kernel pads it), intermediate 6144 (3x; no dense layer uses it),
+    # 128 experts top-8 (16:1), 32 heads x 128 (q width 2x), 4 KV heads, 48 layers, untied head.
+    "Qwen3-30B-A3B": dict(family="qwen3_moe", hidden_size=128, ffn_hidden_size=384, moe_intermediate_size=48,
+                          num_experts=32, num_experts_per_tok=2, mlp_only_layers=[], num_heads=8, num_kv_heads=4,
+                          num_layers=2, tie_word_embeddings=False),
+}
+
+
+def real_shape(model: str) -> dict:
+    """:data:`REAL_SHAPES`' entry for a model name or path (``checkpoints/Qwen3-30B-A3B-Base`` ->
+    ``Qwen3-30B-A3B``; suffixes such as ``-Base`` / ``-Instruct`` are ignored): keyword arguments of
+    :func:`build_model`, ``family`` included. Raises naming the known shapes."""
+    name = Path(str(model).rstrip("/")).name.lower()
+    for key in sorted(REAL_SHAPES, key=len, reverse=True):
+        if name == key.lower() or name.startswith(key.lower() + "-"):
+            return {k: (list(v) if isinstance(v, list) else v) for k, v in REAL_SHAPES[key].items()}
+    raise ValueError(f"no tiny shape for model {model!r}: known {sorted(REAL_SHAPES)} (tiny.REAL_SHAPES)")
 
 
 def _chars() -> list[str]:
@@ -184,11 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden-size", type=int, default=None)
     ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--like", default=None, choices=sorted(REAL_SHAPES),
+                    help="the proportions of this model (tiny.REAL_SHAPES; sets the family, ignores --family)")
     args = ap.parse_args(argv)
     kw = {"num_layers": args.num_layers}
     if args.hidden_size:
         kw["hidden_size"] = args.hidden_size
-    out = build_model(args.out_dir, args.family, args.seed, **kw)
+    if args.like:
+        kw = {**real_shape(args.like), **({"hidden_size": args.hidden_size} if args.hidden_size else {})}
+    family = kw.pop("family", args.family)
+    out = build_model(args.out_dir, family, args.seed, **kw)
     cfg = json.loads((out / "config.json").read_text())
     print(f"wrote {out}: {cfg['architectures'][0]} hidden={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
           f"vocab={cfg['vocab_size']}")
