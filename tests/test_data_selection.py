@@ -154,3 +154,17 @@ def test_rewound_stream_replays_its_decisions():
 def test_skip_coin_is_a_pure_function():
     assert uniform(1, 5) == uniform(1, 5) != uniform(1, 6)
     assert 0.0 <= uniform(0, 0) < 1.0
+
+
+def test_naive_shared_rate_retires_all_wrong_prompts_too():
+    """The contrast: with one rate for both tails (naive GRESO) the all-wrong prompts are retired like easy ones."""
+    def late_hard_share(params: SelectionParams) -> tuple[float, dict[str, float]]:
+        sel = SelectingPrompts(_dataset().iterator(seed=1), params, seed=3)
+        seen = [u for uids in _drive(sel, 60) for u in uids]
+        late = seen[len(seen) // 2:]
+        return sum(int(u[1:]) % 2 for u in late) / len(late), sel.drain()
+
+    separate, s_counts = late_hard_share(P)
+    shared, n_counts = late_hard_share(SelectionParams(tails="shared", window=4))
+    assert n_counts["selection/skipped_all_wrong"] > 2 * s_counts["selection/skipped_all_wrong"]
+    assert separate > shared

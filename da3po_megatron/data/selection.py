@@ -231,6 +231,8 @@ class SelectingPrompts:
             self.inner.load_state_dict(state)
 
     def __getattr__(self, name: str) -> Any:  # epoch, position, consumed, dataset, ...
+        if name == "inner":  # not yet set (e.g. copy / unpickle): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     # --- outcomes, rates, counters
