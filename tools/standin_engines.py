@@ -1,0 +1,132 @@
+"""Stand-in stream engines (NOT vLLM) for the asynchronous producer's tests and ``tools/bench_async.py --standin``.
+
+``StandInStreamEngines(num_engines, n, step_s)`` has the ``RolloutClient`` surface the producer uses
+(``num_engines``, ``stream_start`` / ``stream_wait``, ``restart_on_failure`` / ``_restart`` / ``resync``) and
+behaves like ``rollout/stream.py`` on a Ray actor with ``max_concurrency=1``: each engine has one worker thread, so
+calls on different engines run at once and calls on one engine queue behind each other; ``stream_start`` returns a
+``concurrent.futures.Future``. One engine step sleeps ``step_s`` (the GIL is released, as a real engine waits for its
+device) and decodes one token of every running sample; a sample of the prompt ``L<n>:<kind>`` finishes after n
+tokens (token id 9, log-prob -1). ``interrupt`` keeps the decoded tokens and, as the real engine, ignores keys it
+does not run. Faults: ``die_at[engine] = (call, steps)`` -- the engine's first call from number ``call`` on that
+runs groups raises ``EngineDeadError`` after ``steps`` engine steps, and the engine stays dead until restarted; ``hang_at[(engine, call)]`` -- that call blocks (until
+``release`` is set, at most 60 s). ``busy_s[e]``: seconds engine e spent inside calls.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from da3po_megatron.rollout.types import Completion, EngineDeadError
+
+
+class StandInStreamEngines:
+    mode = "local"
+
+    def __init__(self, num_engines: int, n: int, step_s: float = 0.0, restart_on_failure: bool = False) -> None:
+        self.num_engines, self.n, self.step_s = num_engines, n, step_s
+        self.restart_on_failure, self.resync, self.restarts, self.weights_version = restart_on_failure, None, 0, 0
+        self.pools = [ThreadPoolExecutor(1, thread_name_prefix=f"standin-engine-{e}") for e in range(num_engines)]
+        self.running: list[dict[str, dict]] = [{} for _ in range(num_engines)]
+        self.calls = [0] * num_engines
+        self.inflight = [0] * num_engines
+        self.max_inflight = [0] * num_engines
+        self.busy_s = [0.0] * num_engines
+        self.dead = [False] * num_engines
+        self.generation = [0] * num_engines
+        self.die_at: dict[int, tuple[int, int]] = {}
+        self.hang_at: set[tuple[int, int]] = set()
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+
+    def stream_start(self, e: int, submit: list[tuple], sampling: Any, abort: Any = None, max_steps: int = 8,
+                     interrupt: list[str] | None = None) -> Future:
+        with self.lock:
+            self.calls[e] += 1
+            self.inflight[e] += 1
+            self.max_inflight[e] = max(self.max_inflight[e], self.inflight[e])
+            call, gen = self.calls[e], self.generation[e]
+        return self.pools[e].submit(self._call, e, gen, call, list(submit), max_steps, interrupt)
+
+    def stream_wait(self, pending: list[tuple[int, Any]]) -> tuple[int, dict[str, Any]]:
+        ref = pending[0][1]
+        return 0, ref.result() if isinstance(ref, Future) else ref
+
+    def _restart(self, e: int, cause: BaseException) -> None:
+        """As ``RolloutClient._restart``: a fresh engine (nothing running), the last synced weights replayed."""
+        if not self.restart_on_failure:
+            raise cause
+        with self.lock:
+            self.restarts += 1
+            self.generation[e] += 1
+            self.dead[e] = False
+            self.running[e] = {}
+            self.inflight[e] = 0
+        self.pools[e] = ThreadPoolExecutor(1, thread_name_prefix=f"standin-engine-{e}-r{self.restarts}")
+
+    def shutdown(self) -> None:
+        self.release.set()
+        for p in self.pools:
+            p.shutdown(wait=False, cancel_futures=True)
+
+    def _call(self, e: int, gen: int, call: int, submit: list[tuple], max_steps: int,
+              interrupt: list[str] | None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            return self._run(e, gen, call, submit, max_steps, interrupt)
+        finally:
+            with self.lock:
+                if self.generation[e] == gen:
+                    self.inflight[e] -= 1
+                    self.busy_s[e] += time.perf_counter() - t0
+
+    def _run(self, e: int, gen: int, call: int, submit: list[tuple], max_steps: int,
+             interrupt: list[str] | None) -> dict[str, Any]:
+        if self.dead[e] or gen != self.generation[e]:
+            raise EngineDeadError(e, "stand-in engine is dead")
+        if (e, call) in self.hang_at:
+            self.release.wait(60)
+        run = self.running[e]
+        interrupted = {}
+        for key in interrupt or []:
+            if key not in run:  # as rollout/stream.py: keys it does not run are ignored
+                continue
+            g = run.pop(key)
+            interrupted[key] = {"token_ids": [[9] * s for s in g["seg"]], "logprobs": [[-1.0] * s for s in g["seg"]],
+                                "finished": list(g["done"]), "reasons": ["stop" if d else "" for d in g["done"]],
+                                "texts": [g["prompt"] if d else "" for d in g["done"]]}
+        for key, prompt, index, _cap, *rest in submit:
+            cont = rest[0] if rest else None
+            if key in run:
+                raise RuntimeError(f"stand-in engine {e}: group {key!r} is already running")
+            run[key] = {"index": index, "length": int(prompt.split(":")[0][1:]), "prompt": prompt,
+                        "pos": [len(x) for x in cont["prefix"]] if cont else [0] * self.n, "seg": [0] * self.n,
+                        "done": list(cont["done"]) if cont else [False] * self.n}
+        finished, steps, die = [], 0, self.die_at.get(e)
+        die = die[1] if die is not None and call >= die[0] and run else None
+        while run and not finished and steps < max_steps:
+            if die is not None and steps >= die:
+                self.dead[e] = True
+                del self.die_at[e]
+                raise EngineDeadError(e, f"stand-in engine killed during stream (call {call}, after {steps} steps)")
+            steps += 1
+            if self.step_s:
+                time.sleep(self.step_s)
+            for key in list(run):
+                g = run[key]
+                for j in range(self.n):
+                    if not g["done"][j]:
+                        g["pos"][j] += 1
+                        g["seg"][j] += 1
+                        g["done"][j] = g["pos"][j] >= g["length"]
+                if all(g["done"]):
+                    run.pop(key)
+                    finished.append((key, [Completion(g["index"], j, [1], [9] * g["seg"][j], g["prompt"],
+                                                      [-1.0] * g["seg"][j], "stop", g["seg"][j])
+                                           for j in range(self.n)]))
+        out = {"finished": finished, "aborted": {}, "running": len(run), "decoded": 0}
+        if interrupt is not None:
+            out["interrupted"] = interrupted
+        return out
