@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from da3po_megatron.config_io import ConfigError, check_finite
@@ -129,6 +130,16 @@ def validate(cfg: Config) -> None:
                               f"{p.pipeline_model_parallel_size} and rollout.num_engines = {r.num_engines}: "
                               f"{e}") from None
     _check(r.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, "> 0")
+    _check(r.dump_every >= 1, "rollout.dump_every", r.dump_every, ">= 1")
+    _check(r.dump_keep >= 0, "rollout.dump_keep", r.dump_keep, ">= 0 (0 = keep all)")
+    _check(0 <= r.replay_match_threshold <= 1, "rollout.replay_match_threshold", r.replay_match_threshold, "[0, 1]")
+    if r.replay_dir:  # trainer/replay.py: recorded batches, consumed in order
+        _check(not (r.dump_dir and Path(r.dump_dir).resolve() == Path(r.replay_dir).resolve()), "rollout.dump_dir",
+               r.dump_dir, "a directory other than rollout.replay_dir")
+        _check(r.staleness < 2 and not r.partial_rollouts, "rollout.staleness", r.staleness, "0 or 1 with "
+               "rollout.replay_dir (the asynchronous producer generates beside the loop; nothing to replay it into)")
+        _check(r.replay_mode == "train_only" or r.mode == "rounds", "rollout.mode", r.mode, "'rounds' with "
+               "rollout.replay_mode=compare (the recorded request seeds are the generation rounds')")
     ov = a.overlong
     _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,
            f"[0, rollout.max_response_length={r.max_response_length})")

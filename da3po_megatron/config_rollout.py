@@ -88,4 +88,21 @@ class RolloutConfig:
                                          "GSPO's sequence ratio (which has no per-token TIS), i.e. ignore that tokens "
                                          "were sampled by up to k older policies. docs/async.md 'Correction'.")
     ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")
-    ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")
+    # Debugging at scale: dump a run's rollouts, replay them without (or against) the engines (trainer/replay.py)
+    dump_dir: str = doc("", "Write each step's rollout (kept and generated groups, rewards, seeds), its policy batch "
+                            "after advantages and the driver state the collection left, atomically, to "
+                            "dump_dir/step_NNNNNN.pt, with dump_dir/manifest.json (config, model, tokenizer and data "
+                            "identity); '' = off. docs/operations.md 'Rollout dump and replay'.")
+    dump_every: int = doc(1, "Dump every k-th step only (bounds the disk: a step holds its token ids, log-probs, "
+                             "versions and MoE routes).")
+    dump_keep: int = doc(0, "Keep only the newest k step files in dump_dir (0 = all).")
+    replay_dir: str = doc("", "Train on the rollouts dumped in this directory instead of generating them (the "
+                              "manifest must match the run: refused before Ray starts otherwise); '' = off.")
+    replay_mode: Literal["train_only", "compare"] = doc(
+        "train_only", "train_only: no engine is planned or started, weight sync and evaluation are skipped; "
+                      "compare: the engines regenerate each recorded group with its recorded seeds and the "
+                      "token match ratio and log-prob difference are logged (replay/*), training consumes the "
+                      "recording (a weight-sync check on real hardware).")
+    replay_match_threshold: float = doc(0.9, "compare: a step whose token match ratio is below this is reported "
+                                             "(warning, replay/match_below_threshold=1): the engines do not hold the "
+                                             "policy's weights (Miles' threshold: 0.9).")

@@ -61,6 +61,7 @@ class Group:
     routed_experts: list[np.ndarray] | None = None  # MoE: per response the engine's routes (Completion's), or None
     token_versions: list[np.ndarray] | None = None  # partial rollouts: per response the version of each token (int32);
     # None = every token from weight_step (trainer/async_rollout.py; weight_step is then the version it started under)
+    seed: int | None = None  # the engine request seed of response 0 (response j: seed + j); rounds only (replay.py)
 
     def __post_init__(self) -> None:
         self.prompt_ids = _array(self.prompt_ids, np.int32)

@@ -120,11 +120,11 @@ def fill_batch(run: Run, step: int) -> StepRollout:
             break
         examples = run.next_prompts(run.prompts_for_round(cfg.data.train_batch_size - len(buffer)))
         with timer("generate"):
-            completions = run.generate(examples, seed=run.sampling_seed(step, round_))
+            completions = run.generate(examples, seed=(seed := run.sampling_seed(step, round_)))
         with timer("reward"):
             groups = run.score(examples, completions)
-        for g in groups:
-            g.weight_step = weight_step
+        for i, g in enumerate(groups):
+            g.weight_step, g.seed = weight_step, seed + i * cfg.rollout.n  # prompt i's requests (SamplingConfig.seed)
         generated += groups
         p_hats = [g.p_hat if cfg.algorithm.filter_groups else 0.5 for g in groups]  # 0.5: kept by the filter
         with named_range("filter"):
@@ -269,7 +269,14 @@ def stream_batch(run: Run, step: int) -> StepRollout:
 
 
 def collect(run: Run, step: int) -> StepRollout:
-    """The batch of ``step``: generation + rewards + dynamic sampling, in rounds or streamed."""
+    """The batch of ``step``: generation + rewards + dynamic sampling, in rounds or streamed -- or, with
+    ``rollout.replay_dir``, the recorded one (``trainer/replay.py``, which also keeps what ``rollout.dump_dir``
+    needs)."""
+    replay = getattr(run, "replay", None)
+    return replay.collect(run, step, lambda: _collect(run, step)) if replay is not None else _collect(run, step)
+
+
+def _collect(run: Run, step: int) -> StepRollout:
     if run.cfg.rollout.mode == "streaming":
         with named_range("generate"):  # streamed: generation, rewards and the filter interleave inside this one range
             return stream_batch(run, step)

@@ -67,7 +67,8 @@ HARMLESS = ("trainer.total_steps", "trainer.run_dir", "trainer.resume", "trainer
             "rollout.weight_sync_timeout_s", "rollout.num_cpus_per_engine", "rollout.restart_on_failure",
             "rollout.logprob_drift_factor", "rollout.engine_placement", "rollout.colocate",
             "actor.max_tokens_per_microbatch", "actor.logprob_max_tokens_per_microbatch", "actor.memory_check",
-            "actor.entropy", "model.recompute_", "reward.num_workers", "reward.timeout_s",
+            "actor.entropy", "model.recompute_", "reward.num_workers", "reward.timeout_s", "rollout.dump_",
+            "rollout.replay_match_threshold",
             "algorithm.max_generation_rounds", "data.on_bad_row")
 SCHEDULE = ("optim.lr", "optim.min_lr", "optim.lr_warmup_steps", "optim.lr_schedule", "optim.weight_decay")
 

@@ -10,7 +10,9 @@ continue under the weights of step STEP - 1, i.e. while step STEP's batches are 
 - ``kill`` / ``term`` / ``usr1`` / ``int``: SIGKILL / SIGTERM / SIGUSR1 / SIGINT to the driver itself;
 - ``kill_engine``: SIGKILL the process of rollout engine 0 (its Ray actor);
 - ``kill_reward_worker``: SIGKILL reward worker 0 a moment (20 ms) after scoring starts;
-- ``nan``: the step's pi_old log-probs become NaN, so its loss is non-finite (``old_logprobs`` phase only).
+- ``nan``: the step's pi_old log-probs become NaN, so its loss is non-finite (``old_logprobs`` phase only);
+- ``skip``: the phase does nothing (``weight_sync`` only: the engines keep the previous weights -- the stale-engine
+  case ``rollout.replay_mode=compare`` must report, tests/test_replay.py).
 
 Each entry fires once per process.
 """
@@ -58,3 +60,8 @@ def poisoned(logprobs: list[list[float]], step: int) -> list[list[float]]:
     if os.environ.get(ENV) and _due("nan", "old_logprobs", step):
         return [[math.nan] * len(row) for row in logprobs]
     return logprobs
+
+
+def skipped(phase: str, step: int) -> bool:
+    """Whether ``skip@PHASE@STEP`` is injected (the caller then leaves the phase out); False outside fault tests."""
+    return bool(os.environ.get(ENV)) and _due("skip", phase, step)

@@ -110,9 +110,15 @@ def init_ray(cfg: Config) -> None:
 
 def plan_for_cluster(cfg: Config) -> Any:
     """The run's :class:`~da3po_megatron.trainer.placement.Plan` on the connected Ray cluster, checked in seconds
-    before any actor starts (PlacementError, exit 2, naming the numbers and the setting to change)."""
-    from da3po_megatron.trainer.placement import cluster_nodes, plan_placement, resources_for_config
+    before any actor starts (PlacementError, exit 2, naming the numbers and the setting to change). A ``train_only``
+    replay (``trainer/replay.py``) plans no engine: nothing is reserved for one."""
+    from dataclasses import replace
 
+    from da3po_megatron.trainer.placement import cluster_nodes, plan_placement, resources_for_config
+    from da3po_megatron.trainer.replay import engineless
+
+    if engineless(cfg):
+        cfg = replace(cfg, rollout=replace(cfg.rollout, num_engines=0, colocate=False))
     nodes = cluster_nodes()
     return plan_placement(resources_for_config(cfg, sum(n.gpus for n in nodes)), nodes)
 

@@ -42,7 +42,14 @@ import torch
 from da3po_megatron.ranges import PREFIX, is_active, phase, ranged, set_active
 
 __all__ = ["PREFIX", "StepProfiler", "cuda_memory_snapshot_supported", "engine_profiler_config", "is_active",
-           "phase", "ranged", "set_active", "start_rank_profile", "stop_rank_profile", "with_engine_profiler"]
+           "phase", "rank_ranges", "ranged", "set_active", "start_rank_profile", "stop_rank_profile",
+           "with_engine_profiler"]
+
+
+def nvtx_available() -> bool:
+    """Whether this process can emit NVTX ranges (a CUDA build that sees a GPU; ``torch.cuda.nvtx`` raises
+    otherwise)."""
+    return torch.cuda.is_available()
 
 def cuda_memory_snapshot_supported() -> bool:
     """Whether this process can record a CUDA memory snapshot (a GPU, and torch's private recording API)."""
@@ -65,13 +72,27 @@ def _make_profiler(memory: bool, with_stack: bool, record_shapes: bool) -> torch
 # ------------------------------------------------------------------------------------------- policy ranks (actors)
 
 
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def rank_ranges(worker: Any, nvtx: bool) -> bool:
+    """Run on every policy rank at start-up (``trainer.profile.nvtx``): the rank's ranges for the whole run -- on,
+    with NVTX where the rank sees CUDA -- and the state :func:`stop_rank_profile` returns to after a profiled step.
+    Returns whether NVTX ranges are on in this rank."""
+    base = (True, True) if nvtx and nvtx_available() else (False, None)
+    worker._da3po_ranges = base
+    set_active(*base)
+    return bool(base[1])
+
+
 def start_rank_profile(worker: Any, ranks: list[int], memory: bool = False, with_stack: bool = False,
                        record_shapes: bool = False) -> bool:
     """Run on every policy rank (``PolicyGroup.run_on_all``): start the torch profiler on the selected ``ranks``
     (global ranks). Returns whether this rank is profiled. Not collective."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = _global_rank()
     if rank not in ranks:
         return False
     prof = _make_profiler(memory, with_stack, record_shapes)
@@ -85,9 +106,10 @@ def start_rank_profile(worker: Any, ranks: list[int], memory: bool = False, with
 
 def stop_rank_profile(worker: Any, out_dir: str) -> list[str]:
     """Run on every policy rank: stop this rank's profiler (if it runs) and write ``rank_R.json`` (+ the CUDA memory
-    snapshot) into ``out_dir``; returns the files written."""
+    snapshot) into ``out_dir``; returns the files written. The rank's ranges return to the run's state
+    (:func:`rank_ranges`: NVTX on with ``trainer.profile.nvtx``), not to off."""
     state = getattr(worker, "_da3po_profile", None)
-    set_active(False)
+    set_active(*getattr(worker, "_da3po_ranges", (False, None)))
     if not state:
         return []
     worker._da3po_profile = None
@@ -148,8 +170,12 @@ class StepProfiler:
         self._driver: torch.profiler.profile | None = None
         self._step: int | None = None
         self._t0 = 0.0
-        if profile.nvtx and torch.cuda.is_available():
-            set_active(True, nvtx=True)  # every step: for nsys
+        if profile.nvtx:  # every step, the driver and every policy rank: for an nsys capture of the whole job
+            if nvtx_available():
+                set_active(True, nvtx=True)
+            on = policy.run_on_all(rank_ranges, True)
+            print(f"profile: NVTX ranges on {sum(map(bool, on))} of {len(on)} policy ranks (trainer.profile.nvtx; "
+                  "ranks without CUDA have none)", flush=True)
 
     def wants(self, step: int) -> bool:
         return step in self.steps
@@ -183,7 +209,7 @@ class StepProfiler:
             self._driver.export_chrome_trace(str(out / "driver.json"))
             self._driver = None
             files.append(str(out / "driver.json"))
-        set_active(bool(self.cfg.nvtx and torch.cuda.is_available()), nvtx=True)
+        set_active(bool(self.cfg.nvtx and nvtx_available()), nvtx=True)
         for part in self.policy.run_on_all(stop_rank_profile, str(out)):
             files += part
         if self.cfg.engines:

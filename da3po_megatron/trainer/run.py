@@ -39,7 +39,7 @@ from da3po_megatron.megatron.batching import PolicyBatch, Ragged
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.best import BestCheckpoint
 from da3po_megatron.trainer.checkpoint import CheckpointManager
-from da3po_megatron.trainer.faults import poisoned
+from da3po_megatron.trainer.faults import poisoned, skipped
 from da3po_megatron.trainer.metrics import MetricsLogger
 from da3po_megatron.trainer.prepare import (  # noqa: F401
     _hostname,
@@ -52,6 +52,7 @@ from da3po_megatron.trainer.prepare import (  # noqa: F401
     preflight,
 )
 from da3po_megatron.trainer.profiling import with_engine_profiler
+from da3po_megatron.trainer.replay import NoEngines, Replay, engineless
 from da3po_megatron.trainer.run_checkpoints import RunCheckpoints
 from da3po_megatron.trainer.signals import StopSignals
 
@@ -139,6 +140,7 @@ class Run(RunCheckpoints):
         if latest is not None:  # the checkpoint finally chosen (maybe a fallback) against its own recorded config
             check_checkpoint_config(cfg, latest, allow=allow_config_change)
         write_run_record(cfg)  # run_dir/config.yaml: at the first launch, and after an accepted change
+        self.replay = Replay(cfg).start(self, latest, allow_config_change)  # rollout.dump_dir / replay_dir: checked
         self.ckpt.before_write = guard(self.run_dir)  # a trainer whose lock was taken over stops before it writes
 
         init_ray(cfg)
@@ -157,6 +159,8 @@ class Run(RunCheckpoints):
                                               num_gpus_per_rank=plan.rank_gpus,
                                               rank_hosts=[plan.host(i) for i in plan.rank_node])
         def start_engines() -> Any:
+            if engineless(cfg):  # rollout.replay_mode=train_only: none planned (prepare.plan_for_cluster), none started
+                return NoEngines()
             engines = engine_config(cfg, engine_cuda=self.devices["engine"]["cuda"], moe=arch.is_moe)
             return RolloutClient.ray(with_engine_profiler(engines, cfg, self.run_dir),  # trainer.profile.engines
                                      num_engines=cfg.rollout.num_engines,
@@ -185,7 +189,7 @@ class Run(RunCheckpoints):
             prewarmed = lambda: None  # noqa: E731 - waited for above
         self.rollout.wait_ready()
         prewarmed()
-        print(f"policy ({cfg.policy_world_size} ranks) and {cfg.rollout.num_engines} engine(s) ready in "
+        print(f"policy ({cfg.policy_world_size} ranks) and {self.rollout.num_engines} engine(s) ready in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         self.pin_cpus()
         # where the actors say they are (their node, the GPU ids Ray gave them): printed and in run_dir/placement.json
@@ -200,9 +204,9 @@ class Run(RunCheckpoints):
         from da3po_megatron.rollout.weight_sync import choose_transport
 
         has_cuda = self.devices["policy"]["cuda"] and self.devices["engine"]["cuda"]  # what the actors see
-        self.weight_transfer = choose_transport(cfg.rollout.weight_transfer, has_cuda=has_cuda,
-                                                colocate=cfg.rollout.colocate, policy_hosts=policy_hosts,
-                                                engine_hosts=engine_hosts)
+        self.weight_transfer = "none" if engineless(cfg) else choose_transport(
+            cfg.rollout.weight_transfer, has_cuda=has_cuda, colocate=cfg.rollout.colocate, policy_hosts=policy_hosts,
+            engine_hosts=engine_hosts)
         self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
         self._transport: Any = None
         self.rollout.resync = self.sync_weights  # an engine restarted after a sync gets the weights again
@@ -361,6 +365,9 @@ class Run(RunCheckpoints):
         """Policy -> every engine through the transport chosen at start-up (``rollout.weight_transfer``)."""
         from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
 
+        if self.weight_transfer == "none" or skipped("weight_sync", self.step + 1):  # train_only replay; fault tests
+            return {}
+
         r = self.cfg.rollout
         if self.weight_transfer == "collective":
             from da3po_megatron.rollout.collective_transport import CollectiveTransport
@@ -445,7 +452,8 @@ class Run(RunCheckpoints):
     # ------------------------------------------------------------------------------------------------ evaluation
     def should_evaluate(self, step: int) -> bool:
         e = self.cfg.eval
-        return bool(e.every) and bool(e.benchmarks) and (step % e.every == 0 or step == self.cfg.trainer.total_steps)
+        return bool(e.every) and bool(e.benchmarks) and not engineless(self.cfg) and (
+            step % e.every == 0 or step == self.cfg.trainer.total_steps)
 
     def evaluate(self) -> dict[str, float]:
         from da3po_megatron.trainer.evaluation import evaluate_during_training

@@ -1,0 +1,186 @@
+"""Rollout dump and replay without Ray (issue 48; trainer/replay.py): the manifest refuses a replay that does not
+match its dump, naming each difference, before anything starts; ``rollout.dump_every`` / ``dump_keep`` bound the
+disk; step files are written atomically; the compare metric. The end-to-end dump -> train_only / compare runs are in
+tests/test_replay.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from da3po_megatron.algorithms import DynamicSamplingBuffer
+from da3po_megatron.config import load_config
+from da3po_megatron.data.datasets import Example
+from da3po_megatron.rollout.types import Completion
+from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer import replay as R
+from da3po_megatron.trainer.collect import StepRollout
+from da3po_megatron.trainer.prepare import load_train_data
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_model(path: Path, vocab: str = "abc", hidden: int = 4) -> Path:
+    """A model directory with what the identity reads: config.json, tokenizer files, a safetensors file."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": hidden}))
+    (path / "tokenizer.json").write_text(json.dumps({"vocab": vocab}))
+    save_file({"w": torch.zeros(hidden)}, str(path / "model.safetensors"))
+    return path
+
+
+def config(model: Path, tmp: Path, *overrides: str):
+    return load_config(str(ROOT / "examples/tiny_cpu_da3po.yaml"),
+                       [f"model.path={model}", f"trainer.run_dir={tmp / 'run'}", "data.synthetic.max_digits=3",
+                        "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4",
+                        "rollout.max_response_length=8", "algorithm.overlong.buffer_length=2",
+                        "trainer.total_steps=3", *overrides])
+
+
+def state(cfg) -> dict:
+    return load_train_data(cfg).iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle).state_dict()
+
+
+def write_dump(cfg, root: Path, steps=(1, 2, 3)) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / R.MANIFEST).write_text(json.dumps(R.make_manifest(cfg, state(cfg))))
+    for s in steps:
+        R.step_file(root, s).write_bytes(b"")
+
+
+def test_a_matching_dump_passes_and_layout_and_paths_may_differ(tmp_path):
+    model = fake_model(tmp_path / "m")
+    write_dump(config(model, tmp_path), tmp_path / "dump")
+    moved = fake_model(tmp_path / "copy")  # the same model elsewhere (the cluster's path is not this machine's)
+    cfg = config(moved, tmp_path, f"rollout.replay_dir={tmp_path / 'dump'}", "parallel.tensor_model_parallel_size=2",
+                 "actor.packing=false", "actor.max_tokens_per_microbatch=1024")
+    assert R.check_replay(cfg, state(cfg))["format"] == R.FORMAT
+
+
+def test_a_dump_of_another_model_tokenizer_data_or_config_is_refused_naming_each_difference(tmp_path):
+    write_dump(config(fake_model(tmp_path / "m"), tmp_path), tmp_path / "dump")
+    other = fake_model(tmp_path / "other", vocab="abd", hidden=8)
+    cfg = config(other, tmp_path, f"rollout.replay_dir={tmp_path / 'dump'}", "rollout.n=8", "daa.lambda_=2.5",
+                 "data.synthetic.max_digits=4")
+    with pytest.raises(R.ReplayManifestError) as e:
+        R.check_replay(cfg, state(cfg))
+    msg = str(e.value)
+    for what in ("model config.json", "model model.safetensors", "tokenizer tokenizer.json", "data fingerprint",
+                 "data num_examples", "config rollout.n: 4 in the dump, 8 here", "config daa.lambda_: 2.0 in the dump,"
+                 " 2.5 here", "config data.synthetic.max_digits"):
+        assert what in msg, what
+    # --allow-config-change lets the config differ (a warning each), never the model, tokenizer or data
+    with pytest.raises(R.ReplayManifestError) as e:
+        R.check_replay(cfg, state(cfg), allow=True)
+    assert "model config.json" in str(e.value) and "config rollout.n" not in str(e.value)
+    same = config(fake_model(tmp_path / "m"), tmp_path, f"rollout.replay_dir={tmp_path / 'dump'}", "rollout.n=8")
+    warnings: list[str] = []
+    R.check_replay(same, state(same), allow=True, log=warnings.append)
+    assert warnings == ["warning: replay: config rollout.n: 4 in the dump, 8 here: the replayed steps train "
+                        "differently from the dumped ones"]
+
+
+def test_missing_manifest_or_steps_are_refused(tmp_path):
+    model = fake_model(tmp_path / "m")
+    cfg = config(model, tmp_path, f"rollout.replay_dir={tmp_path / 'dump'}")
+    with pytest.raises(R.ReplayManifestError, match="no manifest.json"):
+        R.check_replay(cfg, state(cfg))
+    write_dump(config(model, tmp_path), tmp_path / "dump", steps=(2, 3))
+    with pytest.raises(R.ReplayManifestError, match=r"lacks steps 1 of the 1..3 .*it holds 2-3"):
+        R.check_replay(cfg, state(cfg))
+    R.check_replay(cfg, state(cfg), first_step=2)  # resuming from the checkpoint of step 1: enough
+
+
+def test_the_refusal_comes_from_da3po_train_before_ray_starts(warm_model, tmp_path, capsys):
+    """The CLI in this process: exit 2 naming the difference, and Ray never initialised here."""
+    import ray
+
+    from da3po_megatron.trainer.main import main
+
+    write_dump(config(warm_model, tmp_path), tmp_path / "dump")
+    overrides = ["model.path=" + str(warm_model), f"trainer.run_dir={tmp_path / 'run'}", "data.synthetic.max_digits=3",
+                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4",
+                 "rollout.max_response_length=8", "algorithm.overlong.buffer_length=2", "trainer.total_steps=3",
+                 f"rollout.replay_dir={tmp_path / 'dump'}", "daa.tau=0.25"]
+    assert main(["--config", str(ROOT / "examples/tiny_cpu_da3po.yaml"), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "does not match this run" in err and "config daa.tau: 0.5 in the dump, 0.25 here" in err
+    assert not ray.is_initialized()
+
+
+# ------------------------------------------------------------------------------------------------ dump bound
+
+
+def group(uid: str, seed: int, tokens: list[list[int]], acc: list[float]) -> B.Group:
+    return B.Group(example=Example(uid=uid, prompt=[{"role": "user", "content": "p"}], answer="1", source="s"),
+                   prompt_ids=[1, 2],
+                   response_ids=tokens, texts=["x"] * len(tokens),
+                   rollout_logprobs=[[-0.5] * len(t) for t in tokens], finish_reasons=["stop"] * len(tokens),
+                   acc=acc, rewards=acc, advantages=[0.5, -0.5], seed=seed)
+
+
+class StandInRun:
+    """Stand-in for ``Run``: the driver state a collection changes (data iterator, buffer, counters)."""
+
+    def __init__(self, cfg) -> None:
+        self.prompts = load_train_data(cfg).iterator(seed=1)
+        self.buffer = DynamicSamplingBuffer(4, "carry", 2)
+        self.totals = {"samples": 0}
+
+
+def test_dump_every_and_dump_keep_bound_the_disk_and_files_are_whole(tmp_path):
+    cfg = config(fake_model(tmp_path / "m"), tmp_path, f"rollout.dump_dir={tmp_path / 'dump'}", "rollout.dump_every=2",
+                 "rollout.dump_keep=2")
+    run = StandInRun(cfg)
+    rep = R.Replay(cfg)
+    for step in range(1, 10):
+        def live(step=step):
+            run.prompts.take(2)
+            run.totals["samples"] += 8
+            g = group(f"u{step}", 7 * step, [[3, 4], [5]], [1.0, -1.0])
+            return StepRollout([g], [g], {"dynamic_sampling/rounds": 1.0}, step - 1)
+
+        rollout = rep.collect(run, step, live)
+        rep.record(step, rollout, B.policy_batch(rollout.groups))
+    assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == ["step_000006.pt", "step_000008.pt"]
+    rec = torch.load(R.step_file(tmp_path / "dump", 8), weights_only=True)
+    assert rec["driver"]["totals"]["samples"] == 64 and rec["driver"]["prompts"]["consumed"] == 16
+    assert rec["rollout"]["groups"][0]["seed"] == 56 and rec["batch"]["advantages"].tolist() == [0.5, -0.5]
+
+
+def test_a_failed_write_leaves_neither_a_file_nor_a_temporary(tmp_path):
+    def boom(f):
+        f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        R._atomic(tmp_path / "step_000001.pt", boom)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------ compare
+
+
+def test_token_match_ratio_counts_agreeing_prefixes_and_seed_runs_rebuild_the_rounds():
+    rec = [group("a", 100, [[1, 2, 3], [4, 5]], [1.0, -1.0]), group("b", 108, [[6, 7], [8]], [1.0, -1.0])]
+
+    def comp(tokens, lp=-0.5):
+        return Completion(prompt_index=0, sample_index=0, prompt_token_ids=[1], token_ids=tokens, text="",
+                          logprobs=[lp] * len(tokens), finish_reason="stop", num_tokens=len(tokens))
+
+    same = [[comp([1, 2, 3]), comp([4, 5])], [comp([6, 7]), comp([8])]]
+    assert R.compare_completions(rec, same)["replay/token_match_ratio"] == 1.0
+    other = [[comp([1, 9, 3]), comp([4, 5, 6])], [comp([6, 7], -0.25), comp([2])]]
+    m = R.compare_completions(rec, other)
+    assert m["replay/token_match_ratio"] == pytest.approx((1 + 2 + 2 + 0) / (3 + 3 + 2 + 1))
+    assert m["replay/logprob_diff_max"] == pytest.approx(0.25)
+    # one round of n=4: prompt i seeded 100 + 4 i; a second call starts a new run
+    groups = [group(u, s, [[1], [2]], [1.0, -1.0]) for u, s in (("a", 100), ("b", 104), ("c", 108), ("d", 300))]
+    assert [(s, [g.example.uid for g in gs]) for s, gs in R.seed_runs(groups, 4)] == [
+        (100, ["a", "b", "c"]), (300, ["d"])]
+    assert np.isfinite(m["replay/logprob_diff_mean"])
