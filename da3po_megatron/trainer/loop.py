@@ -114,7 +114,6 @@ def run_steps(run: Run) -> None:
             #    current weights sampled (per-token versions) measure the sync.
             batch = B.policy_batch(groups)
             run.replay.record(step, rollout, batch)  # rollout.dump_dir: the step's rollout + batch (trainer/replay.py)
-            run.replay.record(step, rollout, batch)  # rollout.dump_dir: the step's rollout + batch (trainer/replay.py)
             with timer("old_logprobs"):
                 batch, mismatch = run.old_logprobs(batch, versions=B.token_versions(groups))
 
