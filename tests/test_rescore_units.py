@@ -29,3 +29,17 @@ def test_pick_groups_draws_up_to_m_of_each_kind_reproducibly():
     assert sum(0 < g.p_hat < 1 for g in picked) == 2 and sum(not 0 < g.p_hat < 1 for g in picked) == 2
     assert picked == pick_groups(groups, 2, seed=3)
     assert len(pick_groups(groups, 10, seed=0)) == 6
+
+
+def test_the_study_pairs_policies_by_seed():
+    import importlib.util
+    import math
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "study_async_hard.py"
+    spec = importlib.util.spec_from_file_location("study_async_hard", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    m, se, n = study.paired({0: 0.5, 1: 0.7, 2: 0.6, 9: 1.0}, {0: 0.4, 1: 0.5, 2: 0.6})  # seed 9 has no pair
+    assert n == 3 and math.isclose(m, 0.1) and math.isclose(se, 0.1 / math.sqrt(3))  # sd of (0.1, 0.2, 0) = 0.1
+    assert math.isnan(study.paired({0: 1.0}, {0: 0.0})[1])  # one seed: no standard error
