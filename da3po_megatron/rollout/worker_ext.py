@@ -33,6 +33,7 @@ outside a session fails on CPU (vLLM repacks weights; parameters become size 0),
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from da3po_megatron.rollout.collective_receive import CollectiveReceiverMixin
 from da3po_megatron.rollout.ipc import IpcReceiverMixin
@@ -130,28 +131,70 @@ def refresh_tied_layers(model, loaded: set[str]) -> list[str]:
     return refreshed
 
 
-def reprepack_cpu_moe_layers(model) -> list[str]:
-    """Re-run the CPU MoE kernel's weight prepacking after a weight update; returns the layers repacked.
-
-    vLLM 0.32 ``UnquantizedFusedMoEMethod._setup_kernel`` (``layers/fused_moe/unquantized_fused_moe_method.py``
-    187-205) calls ``moe_kernel.fused_experts.process_weights_after_loading(layer)`` -- which on CPU pads the expert
-    intermediate and prepacks ``w13_weight`` / ``w2_weight`` into the grouped-GEMM layout
-    (``fused_moe/experts/cpu_moe.py`` 208-218) -- on the FIRST load only (``if not is_weight_update``). After any
-    weight update (layerwise reload, ``reload_weights``) the CPU kernel therefore reads the new experts in the raw
-    checkpoint layout: measured on the tiny Qwen3-MoE, a reload of the *same* weights changed the sampled tokens and
-    the log-probs by up to 5. Here the skipped step is run on every MoE layer whose kernel is a CPU one; CUDA kernels
-    take their weights from ``convert_to_unquantized_kernel_format``, which the update does run, and are left alone.
-    """
-    repacked = []
+def _cpu_moe_layers(model) -> list[tuple[str, object, object]]:
+    """``(name, layer, cpu_experts)`` of every fused-MoE layer whose kernel is vLLM's CPU grouped GEMM."""
+    out = []
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if experts is None or "CPU" not in type(experts).__name__ or not hasattr(module, "w13_weight"):
             continue
-        experts.process_weights_after_loading(module)
-        repacked.append(name)
-    return repacked
+        out.append((name, module, experts))
+    return out
+
+
+def cpu_moe_prepack_on_update(model) -> Callable[[], list[str]]:
+    """Make a weight update run the CPU MoE kernel's weight step on the new experts; returns the undo function
+    (which returns the names of the layers it applied to). Install it before a layerwise-reload session starts
+    and undo it after the session is finalised (:class:`WeightSyncExtension` does both; so does
+    :meth:`WeightSyncExtension.da3po_reload_from_path` around ``Worker.reload_weights``).
+
+    Why (vLLM 0.32): on the FIRST load ``UnquantizedFusedMoEMethod._setup_kernel``
+    (``layers/fused_moe/unquantized_fused_moe_method.py`` 187-205) calls the CPU experts'
+    ``process_weights_after_loading`` (``fused_moe/experts/cpu_moe.py`` 208-218), which zero-pads each expert's
+    intermediate dimension to the kernel's alignment (``_pad_moe_intermediate`` 220-239, ``round_up(I, 32)`` for the
+    vec and AMX kernels, ``_padded_intermediate_size`` 105-109) and prepacks ``w13_weight`` [E, 2I', H] and
+    ``w2_weight`` [E, H, I'] into the grouped-GEMM layout. On a weight update (``is_weight_update``) it skips that
+    step. A layerwise reload (``model_loader/reload/layerwise.py``) remembers the live, padded and prepacked
+    tensors as the layer's kernel tensors (line 109), rebuilds the layer in checkpoint shape [E, 2I, H] from the
+    metadata recorded before the first processing, loads, runs ``quant_method.process_weights_after_loading``
+    (line 388: no padding, no prepack) and copies the result into the kernel tensors
+    (``_copy_and_restore_kernel_tensors``, line 425). So:
+
+    - when ``I`` is not a multiple of the alignment (tiny Qwen3-MoE at real proportions: I=48 -> I'=64) the copy
+      fails: "The size of tensor a (128) must match the size of tensor b (96) at non-singleton dimension 1";
+    - when it is (Qwen3-30B-A3B: 768; the old tiny model: 64) the copy succeeds but leaves raw, unpacked experts
+      in the kernel's tensors: a reload of the same weights moved log-probs by up to ~8.
+
+    Here the layer's ``quant_method.process_weights_after_loading`` gets (as an instance attribute, for the session
+    only) the skipped CPU step appended, so padding and prepacking happen on the freshly loaded layer BEFORE vLLM
+    copies it into the kernel tensors -- same shapes, packed data, the first load's exact path. A layer that
+    receives nothing keeps its kernel tensors untouched (they are already packed). CUDA kernels take their
+    weights from ``convert_to_unquantized_kernel_format``, which the update does run, and are left alone; the
+    zentorch path returns early inside the same call (cpu_moe.py 209-211).
+    """
+    patched = []
+    for name, module, experts in _cpu_moe_layers(model):
+        method = module.quant_method
+        original = method.process_weights_after_loading  # bound method of the class
+
+        def process(layer, _original=original, _experts=experts):
+            _original(layer)
+            _experts.process_weights_after_loading(layer)  # pad + prepack, as on the first load
+            applied.append(name_of[id(layer)])
+
+        method.process_weights_after_loading = process
+        patched.append((name, module, method))
+    name_of = {id(m): n for n, m, _ in patched}
+    applied: list[str] = []
+
+    def undo() -> list[str]:
+        for _, _, method in patched:
+            method.__dict__.pop("process_weights_after_loading", None)
+        return sorted(set(applied))
+
+    return undo
 
 
 class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
@@ -168,11 +211,12 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
             raise RuntimeError("a weight update session is already open on this worker (begin called twice)")
         model = self._da3po_model()
         followers = tied_followers(model)
+        undo_moe = cpu_moe_prepack_on_update(model)
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         _expect_nothing_from_derived_layers(model)
         _expect_nothing_from_tied_followers(followers)
-        self._da3po_session = {"loaded": set(), "bytes": 0, "t0": time.perf_counter()}
+        self._da3po_session = {"loaded": set(), "bytes": 0, "t0": time.perf_counter(), "undo_moe": undo_moe}
 
     def da3po_load_bucket(self, payload, begin: bool = False, finish: bool = False, strict: bool = True) -> dict:
         """Load one bucket of HF-named tensors. ``payload``: a dict of tensors (in-process engines), a packed
@@ -217,11 +261,13 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
         if session is None:
             raise RuntimeError("da3po_finish_weight_update called without an open session")
         model = self._da3po_model()
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(model, self.vllm_config.model_config)
-            refreshed = refresh_tied_layers(model, session["loaded"])
-            reprepack_cpu_moe_layers(model)  # vLLM 0.32 skips this step on updates (see the function)
-        self._da3po_session = None
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                refreshed = refresh_tied_layers(model, session["loaded"])
+        finally:
+            prepacked = session["undo_moe"]()  # the CPU MoE step ran inside the session (see the function)
+            self._da3po_session = None
         self._da3po_reset_routes()
         runner = self.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
@@ -234,7 +280,7 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
             raise RuntimeError(f"weight update left {len(missing)} vLLM parameters unwritten (they keep their old "
                                f"values): {missing[:8]}{'...' if len(missing) > 8 else ''}")
         return {"missing": missing, "bytes": session["bytes"], "seconds": time.perf_counter() - session["t0"],
-                "refreshed_tied": refreshed}
+                "refreshed_tied": refreshed, "prepacked_moe": prepacked}
 
     def da3po_abort_weight_update(self) -> None:
         """Drop an open session after a failed bucket (finalise so every layer gets its kernel tensors back)."""
@@ -251,10 +297,14 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
     def da3po_reload_from_path(self, path: str) -> float:
         """Reload every weight from an HF checkpoint directory on disk (the slow baseline of the sync benchmark)."""
         t0 = time.perf_counter()
-        self.reload_weights(weights_path=path, is_checkpoint_format=True)
-        model = self._da3po_model()  # vLLM's own reload leaves a tied head stale too (see the module docstring)
+        model = self._da3po_model()
+        undo_moe = cpu_moe_prepack_on_update(model)  # vLLM's reload runs the same layerwise session
+        try:
+            self.reload_weights(weights_path=path, is_checkpoint_format=True)
+        finally:
+            undo_moe()
+        # vLLM's own reload leaves a tied head stale too (see the module docstring)
         refresh_tied_layers(model, {name for name, _ in model.named_parameters()})
-        reprepack_cpu_moe_layers(model)
         self._da3po_reset_routes()
         return time.perf_counter() - t0
 
@@ -268,9 +318,11 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
         r = self._da3po_routes
         return {"moe_layers": r.num_layers, "top_k": r.top_k, "dtype": str(r.dtype)}
 
-    def da3po_routes_take(self, wanted: list) -> list:
-        """The routes of finished requests (``RouteCapture.take``)."""
-        return self._da3po_routes.take(wanted)
+    def da3po_routes_take(self, wanted: list, keep: list | None = None) -> list:
+        """The routes of finished requests (``RouteCapture.take``), None where ``keep`` is False (taken and dropped
+        here, so that they never leave the worker)."""
+        got = self._da3po_routes.take(wanted)
+        return got if keep is None else [r if k else None for r, k in zip(got, keep)]
 
     def _da3po_reset_routes(self) -> None:
         """New weights: the captured routes and the prefix store belong to the old ones."""
