@@ -237,7 +237,7 @@ def loop_run_fake(run, step: int, total: int, pending: list, trained: list):
     run.__dict__.update(
         step=step, engine_weight_step=step, async_state=None, pending=pending, should_evaluate=lambda s: False,
         logger=SimpleNamespace(log=lambda *a: None), profiler=SimpleNamespace(start=lambda s: None, stop=lambda: None),
-        stop=SimpleNamespace(abandonable=nullcontext), old_logprobs=lambda batch, versions: (batch, {}),
+        stop=SimpleNamespace(abandonable=nullcontext), old_logprobs=lambda batch, **kw: (batch, {}),
         policy=SimpleNamespace(train_step=lambda b: {}), check_update=lambda s, m: None, sync_weights=lambda: {},
         step_completed=lambda s: setattr(run, "step", s), best_candidate=lambda m: None,
         poll_checkpoint=lambda wait=False: None, should_checkpoint=lambda s: False, save_checkpoint=lambda: None,

@@ -25,6 +25,14 @@ per response, and with ``d`` the groups discarded for being late per bucket (sum
     python tools/bench_async.py                                  # the issue-37 table (docs/throughput.md)
     python tools/bench_async.py --settings 0,1,2p --steps 2     # a quick look
     python tools/bench_async.py --small                          # CI-sized
+    python tools/bench_async.py --standin 1,4                    # the producer's pause / engine idle at 1 vs 4 engines
+
+``--standin E1,E2,...`` (issue 47) runs the real producer (``trainer/async_rollout.py``) against stand-in engines
+(``tools/standin_engines.py``, NOT vLLM: one worker thread per engine, ``--standin-step-ms`` per engine step, every
+running sample decodes one token per step, long-tailed lengths) and a stand-in trainer (``--standin-train-ms`` per
+step, ``--standin-sync-ms`` per weight sync), at staleness 2 with and without partial rollouts, with
+``--standin-groups`` groups in flight per engine and a batch of as many: the pause seconds per sync (drain or
+interrupt) and the engines' idle fraction outside the pause and the sync, beside 1 engine, in one run.
 """
 
 from __future__ import annotations
@@ -68,6 +76,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--run-timeout", type=float, default=900, help="seconds per setting before it is stopped")
     ap.add_argument("--small", action="store_true", help="CI-sized: 4 prompts x 4 responses, short lengths")
+    ap.add_argument("--standin", default="", help="engine counts for the stand-in producer bench, e.g. 1,4")
+    ap.add_argument("--standin-step-ms", type=float, default=10.0, help="stand-in engine step (one token per sample)")
+    ap.add_argument("--standin-train-ms", type=float, default=200.0, help="stand-in train step")
+    ap.add_argument("--standin-sync-ms", type=float, default=50.0, help="stand-in weight sync")
+    ap.add_argument("--standin-groups", type=int, default=4, help="groups in flight per engine (= batch / engines)")
     ap.add_argument("extra", nargs="*", help="section.key=value overrides for every run")
     args = ap.parse_args(argv)
     if args.small:
@@ -150,8 +163,39 @@ def fmt_hist(h: dict[int, float]) -> str:
     return " ".join(f"{k}:{v:.2f}" for k, v in h.items()) or "-"
 
 
+def standin_table(args: argparse.Namespace) -> int:
+    """``--standin``: the producer at several engine counts against stand-in engines (see the module docstring)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from standin_engines import bench_standin
+
+    rows = []
+    for partial in (True, False):
+        for n in [int(x) for x in args.standin.split(",") if x.strip()]:
+            rows.append(bench_standin(n, partial, groups_per_engine=args.standin_groups, step_s=args.standin_step_ms
+                                      / 1e3, train_s=args.standin_train_ms / 1e3, sync_s=args.standin_sync_ms / 1e3,
+                                      steps=args.steps, warmup=args.warmup, steps_per_call=8, seed=args.seed))
+            print(f"{rows[-1]['engines']} engines, partial {partial}: {rows[-1]['step_s']:.2f} s/step", flush=True)
+    print(f"\nasync producer with stand-in engines (NOT vLLM): staleness 2, {args.standin_groups} groups x 8 responses "
+          f"in flight per engine (batch = that x engines), engine step {args.standin_step_ms:g} ms, train "
+          f"{args.standin_train_ms:g} ms, sync {args.standin_sync_ms:g} ms, stream_steps_per_call 8, {args.steps} "
+          f"steps after {args.warmup} warm-up (means per step)\n")
+    print("| engines | pause | pause s / sync (mean, max) | vs 1 engine | engine idle (outside pause) | driver-side "
+          "idle | trained tok/s | step s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        one = next(x for x in rows if x["partial"] == r["partial"] and x["engines"] == rows[0]["engines"])
+        print(f"| {r['engines']} | {'interrupt (partial)' if r['partial'] else 'drain'} | {r['pause_s']:.3f}, "
+              f"{r['pause_s_max']:.3f} | {r['pause_s'] / max(one['pause_s'], 1e-9):.2f}x | {r['idle_frac']:.1%} | "
+              f"{r['driver_idle_frac']:.1%} | {r['trained_tok_s']:,.0f} | {r['step_s']:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "standin": rows}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.standin:
+        return standin_table(args)
     work = Path(args.out or tempfile.mkdtemp(prefix="bench_async_"))
     work.mkdir(parents=True, exist_ok=True)
     from da3po_megatron.tiny import build_model

@@ -8,8 +8,9 @@ calls on different engines run at once and calls on one engine queue behind each
 device) and decodes one token of every running sample; a sample of the prompt ``L<n>:<kind>`` finishes after n
 tokens (token id 9, log-prob -1). ``interrupt`` keeps the decoded tokens and, as the real engine, ignores keys it
 does not run. Faults: ``die_at[engine] = (call, steps)`` -- the engine's first call from number ``call`` on that
-runs groups raises ``EngineDeadError`` after ``steps`` engine steps, and the engine stays dead until restarted; ``hang_at[(engine, call)]`` -- that call blocks (until
-``release`` is set, at most 60 s). ``busy_s[e]``: seconds engine e spent inside calls.
+runs groups raises ``EngineDeadError`` after ``steps`` engine steps, and the engine stays dead until restarted;
+``hang_at[(engine, call)]`` -- that call blocks (until ``release`` is set, at most 60 s). ``busy_s[e]``: seconds
+engine e spent inside calls.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class StandInStreamEngines:
         self.inflight = [0] * num_engines
         self.max_inflight = [0] * num_engines
         self.busy_s = [0.0] * num_engines
+        self.intervals: list[list[tuple[float, float]]] = [[] for _ in range(num_engines)]  # (start, end) per call
         self.dead = [False] * num_engines
         self.generation = [0] * num_engines
         self.die_at: dict[int, tuple[int, int]] = {}
@@ -81,6 +83,7 @@ class StandInStreamEngines:
                 if self.generation[e] == gen:
                     self.inflight[e] -= 1
                     self.busy_s[e] += time.perf_counter() - t0
+                    self.intervals[e].append((t0, time.perf_counter()))
 
     def _run(self, e: int, gen: int, call: int, submit: list[tuple], max_steps: int,
              interrupt: list[str] | None) -> dict[str, Any]:
@@ -130,3 +133,83 @@ class StandInStreamEngines:
         if interrupt is not None:
             out["interrupted"] = interrupted
         return out
+
+
+# ------------------------------------------------------------------------------------------- the bench (stand-ins)
+def standin_run(engines: StandInStreamEngines, lengths: list[int], batch: int, k: int, partial: bool,
+                inflight: int, steps_per_call: int, seed: int = 1) -> Any:
+    """A run object with what :class:`AsyncRollout` reads (config, prompt stream, stand-in reward): prompt i has
+    ``lengths[i]`` tokens per response; the stand-in reward makes a group informative unless i % 5 == 4."""
+    from types import SimpleNamespace
+
+    from da3po_megatron.config import load_config
+    from da3po_megatron.data.datasets import Example, PromptDataset
+    from da3po_megatron.trainer import batch as B
+
+    cfg = load_config(None, ["model.path=x", "data.format=synthetic", f"data.train_batch_size={batch}",
+                             f"rollout.n={engines.n}", "actor.ppo_mini_batch_size=1", "rollout.mode=streaming",
+                             f"rollout.staleness={k}", f"rollout.partial_rollouts={str(partial).lower()}",
+                             f"rollout.max_inflight_prompts={inflight}", "algorithm.name=dapo",
+                             "algorithm.rollout_correction=tis", f"rollout.stream_steps_per_call={steps_per_call}",
+                             "algorithm.max_generation_rounds=64"])
+    data = PromptDataset([Example(f"u{i:05d}", [{"role": "user", "content": f"L{n}:{'all' if i % 5 == 4 else 'mix'}"}],
+                                  "all" if i % 5 == 4 else "mix", "s", {"bucket": n}) for i, n in enumerate(lengths)])
+    prompts = data.iterator(shuffle=False)
+
+    def score(examples, completions):
+        acc = [1.0 if (ex.answer == "all" or j == 0) else -1.0 for ex, cs in zip(examples, completions)
+               for j, _ in enumerate(cs)]
+        return B.make_groups(examples, completions, acc, 64, None)
+
+    return SimpleNamespace(cfg=cfg, rollout=engines, prompts=prompts, next_prompts=prompts.take,
+                           render_prompts=lambda exs: [ex.problem_text for ex in exs],
+                           sampling_config=lambda s: SimpleNamespace(seed=s, n=engines.n),
+                           sampling_seed=lambda s, r: seed, score=score, totals={"kept_groups": 0})
+
+
+def bench_standin(num_engines: int, partial: bool, *, groups_per_engine: int = 4, n: int = 8, k: int = 2,
+                  step_s: float = 0.002, train_s: float = 0.05, sync_s: float = 0.02, steps: int = 8,
+                  warmup: int = 2, steps_per_call: int = 4, seed: int = 1) -> dict[str, float]:
+    """The producer (``trainer/async_rollout.py``, the real code) against ``num_engines`` stand-in engines and a
+    stand-in trainer (``train_s`` of sleep per step, ``sync_s`` per weight sync): batch = groups_per_engine x
+    engines kept groups, as many in flight. Per measured step: the pause before the sync, the engines' idle fraction
+    outside the pause (engine-side: 1 - time inside stream calls / wall time, over every engine), the producer's own
+    ``rollout/async/engine_idle_frac`` (driver side: no call in flight), trained tokens per second."""
+    import random
+
+    from da3po_megatron.trainer.async_rollout import AsyncRollout
+
+    rng = random.Random(seed)
+    lengths = [max(4, min(400, int(rng.lognormvariate(3.6, 0.7)))) for _ in range(20000)]  # median ~37, long tail
+    engines = StandInStreamEngines(num_engines, n, step_s)
+    batch = groups_per_engine * num_engines
+    run = standin_run(engines, lengths, batch, k, partial, batch, steps_per_call, seed)
+    producer = AsyncRollout(run, 0)
+    pause_s, windows, driver_idle, tokens, wall = [], [], [], 0, 0.0
+    try:
+        for step in range(1, warmup + steps + 1):
+            t0 = time.perf_counter()
+            r = producer.take(step)
+            time.sleep(train_s)  # the stand-in trainer: pi_old + the update
+            t1 = time.perf_counter()
+            producer.pause()
+            t2 = time.perf_counter()
+            time.sleep(sync_s)  # the stand-in weight sync
+            producer.resume(step)
+            if step <= warmup:
+                continue
+            pause_s.append(t2 - t1)
+            windows.append((t0, t1))  # this step outside the pause and the sync
+            driver_idle.append(r.stats.get("rollout/async/engine_idle_frac", float("nan")))
+            tokens += int(r.stats["rollout/kept_tokens"])
+            wall += time.perf_counter() - t0
+    finally:
+        producer.close()
+        engines.shutdown()
+    mean = lambda x: sum(x) / len(x)  # noqa: E731
+    # engine-side idle: 1 - (time inside stream calls overlapping the window) / (window x engines), per step
+    idle = [1.0 - sum(max(0.0, min(b, y) - max(a, x)) for iv in engines.intervals for x, y in iv)
+            / ((b - a) * num_engines) for a, b in windows]
+    return {"engines": num_engines, "partial": partial, "pause_s": mean(pause_s), "pause_s_max": max(pause_s),
+            "idle_frac": mean(idle), "driver_idle_frac": mean(driver_idle), "trained_tok_s": tokens / wall,
+            "step_s": wall / steps}

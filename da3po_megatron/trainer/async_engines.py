@@ -2,7 +2,9 @@
 per engine, waits with a timeout that names the engine, and the restart of a dead or hung engine.
 
 - **Two calls in flight per engine** (as the synchronous streaming path keeps them, ``trainer/collect.py``): while
-  the driver handles one call's result the engine already runs the next, so it never idles on a round trip.
+  the driver handles one call's result the engine already runs the next, so it never idles on a round trip. A call
+  queued behind another runs ``stream_steps_per_call // 4`` steps (at least 1), so a pause waits for little more
+  than the call running (``tools/bench_async.py --standin``).
 - **Every wait is bounded** by ``rollout.producer_timeout_s``: a call that has not answered that long after it
   became the engine's head call raises :class:`EngineFailure` naming the engine (Ray: ``ray.wait(..., timeout=)``;
   the in-process test engines: ``concurrent.futures.wait``). A dead engine (Ray actor lost: ``EngineDeadError``) is
@@ -80,8 +82,9 @@ class EngineCalls:
     def start(self, e: int, submit: list[tuple] | tuple = (), max_steps: int | None = None,
               interrupt: list[str] | None = None) -> None:
         """Queue one ``stream`` call on engine ``e`` (new / continued groups, or an interrupt, or just steps)."""
-        ref = self.client.stream_start(e, list(submit), self.sampling, None,
-                                       self.steps if max_steps is None else max_steps, interrupt)
+        if max_steps is None:  # a call queued behind another is short: a pause waits for little engine work
+            max_steps = self.steps if not self.queued[e] else max(1, self.steps // 4)
+        ref = self.client.stream_start(e, list(submit), self.sampling, None, max_steps, interrupt)
         now = time.perf_counter()
         if not self.queued[e]:
             if self.idle_since[e] is not None and self.counting_since is not None:
