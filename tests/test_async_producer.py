@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_async_rollout import G, LONG, TASK, drive, mock_run
+from test_async_rollout import LONG, TASK, G, drive, mock_run
 
 from da3po_megatron.config import ConfigError, load_config
 from da3po_megatron.data.datasets import Example
@@ -199,6 +199,26 @@ def test_an_engine_killed_mid_stream_is_restarted_and_every_admitted_group_train
         for g in r.groups:
             for i, ids in enumerate(g.response_ids):
                 assert len(ids) == len(g.rollout_logprobs[i]) == int(g.example.problem_text.split(":")[0][1:])
+
+
+def test_a_lone_engine_restarted_without_its_weights_is_resynced_by_the_waiting_loop_standin():
+    """One engine, killed mid-stream; its weights cannot be replayed from the driver (pushed by the policy ranks):
+    the producer cannot sync from its thread (the policy may be training), so the engine waits; the loop, waiting for
+    a batch with its policy idle, syncs it (client.resync) and the run finishes, every admitted uid accounted once."""
+    engines = StandInStreamEngines(1, G, step_s=0.0005, restart_on_failure=True, replayable=False)
+    engines.die_at[0] = (5, 1)
+    synced = []
+    engines.resync = lambda: synced.append(threading.current_thread().name)
+    run = standin_run(engines, [((30 if i % 3 == 0 else 6), "mix") for i in range(200)], need=2, k=2, inflight=2,
+                      partial=True, steps_per_call=4)
+    try:
+        out, state = within(60, lambda: drive(run, 5, 2))
+    finally:
+        engines.shutdown()
+    assert engines.restarts == 1 and len(synced) == 1, synced
+    assert synced[0] not in ("da3po-async-rollout", "da3po-async-scorer")  # the loop's thread
+    assert all(len(r.groups) == 2 for _, r in out)
+    accounted_once(out, state)
 
 
 def test_an_engine_failure_checkpoints_the_last_completed_step_and_stops_fake(monkeypatch):

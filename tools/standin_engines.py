@@ -9,8 +9,9 @@ device) and decodes one token of every running sample; a sample of the prompt ``
 tokens (token id 9, log-prob -1). ``interrupt`` keeps the decoded tokens and, as the real engine, ignores keys it
 does not run. Faults: ``die_at[engine] = (call, steps)`` -- the engine's first call from number ``call`` on that
 runs groups raises ``EngineDeadError`` after ``steps`` engine steps, and the engine stays dead until restarted;
-``hang_at[(engine, call)]`` -- that call blocks (until ``release`` is set, at most 60 s). ``busy_s[e]``: seconds
-engine e spent inside calls.
+``replayable=False``: a restarted engine's weights cannot be replayed here (``resync`` is called, as
+``RolloutClient._restart`` does for weights pushed by the policy ranks); ``hang_at[(engine, call)]`` -- that call
+blocks (until ``release`` is set, at most 60 s). ``busy_s[e]``: seconds engine e spent inside calls.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from da3po_megatron.rollout.types import Completion, EngineDeadError
 class StandInStreamEngines:
     mode = "local"
 
-    def __init__(self, num_engines: int, n: int, step_s: float = 0.0, restart_on_failure: bool = False) -> None:
-        self.num_engines, self.n, self.step_s = num_engines, n, step_s
+    def __init__(self, num_engines: int, n: int, step_s: float = 0.0, restart_on_failure: bool = False,
+                 replayable: bool = True) -> None:
+        self.num_engines, self.n, self.step_s, self.replayable = num_engines, n, step_s, replayable
         self.restart_on_failure, self.resync, self.restarts, self.weights_version = restart_on_failure, None, 0, 0
         self.pools = [ThreadPoolExecutor(1, thread_name_prefix=f"standin-engine-{e}") for e in range(num_engines)]
         self.running: list[dict[str, dict]] = [{} for _ in range(num_engines)]
@@ -67,6 +69,8 @@ class StandInStreamEngines:
             self.running[e] = {}
             self.inflight[e] = 0
         self.pools[e] = ThreadPoolExecutor(1, thread_name_prefix=f"standin-engine-{e}-r{self.restarts}")
+        if not self.replayable and self.resync is not None:  # weights pushed by the policy ranks: sync them again
+            self.resync()
 
     def shutdown(self) -> None:
         self.release.set()

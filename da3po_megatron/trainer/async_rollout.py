@@ -206,6 +206,9 @@ class AsyncRollout(EngineSide):
         while not ready():
             if self._error is not None:
                 raise self._error
+            if self._stale and len(self._stale) == self.n_eng and not self._want_pause:
+                self._resync()  # every engine restarted without its weights: the loop's thread syncs them now
+                continue
             if time.monotonic() - self._beat > 2 * self.timeout_s:
                 raise ProducerStalled(f"the rollout producer made no progress for {time.monotonic() - self._beat:.0f} "
                                       f"s while the loop waited for {what} (rollout.producer_timeout_s = "
@@ -214,6 +217,22 @@ class AsyncRollout(EngineSide):
             self._cv.wait(0.5)
         if self._error is not None:
             raise self._error
+
+    def _resync(self) -> None:
+        """Under the lock, in the loop's thread while it waits for a batch (the policy idle, its weights = the
+        engines' version): sync every engine (``client.resync``, the trainer's sync_weights), then let the restarted
+        ones work. Only when every engine waits for weights (none runs a request); otherwise the next sync does it."""
+        resync = getattr(self.client, "resync", None)
+        if resync is None:
+            raise RuntimeError("every rollout engine was restarted without its weights and nothing can re-sync them")
+        self._cv.release()
+        try:
+            resync()
+        finally:
+            self._cv.acquire()
+        self._stale.clear()
+        self._beat = time.monotonic()
+        self._cv.notify_all()
 
     def pause(self) -> dict[str, float]:
         """Before a weight sync (and a checkpoint / evaluation): no request runs on the engines when this returns.
