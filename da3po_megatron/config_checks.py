@@ -130,6 +130,9 @@ def validate(cfg: Config) -> None:
                               f"{p.pipeline_model_parallel_size} and rollout.num_engines = {r.num_engines}: "
                               f"{e}") from None
     _check(r.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, "> 0")
+    _check(cfg.actor.offload == "none" or r.staleness == 0, "actor.offload", cfg.actor.offload,
+           f"'none' with rollout.staleness={r.staleness} (the engines generate while the policy trains: its memory "
+           "is never free to hand over; megatron/offload.py)")
     _check(r.dump_every >= 1, "rollout.dump_every", r.dump_every, ">= 1")
     _check(r.dump_keep >= 0, "rollout.dump_keep", r.dump_keep, ">= 0 (0 = keep all)")
     _check(0 <= r.replay_match_threshold <= 1, "rollout.replay_match_threshold", r.replay_match_threshold, "[0, 1]")

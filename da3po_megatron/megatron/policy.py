@@ -213,6 +213,9 @@ class PolicyWorker:
                                         self.dp_rank, self.tp_rank, moe_columns=columns,
                                         replay=cfg.moe.routing_replay == "rollout")
         self.loss_backend = self._make_loss_backend()
+        from da3po_megatron.megatron.offload import PolicyOffload
+
+        self.offloader = PolicyOffload(self.model, self.optimizer, cfg.actor.offload)  # actor.offload tiers
         self.step = 0
         return self.info()
 
@@ -238,6 +241,14 @@ class PolicyWorker:
         self.loss_params = loss_setup(cfg)
         self.cfg = cfg
         self.loss_backend = self._make_loss_backend()
+
+    def offload_state(self, parts: tuple[str, ...] | None = None) -> dict[str, int]:
+        """Release ``parts`` of ``actor.offload``'s tier (default all of it) from the device (:mod:`.offload`); the
+        bytes released per part. ``reload_offloaded`` brings them back."""
+        return self.offloader.offload(parts)
+
+    def reload_offloaded(self) -> list[str]:
+        return self.offloader.reload()
 
     def _make_loss_backend(self) -> LossBackend:
         """The loss backend ``loss_setup`` named, for this rank's model stage and vocab shard."""
@@ -300,6 +311,7 @@ class PolicyWorker:
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
         """One RL update on ``batch`` (mini-batches x epochs optimizer steps); returns metrics (same on all ranks)."""
         cpu_compat.apply_if_needed()
+        self.offloader.require("train_step")
         if batch.old_logprobs is None or batch.advantages is None:
             raise ValueError("train_step needs PolicyBatch.old_logprobs and PolicyBatch.advantages")
         if batch.token_weights is not None and self.loss_params["ratio_level"] != "token":
@@ -406,10 +418,12 @@ class PolicyWorker:
         shards are written in the background; :meth:`finalize_save` completes the checkpoint."""
         from da3po_megatron.megatron.checkpoint import save_policy
 
-        save_policy(path, self.model, self.optimizer, self.scheduler, step=self.step, hf_dir=self.cfg.model.path,
-                    extra={"run_config": _jsonable(to_dict(self.cfg)), "arch": self.arch.to_dict(),
-                           "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab},
-                    fully_parallel=fully_parallel, async_save=async_save)
+        with self.offloader.resident():
+            save_policy(path, self.model, self.optimizer, self.scheduler, step=self.step,
+                        hf_dir=self.cfg.model.path,
+                        extra={"run_config": _jsonable(to_dict(self.cfg)), "arch": self.arch.to_dict(),
+                               "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab},
+                        fully_parallel=fully_parallel, async_save=async_save)
 
     def finalize_save(self, blocking: bool = False) -> bool:
         """Finish an asynchronous save whose writer is done on every rank (``blocking``: wait for it); True when

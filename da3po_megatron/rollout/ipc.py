@@ -44,7 +44,7 @@ GPU-only (docs/gpu_only.md, "weight sync"); the routing is pure and unit-tested 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -301,14 +301,19 @@ def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | 
 
 
 def ipc_sync(policy_group: Any, client: Any, bucket_mb: float = 512, dtype: torch.dtype | None = None,
-             strict: bool = True) -> dict:
+             strict: bool = True, before_wake: Callable[[], Any] | None = None,
+             before_kv_wake: Callable[[], Any] | None = None) -> dict:
     """Colocated step boundary: route, wake weights, IPC buckets of every stage to every engine, finish, wake the
-    KV cache. A layout the routing refuses raises ValueError before any engine is touched."""
+    KV cache. A layout the routing refuses raises ValueError before any engine is touched. ``before_wake`` /
+    ``before_kv_wake``: the policy's ``actor.offload`` steps (gradients + optimizer state before the weights wake,
+    parameters before the KV cache wakes: ``trainer/colocation.py`` OffloadCycle)."""
     from da3po_megatron.rollout.ipc_routing import plan_ipc_routes
 
     require_ipc("ipc_sync")
     t0 = time.perf_counter()
     routes = plan_ipc_routes(policy_group.run_on_all(_ipc_place), client.call_all("worker_gpu_uuids"))
+    if before_wake is not None:
+        before_wake()
     policy_group.run_on_all(release_cached_memory)  # the training step's cached blocks go back before the wake-up
     client.wake_up(tags=["weights"])
     client.begin_weight_update()
@@ -319,6 +324,8 @@ def ipc_sync(policy_group: Any, client: Any, bucket_mb: float = 512, dtype: torc
         client.abort_weight_update()
         raise
     finally:
+        if before_kv_wake is not None:
+            before_kv_wake()
         policy_group.run_on_all(release_cached_memory)  # and the freed bucket buffers before the KV cache's
         client.wake_up(tags=["kv_cache"])
     sent = [p for p in parts if p["buckets"]]

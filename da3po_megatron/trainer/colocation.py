@@ -21,7 +21,8 @@ still start side by side. The price on GPU: the engines' start-up no longer over
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -42,3 +43,107 @@ def start_engines_after_policy(policy: Any, prewarmed: Callable[[], Any], start_
     prewarmed()
     policy.run_on_all(release_cached_memory)
     return start_engines()
+
+
+class OffloadCycle:
+    """The driver's side of ``actor.offload`` (tiers in ``megatron/offload.py``): when each part of the policy leaves
+    the device and comes back, against the engines' sleep and wake (NeMo-RL's order, issue 49):
+
+    1. the engines finished generating and sleep (``Run.engines_idle``) -> :meth:`engines_asleep`: every policy rank
+       reloads what it offloaded, before its next forward (old log-probs, then the training step);
+    2. the step boundary (``Run.sync_weights``): :meth:`before_wake` offloads gradients and optimizer state (a
+       pending asynchronous checkpoint was staged when it was scheduled, ``megatron/checkpoint.py``), the engines
+       wake their weights, the policy pushes the new weights, :meth:`after_push` offloads the parameters, the
+       engines wake their KV cache and generate beside the offloaded policy;
+    3. a checkpoint save between 2 and 1 runs inside :meth:`resident` (reloaded, saved, offloaded again).
+
+    ``effective``: ``actor.offload`` is not "none" and the engines sleep (``weight_transfer == "ipc"``) or
+    ``actor.offload_without_sleep`` applies the cycle anyway (CPU). ``calls`` records the cycle, in order, beside
+    the engines' ``sleep`` / ``wake_up`` (``record``), for tests and the docs.
+    """
+
+    def __init__(self, policy: Any, tier: str, engines_sleep: bool, without_sleep: bool = False,
+                 staleness: int = 0) -> None:
+        self.policy, self.tier = policy, tier
+        # staleness >= 1: the engines generate while the policy trains (they never sleep; config_checks refuses it)
+        self.effective = tier != "none" and (engines_sleep or without_sleep) and staleness == 0
+        self.offloaded = False
+        self.calls: list[str] = []
+
+    def record(self, event: str) -> None:
+        self.calls.append(event)
+
+    def _offload(self, parts: tuple[str, ...]) -> None:
+        if self.effective:
+            self.policy.call_all("offload_state", parts)
+            self.offloaded = True
+            self.record("policy:offload " + "+".join(parts))
+
+    def before_wake(self) -> None:
+        """Gradients and optimizer state off the device, before the engines' weights wake up."""
+        self._offload(("grads", "optimizer"))
+
+    def after_push(self) -> None:
+        """The parameters off the device, once the engines hold the new weights (before their KV cache wakes)."""
+        self._offload(("params",))
+
+    def around_sync(self, push: Callable[..., Any], inside: bool) -> Any:
+        """The step boundary: ``push(before_wake, before_kv_wake)`` with the offload steps passed in (``inside``:
+        the "ipc" transport, which wakes the engines itself, ``rollout/ipc.py`` ipc_sync), else around a plain
+        ``push()`` (``actor.offload_without_sleep``: the same order without wake-ups). A resync while offloaded (an
+        engine restarted) reloads the policy first."""
+        self.engines_asleep()
+        if inside:
+            return push(self.before_wake, self.after_push)
+        self.before_wake()
+        try:
+            return push()
+        finally:
+            self.after_push()
+
+    def engines_asleep(self, slept: bool = False) -> None:
+        """Everything back on the device before the policy's next forward (``slept``: the engines were just put to
+        sleep, recorded first)."""
+        if slept:
+            self.record("engines:sleep")
+        if self.effective and self.offloaded:
+            self.policy.call_all("reload_offloaded")
+            self.offloaded = False
+            self.record("policy:reload")
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """The policy reloaded inside (a checkpoint, an HF export), offloaded again after."""
+        was = self.offloaded
+        self.engines_asleep()
+        try:
+            yield
+        finally:
+            if was:
+                self.before_wake()
+                self.after_push()
+
+
+def push_weights(run: Any, before_wake: Callable[[], Any] | None = None,
+                 before_kv_wake: Callable[[], Any] | None = None) -> dict[str, float]:
+    """``Run.sync_weights``'s push through the transport chosen at start-up (``run.weight_transfer``): "collective"
+    (one :class:`~da3po_megatron.rollout.collective_transport.CollectiveTransport` kept on the run), "ipc" (with the
+    offload steps ``before_wake`` / ``before_kv_wake`` inside ``ipc_sync``), else "bytes"."""
+    from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
+
+    r, p = run.cfg.rollout, run.cfg.parallel
+    if run.weight_transfer == "collective":
+        from da3po_megatron.rollout.collective_transport import CollectiveTransport
+
+        if run._transport is None:
+            run._transport = CollectiveTransport(run.policy.run_on_all, p.pipeline_model_parallel_size,
+                                                 backend="nccl" if run.devices["policy"]["cuda"] else "gloo",
+                                                 timeout_s=r.weight_sync_timeout_s,
+                                                 expert_parallel=p.expert_model_parallel_size)
+        return run._transport.sync(run.rollout, bucket_mb=r.weight_sync_bucket_mb)
+    if run.weight_transfer == "ipc":
+        from da3po_megatron.rollout.ipc import ipc_sync
+
+        return ipc_sync(run.policy, run.rollout, bucket_mb=r.weight_sync_bucket_mb, before_wake=before_wake,
+                        before_kv_wake=before_kv_wake)
+    return sync_policy_group_to_engines(run.policy, run.rollout, bucket_mb=r.weight_sync_bucket_mb)

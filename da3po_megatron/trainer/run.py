@@ -209,6 +209,9 @@ class Run(RunCheckpoints):
             engine_hosts=engine_hosts)
         self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
         self._transport: Any = None
+        from da3po_megatron.trainer.colocation import OffloadCycle  # actor.offload around generation
+        self.offload = OffloadCycle(self.policy, cfg.actor.offload, self.weight_transfer == "ipc",
+                                    cfg.actor.offload_without_sleep, cfg.rollout.staleness)
         self.rollout.resync = self.sync_weights  # an engine restarted after a sync gets the weights again
         from da3po_megatron.trainer.profiling import StepProfiler
 
@@ -362,34 +365,19 @@ class Run(RunCheckpoints):
         check_update(self.totals, step, train_metrics, self.cfg.trainer)
 
     def sync_weights(self) -> dict[str, float]:
-        """Policy -> every engine through the transport chosen at start-up (``rollout.weight_transfer``)."""
-        from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
-
+        """Policy -> every engine (``rollout.weight_transfer``) inside the ``actor.offload`` cycle (colocation.py)."""
         if self.weight_transfer == "none" or skipped("weight_sync", self.step + 1):  # train_only replay; fault tests
             return {}
+        from da3po_megatron.trainer.colocation import push_weights
 
-        r = self.cfg.rollout
-        if self.weight_transfer == "collective":
-            from da3po_megatron.rollout.collective_transport import CollectiveTransport
-
-            if self._transport is None:
-                self._transport = CollectiveTransport(self.policy.run_on_all,
-                                                      self.cfg.parallel.pipeline_model_parallel_size,
-                                                      backend="nccl" if self.devices["policy"]["cuda"] else "gloo",
-                                                      timeout_s=r.weight_sync_timeout_s,
-                                                      expert_parallel=self.cfg.parallel.expert_model_parallel_size)
-            return self._transport.sync(self.rollout, bucket_mb=r.weight_sync_bucket_mb)
-        if self.weight_transfer == "ipc":
-            from da3po_megatron.rollout.ipc import ipc_sync
-
-            return ipc_sync(self.policy, self.rollout, bucket_mb=r.weight_sync_bucket_mb)
-        return sync_policy_group_to_engines(self.policy, self.rollout, bucket_mb=r.weight_sync_bucket_mb)
+        return self.offload.around_sync(lambda *hooks: push_weights(self, *hooks), inside=self.weight_transfer == "ipc")
 
     def engines_idle(self) -> None:
         """The step's generation is over. Colocated on CUDA ("ipc"), the engines sleep (level 2: KV cache and weights
         freed; the next sync rewrites every weight) so the policy has the GPU memory; ``ipc_sync`` wakes them."""
         if self.weight_transfer == "ipc":
             self.rollout.sleep(level=2)
+        self.offload.engines_asleep(slept=self.weight_transfer == "ipc")  # actor.offload: reloaded before a forward
 
     def pin_cpus(self) -> None:
         """Placement for overlap: engines on ``ray.engine_cpus``, policy ranks on ``ray.policy_cpus`` (disjoint cores:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,11 @@ class RunCheckpoints:
         asynchronous, hf = self.cfg.trainer.async_save, self.wants_hf(step)
 
         def save_policy(p: Path) -> None:
+            offload = getattr(self, "offload", None)  # actor.offload: reloaded for the save, offloaded after
+            with offload.resident() if offload is not None else nullcontext():
+                _save_policy(p)
+
+        def _save_policy(p: Path) -> None:
             if asynchronous:
                 self.policy.call("save", str(p), async_save=True)  # scheduled: megatron-core writes it meanwhile
             else:

@@ -1,0 +1,199 @@
+"""Tiered trainer offload (``actor.offload``, megatron/offload.py; issue 49 points 3-4).
+
+- The driver's order against the engines' sleep and wake (trainer/colocation.py OffloadCycle): recorded and
+  asserted with recording stand-ins for the policy group and the engines (named so), for the "ipc" path (the hooks
+  inside ``ipc_sync``) and the CPU path (``actor.offload_without_sleep``, hooks around the push).
+- The real policy (megatron-core 0.16.1 on gloo, 2 ranks) trained twice from the same state, plain and with an
+  offload / reload cycle around every generation phase (tests/_offload_job.py): bit-identical losses, gradient
+  norms, pushed bytes, parameters and Adam state at DP 2 with the distributed optimizer, at TP 2 and at EP 2; every
+  covered storage has size 0 while offloaded; the same tensor objects are valid after the reload; a forward and a
+  train step while offloaded are refused naming actor.offload; the host buffers are allocated once (same pointers
+  every cycle, host bytes = covered bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from da3po_megatron.megatron.offload import tier_parts
+from da3po_megatron.megatron.runtime import free_port
+from da3po_megatron.trainer.colocation import OffloadCycle
+
+JOB = Path(__file__).with_name("_offload_job.py")
+
+
+def test_tiers_include_the_ones_before_them_and_name_the_field():
+    assert tier_parts("none") == () and tier_parts("grads") == ("grads",)
+    assert tier_parts("grads+optimizer") == ("grads", "optimizer")
+    assert tier_parts("all") == ("grads", "optimizer", "params")
+    with pytest.raises(ValueError, match="actor.offload='optim'"):
+        tier_parts("optim")
+
+
+class RecordingPolicyStandin:
+    """Stands in for the PolicyGroup: records the offload calls into the shared log."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def call_all(self, method: str, *args):
+        self.log.append(f"policy.{method}{'(' + '+'.join(args[0]) + ')' if args else ''}")
+        return []
+
+
+class RecordingEnginesStandin:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def sleep(self, level: int) -> None:
+        self.log.append(f"engines.sleep({level})")
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.log.append(f"engines.wake_up({tags[0]})")
+
+
+def _step(cycle: OffloadCycle, engines: RecordingEnginesStandin, log: list[str], ipc: bool) -> None:
+    """One step of the loop's calls as trainer/run.py makes them: engines_idle, train, sync_weights."""
+    if ipc:
+        engines.sleep(2)
+    cycle.engines_asleep()
+    log.append("policy.train_step")
+
+    def push(before_wake=None, before_kv_wake=None):  # ipc_sync's order (rollout/ipc.py)
+        if ipc:
+            before_wake()
+            engines.wake_up(["weights"])
+        log.append("push")
+        if ipc:
+            before_kv_wake()
+            engines.wake_up(["kv_cache"])
+        return {}
+
+    cycle.around_sync(push, inside=ipc)
+    log.append("generate")
+
+
+@pytest.mark.parametrize("ipc", [True, False], ids=["ipc-sleeping-engines", "cpu-offload-without-sleep"])
+def test_offload_cycle_order_against_engine_sleep_and_wake(ipc):
+    log: list[str] = []
+    engines = RecordingEnginesStandin(log)
+    cycle = OffloadCycle(RecordingPolicyStandin(log), "all", engines_sleep=ipc, without_sleep=not ipc)
+    for _ in range(2):
+        _step(cycle, engines, log, ipc)
+    off1, off2 = "policy.offload_state(grads+optimizer)", "policy.offload_state(params)"
+    if ipc:
+        one = ["engines.sleep(2)", "policy.reload_offloaded", "policy.train_step", off1, "engines.wake_up(weights)",
+               "push", off2, "engines.wake_up(kv_cache)", "generate"]
+        assert log == one[:1] + one[2:] + one  # nothing to reload before the first step
+    else:
+        one = ["policy.reload_offloaded", "policy.train_step", off1, "push", off2, "generate"]
+        assert log == one[1:] + one
+    assert cycle.calls == ["policy:offload grads+optimizer", "policy:offload params", "policy:reload",
+                           "policy:offload grads+optimizer", "policy:offload params"]
+
+
+def test_offload_is_inert_unless_the_engines_sleep_or_the_cpu_setting_asks():
+    log: list[str] = []
+    for cycle in (OffloadCycle(RecordingPolicyStandin(log), "all", engines_sleep=False),
+                  OffloadCycle(RecordingPolicyStandin(log), "none", engines_sleep=True),
+                  OffloadCycle(RecordingPolicyStandin(log), "all", engines_sleep=True, staleness=1)):
+        cycle.around_sync(lambda *a: {}, inside=False)
+        cycle.engines_asleep()
+        assert not cycle.effective
+    assert log == []
+
+
+# ---------------------------------------------------------------------------------------------- the real policy
+@pytest.fixture(scope="module")
+def moe_hf(tmp_path_factory) -> Path:
+    from da3po_megatron import tiny
+
+    return tiny.build_moe_model(tmp_path_factory.mktemp("offload_moe"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def dense_hf(tmp_path_factory) -> Path:
+    from da3po_megatron.tiny import build_model
+
+    return build_model(tmp_path_factory.mktemp("offload_dense") / "hf", family="qwen3", seed=0)
+
+
+def _launch(layout: str, hf: Path, out: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(JOB), "--hf", str(hf), "--layout", layout, "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=JOB.parent)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "ep2"])
+def test_offload_cycle_is_bit_identical_and_frees_every_covered_storage(layout, dense_hf, moe_hf, tmp_path):
+    res = _launch(layout, moe_hf if layout == "ep2" else dense_hf, tmp_path / "out.json")
+    info = res["info"]
+    assert (info["tp"], info["dp"]) == ((2, 1) if layout == "tp2" else (1, 2))
+    assert res["distributed_optimizer"]
+    for rank in res["ranks"]:
+        plain, off = rank["plain"], rank["offload"]
+        # bit-identical: losses and grad norms as float.hex, the pushed bytes, every parameter and Adam tensor
+        for key in ("loss", "grad_norm", "push"):
+            assert off[key] == plain[key], key
+        assert off["state"] == plain["state"] and off["state"]["adam"], "parameters / Adam state differ"
+        assert len(off["loss"]) == 3
+        for sizes, freed in zip(off["offloaded_sizes"], off["freed"]):
+            assert sizes["grads"] and sizes["optimizer"] and sizes["params"]
+            assert all(v == 0 for part in sizes.values() for v in part), sizes  # every covered storage released
+            assert freed["grads"] > 0 and freed["optimizer"] > 0 and freed["params"] > 0
+        assert all(off["same_objects"])  # the same parameter / state / bucket objects, valid after the reload
+        for refused in off["refused"]:
+            assert refused[0].startswith("forward: a forward of the policy while the policy's params")
+            assert refused[1].startswith("train: train_step while the policy's grads, optimizer, params")
+            assert all("actor.offload='all'" in r for r in refused)
+        # host memory peaks once: the buffers of the first cycle are reused (same pointers), one copy of the bytes
+        assert all(p == off["host_pointers"][0] for p in off["host_pointers"])
+        assert off["host_bytes"] == off["covered_bytes"] and len(set(off["host_bytes"])) == 1
+        assert off["calls"] == ["offload:grads", "offload:optimizer", "offload:params",
+                                "reload:params", "reload:optimizer", "reload:grads"] * 3
+
+
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "rope_theta": 1000000}
+
+
+def test_colocated_plan_names_the_tier_the_qwen3_8b_recipe_needs():
+    """The time-multiplexed plan (megatron/offload.py colocated_plan) for examples/qwen3_8b_da3po_colocated.yaml on
+    an H200 with ~122 GiB free: training beside the sleeping engine fits; generation needs 'grads+optimizer' at
+    gpu_memory_utilization 0.8, only 'grads' at 0.6 -- and memory.check_policy_memory refuses the recipe without
+    offload, naming the tier."""
+    from da3po_megatron.bridge.hf_config import gpt_arch
+    from da3po_megatron.config import load_config
+    from da3po_megatron.megatron.memory import GiB, MemoryBudgetError, check_policy_memory, estimate_for_config
+    from da3po_megatron.megatron.offload import colocated_plan
+
+    recipe = Path(__file__).resolve().parents[1] / "examples/qwen3_8b_da3po_colocated.yaml"
+    cfg, arch, free = load_config(recipe), gpt_arch(QWEN3_8B), int(122 * GiB)
+    est = estimate_for_config(cfg, arch, device="cuda", te=True)
+    assert set(est.static) == {"params", "grads", "optimizer"} and est.static["grads"] == 2 * est.static["params"]
+    plan = colocated_plan(est.static, est.components["runtime"], est.total, free, int(0.8 * free), "none")
+    assert plan["train_fits"] and not plan["fits"] and plan["needed"] == cfg.actor.offload == "grads+optimizer"
+    assert plan["resident"]["none"] > plan["resident"]["grads"] > plan["resident"]["grads+optimizer"] > \
+        plan["resident"]["all"]
+    assert colocated_plan(est.static, est.components["runtime"], est.total, free, int(0.6 * free), "none")[
+        "needed"] == "grads"
+    logs: list[str] = []
+    assert check_policy_memory(cfg, arch, available=free, device="cuda", te=True, log=logs.append)
+    assert any("needs actor.offload='grads+optimizer' (configured 'grads+optimizer')" in m for m in logs)
+    from dataclasses import replace
+
+    with pytest.raises(MemoryBudgetError, match=r"set actor.offload='grads\+optimizer'"):
+        check_policy_memory(replace(cfg, actor=replace(cfg.actor, offload="none")), arch, available=free,
+                            device="cuda", te=True, log=logs.append)
