@@ -42,6 +42,8 @@ def validate(cfg: Config) -> None:
         _check(p.expert_tensor_parallel_size >= 1, "parallel.expert_tensor_parallel_size",
                p.expert_tensor_parallel_size, ">= 1 or null (= tensor_model_parallel_size)")
     _check(cfg.moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", cfg.moe.aux_loss_coeff, ">= 0")
+    _check(0 <= cfg.moe.router_agreement_fraction <= 1, "moe.router_agreement_fraction",
+           cfg.moe.router_agreement_fraction, "[0, 1]")
     if cfg.moe.routing_replay != "none":  # what R3 cannot work with (a dense model is refused by preflight)
         why = {"rollout.mode": "the streaming engines (rollout/stream.py) do not return routes" if
                cfg.rollout.mode == "streaming" else "",

@@ -52,6 +52,13 @@ class MoEConfig:
               "agreement between rollout and policy (moe/router_agreement*: the fraction of (token, MoE layer) "
               "pairs whose top-k expert sets match, docs/moe.md). Costs the routes' transfer (one byte per token, "
               "MoE layer and top-k slot up to 254 experts); false with routing_replay=none turns capture off.")
+    router_agreement_fraction: float = doc(
+        0.05, "Without routing replay: the fraction of completions whose routes the engines return for the "
+              "agreement metric (chosen per completion by a hash of its prompt index and sample number, like "
+              "rollout.logprob_check_fraction; the others' routes are dropped inside the engine), measured by one "
+              "extra forward of that sample. Qwen3-30B-A3B moves 384 B per position: ~18 GiB per paper-size step "
+              "for every route, ~0.9 GiB at 0.05 (megatron/memory_host.py, docs/moe.md 'Route budget'). R3 "
+              "(routing_replay=rollout) always takes every route; 1.0 = every completion.")
     aux_loss_coeff: float = doc(0.0, "Load-balancing (auxiliary) loss coefficient of the router; 0 = none (RL "
                                      "default: the loss would move the router away from what the rollouts sampled; "
                                      "Qwen3-MoE pre-training used 0.001).")

@@ -36,6 +36,7 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     assert _summary(tmp_path) == {"kernel_cuda": "SKIP", "kernel_tests": "SKIP", "bench_loss_8k": "PASS",
                                   "bench_loss_16k": "SKIP", "train_step": "PASS", "resume": "PASS", "te_spec": "SKIP",
+                                  "moe_step": "PASS",
                                   "convert_verify": "SKIP", "ipc_sync": "PASS", "collective_cuda": "PASS"}
     assert list(_summary(tmp_path)) == [name for part in _plan()[1:] for name in list(part["steps"])[1:]]
     assert "te_spec                SKIP no CUDA" in (tmp_path / "out" / "summary.txt").read_text()
@@ -50,6 +51,7 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     assert '"check": "resume", "ok": true' in train and '"optimizer": "torch.optim.adamw.AdamW"' in train
     assert "| ipc_sync |" in train and "| pack |" in train  # the weight-sync IPC leg, appended to the same file
     assert '"check": "collective_cuda"' in train and "wrong tensors: 0" in train  # the collective receive step
+    assert '"check": "moe_step"' in train and '"train_router_agreement": 1.0' in train  # MoE with R3 (issue 46)
 
 
 def _plan() -> list[dict]:

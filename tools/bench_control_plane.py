@@ -26,6 +26,12 @@ stand-in rank actors in place of the size's ranks (2 shared cores cannot hold 64
 then extrapolated x ranks / R for what is sent to every rank (the "before" data path serialized the batch once per
 rank) -- the table says which factor each column used.
 
+MoE (``--moe qwen3-30b-a3b``, issue 46 M3): the stand-in engines also return Qwen3-30B-A3B's routes (48 MoE layers x
+top-8, uint8: 384 B per position, prompt included) and routing replay R3 is on, so every route travels: engine ->
+driver (``generate``), into the groups and the batch, to the ranks' shares (``old_logprobs``, ``train``) and into
+the driver's checkpoint state; compare with the dense run of the same size. The stand-ins are in
+``tools/control_plane_standins.py``.
+
 The modeled GPU step time (the denominator of the overhead ratio): verl's DAPO recipe on Qwen2.5-32B reports, for the
 paper-size batch on 16 GPUs, step times of 566-699 s (issue 36; verl ``recipe/dapo`` README, the DAPO step timings);
 we use their middle, 630 s, and scale it with response tokens per GPU (decode and training are linear in tokens at
@@ -56,10 +62,19 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "tools"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-VOCAB = 151_643  # Qwen's vocabulary (qwen.tiktoken ranks)
+import control_plane_standins  # noqa: E402
+from control_plane_standins import (  # noqa: E402,F401 (re-exported: tests/test_control_plane.py)
+    VOCAB,
+    StandInEngine,
+    StandInRank,
+    _warm_rank,
+    standin_logprobs,
+)
+
 MODEL_STEP_S_PAPER = 630.0  # middle of verl's 566-699 s DAPO step on 16 GPUs at the paper's batch (see docstring)
 PAPER_TOKENS = 18.7e6  # response tokens of the paper-size batch (issue 36)
 
@@ -87,128 +102,6 @@ SIZES = {
     "4x": Size("4x", 2048, 16, 4096, 2700.0, 256, 32, 16, 128),
     "16x": Size("16x", 8192, 16, 8192, 5400.0, 256, 64, 32, 512),
 }
-
-
-# ------------------------------------------------------------------------------------------------ stand-in actors
-class StandInEngine:
-    """A rollout engine that decodes nothing: completions of the recorded shape (see the module docstring)."""
-
-    def __init__(self, index: int, max_response: int, mean_response: float) -> None:
-        self.index, self.max_response, self.mean_response = index, max_response, mean_response
-
-    def ready(self) -> bool:
-        return True
-
-    def generate(self, prompts: list, prompt_indices: list[int], sampling: Any, max_tokens: Any = None) -> list:
-        from da3po_megatron.rollout.types import Completion
-
-        out = []
-        for pid, gi in zip(prompts, prompt_indices):
-            uid = int(pid[0])
-            rng = np.random.default_rng([uid, int(sampling.seed or 0)])
-            n = np.minimum(rng.gamma(2.0, self.mean_response / 2.0, sampling.n).astype(np.int64) + 1,
-                           sampling.max_tokens)
-            for j in range(sampling.n):
-                k = int(n[j])
-                ids = rng.integers(0, VOCAB, k, dtype=np.int64).tolist()
-                lps = (-rng.exponential(0.5, k)).tolist()
-                text = ("step " * k)[: 4 * k]
-                out.append(Completion(prompt_index=gi, sample_index=j, prompt_token_ids=list(pid), token_ids=ids,
-                                      text=text, logprobs=lps,
-                                      finish_reason="length" if k >= sampling.max_tokens else "stop", num_tokens=k))
-        return out
-
-    def health(self) -> dict:
-        return {"engine": self.index}
-
-
-class StandInRank:
-    """A policy rank that computes nothing: it keeps its data-parallel share as ``PolicyWorker`` does, touches each
-    of its tokens, and acknowledges (``compute_logprobs`` answers in the worker's return format)."""
-
-    def __init__(self, rank: int, dp: int, mini_batch_responses: int, keep_rows: bool = False) -> None:
-        # Megatron's rank order with TP innermost: ranks dp_rank * tp .. dp_rank * tp + tp - 1 share one DP rank
-        self.rank, self.dp, self.mini, self.keep_rows = rank, dp, mini_batch_responses, keep_rows
-        self.dp_rank = rank // max(1, self.tp)
-        self.received: list[dict] = []
-
-    tp = 1
-
-    def info(self) -> dict:
-        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp": self.dp, "tp_rank": self.rank % self.tp,
-                "pp_rank": 0, "tp": self.tp, "pp": 1}
-
-    def execute(self, fn, *args, **kwargs):
-        return fn(self, *args, **kwargs)
-
-    def _schedule(self):
-        from da3po_megatron.megatron.schedule import ForwardSchedule
-
-        return ForwardSchedule(model=None, device="cpu", te=False, thd=False, pad_id=0, dp=self.dp,
-                               dp_rank=self.dp_rank, tp_rank=0)
-
-    def _touch(self, batch, rows) -> int:
-        tokens = 0
-        for i in rows:
-            tokens += len(batch.prompt_ids[i]) + len(batch.response_ids[i])
-            if batch.old_logprobs is not None:
-                tokens += 0 * len(batch.old_logprobs[i])
-        return tokens
-
-    def _note(self, method: str, batch, rows) -> None:
-        held = getattr(batch, "held_rows", None)
-        self.received.append({"method": method, "rows": len(rows), "batch_rows": len(batch),
-                              "held_rows": len(batch.response_ids) if held is None else int(len(held)),
-                              "tokens": self._touch(batch, rows)})
-        if self.keep_rows:  # (tests) which rows it held and which it worked on
-            self.received[-1].update(held=list(range(len(batch))) if held is None else [int(i) for i in held],
-                                     worked=sorted(int(i) for i in rows))
-
-    def compute_logprobs(self, batch, return_entropy: bool = False, packing: bool | None = None,
-                         as_arrays: bool = False):
-        shard = self._schedule().dp_shard(batch)
-        self._note("compute_logprobs", batch, shard)
-        return standin_logprobs(batch, as_arrays)
-
-    def train_step(self, batch) -> dict:
-        n = len(batch)
-        sched = self._schedule()
-        rows: list[int] = []
-        for s in range(0, n, self.mini):
-            rows += sched.dp_shard(batch, list(range(s, min(s + self.mini, n))))
-        self._note("train_step", batch, rows)
-        return {"loss": 0.0, "grad_norm": 1.0, "lr": 1e-6, "clipfrac_low": 0.0, "clipfrac_high": 0.0,
-                "approx_kl": 0.0, "entropy": float("nan"), "response_tokens": float(batch.num_response_tokens()),
-                "tokens_per_s": 0.0, "num_microbatches": 1, "num_updates": max(1, n // self.mini),
-                "update_ratio": 1e-6, "skipped_updates": 0, "nonfinite_loss_updates": 0,
-                "nonfinite_grad_updates": 0, "update_ratio_refused_updates": 0, "trailing_skipped_updates": 0,
-                "step": 1, "time_s": 0.0, "loss_backend": "none"}
-
-    def report(self) -> list[dict]:
-        return self.received
-
-
-def _warm_rank(rank: StandInRank) -> bool:
-    rank._schedule()
-    return True
-
-
-def standin_logprobs(batch, as_arrays: bool = False):
-    """The worker's answer shape: every response's per-token log-probs (zeros here), lists or one float32 array."""
-    from da3po_megatron.megatron import batching
-
-    if as_arrays:  # arrays end to end (after issue 36)
-        lens = batch.response_lengths()
-        offsets = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=offsets[1:])
-        return batching.Ragged(np.zeros(int(offsets[-1]), dtype=np.float32), offsets)
-    lens = [len(r) for r in batch.response_ids]
-    flat = [0.0] * sum(lens)  # the real worker: packed.tolist(), then one slice per response
-    out, o = [], 0
-    for n in lens:
-        out.append(flat[o:o + n])
-        o += n
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ measurement
@@ -287,7 +180,8 @@ class Phases:
 
 
 # ------------------------------------------------------------------------------------------------ the step
-def bench_config(size: Size, prompts: int, ranks: int, dp: int):
+def bench_config(size: Size, prompts: int, ranks: int, dp: int, moe: Any = None):
+    """The run config of the step (``moe``: a named MoE's routes, with routing replay R3 on: every route travels)."""
     from da3po_megatron.config import load_config
 
     mini = max(1, min(size.mini_batch, prompts))
@@ -297,7 +191,8 @@ def bench_config(size: Size, prompts: int, ranks: int, dp: int):
         f"actor.max_tokens_per_microbatch={2048 + size.max_response}",
         f"actor.ppo_mini_batch_size={mini}", f"parallel.data_parallel_size={dp}",
         f"parallel.tensor_model_parallel_size={ranks // dp}",
-        "reward.kind=coin", "algorithm.max_generation_rounds=8", "trainer.tensorboard=false"])
+        "reward.kind=coin", "algorithm.max_generation_rounds=8", "trainer.tensorboard=false",
+        *(["moe.routing_replay=rollout"] if moe is not None else [])])
 
 
 def make_policy_group(cfg, actors, infos):
@@ -313,9 +208,10 @@ def make_policy_group(cfg, actors, infos):
 
 
 def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, reward_workers: int,
-             tmp: Path, dp: int | None = None, keep_rows: bool = False) -> dict[str, Any]:
+             tmp: Path, dp: int | None = None, keep_rows: bool = False, moe: Any = None) -> dict[str, Any]:
     """One step at ``size`` x ``scale`` (see the module docstring); ``dp``: data-parallel ranks among the
-    ``ranks_actual`` (default all: TP = 1); ``keep_rows``: the ranks report which rows they held and worked on."""
+    ``ranks_actual`` (default all: TP = 1); ``keep_rows``: the ranks report which rows they held and worked on;
+    ``moe``: a ``control_plane_standins.RouteShape`` -- the engines return its routes and R3 replays them."""
     import ray
     import torch
 
@@ -333,10 +229,11 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     dp = dp or ranks_actual
     if __name__ != "__main__":  # imported (the test): the stand-in classes travel by value to the actors
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = bench_config(size, prompts, ranks_actual, dp)
+    ray.cloudpickle.register_pickle_by_value(control_plane_standins)
+    cfg = bench_config(size, prompts, ranks_actual, dp, moe)
     phases = Phases()
     engine_cls = ray.remote(num_cpus=0)(StandInEngine)
-    engines = [engine_cls.remote(e, size.max_response, size.mean_response) for e in range(engines_actual)]
+    engines = [engine_cls.remote(e, size.max_response, size.mean_response, moe) for e in range(engines_actual)]
     rank_cls = ray.remote(num_cpus=0)(type("StandInRankTP", (StandInRank,), {"tp": ranks_actual // dp}))
     ranks = [rank_cls.remote(r, dp, cfg.ppo_mini_batch_responses, keep_rows) for r in range(ranks_actual)]
     ray.get([e.ready.remote() for e in engines])
@@ -391,6 +288,7 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     with phases("policy_batch"):
         batch = B.policy_batch(batch_groups)
     batch_bytes = ray_bytes(batch)
+    route_bytes = 0 if batch.routed_experts is None else int(batch.routed_experts.values.nbytes)
     with phases("old_logprobs"):
         batch, mismatch = Run.old_logprobs(run, batch, fresh=True)
     with phases("train"):
@@ -425,6 +323,7 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
             "response_tokens": response_tokens, "generated_groups": len(generated),
             "kept_frac": metrics.get("dynamic_sampling/kept_frac"), "ranks_actual": ranks_actual,
             "engines_actual": engines_actual, "phases": phases.rows, "batch_bytes": batch_bytes,
+            "route_bytes": route_bytes, "moe": None if moe is None else moe.name,
             "driver_peak_rss_mb": rss_mb(), "driver_base_rss_mb": rss_base, "object_store_peak_bytes": store_peak,
             "per_rank_rows": per_rank, "reports": reports if keep_rows else None,
             "policy_batch_rows": len(batch), "step_wall_s": time.perf_counter() - t_step,
@@ -448,11 +347,14 @@ def extrapolate(res: dict[str, Any], size: Size) -> dict[str, Any]:
             "driver_wall_s": sum(r["wall_s"] for r in out.values()), "model_step_s": model,
             "overhead": total / model,
             "rss_mb": res["driver_base_rss_mb"] + (res["driver_peak_rss_mb"] - res["driver_base_rss_mb"]) * f_tok,
-            "store_peak_bytes": res["object_store_peak_bytes"] * f_tok * f_rank}
+            "store_peak_bytes": res["object_store_peak_bytes"] * f_tok * f_rank,
+            "route_bytes": res.get("route_bytes", 0) * f_tok}
 
 
 def table(res: dict[str, Any], full: dict[str, Any], size: Size) -> str:
-    lines = [f"size {size.name}: {res['prompts']} prompts x G={size.group} simulated (scale {res['scale']:g}), "
+    moe = f"; {res['moe']} routes with R3 (batch routes {res['route_bytes'] / 2**20:.0f} MB, full size " \
+        f"{full['route_bytes'] / 2**30:.1f} GB)" if res.get("moe") else "; dense"
+    lines = [f"size {size.name}{moe}: {res['prompts']} prompts x G={size.group} simulated (scale {res['scale']:g}), "
              f"{res['responses']} responses, {res['response_tokens'] / 1e6:.2f} M response tokens, "
              f"{res['generated_groups']} groups generated (kept {res['kept_frac']:.2f}); "
              f"{res['ranks_actual']} rank actors for {size.ranks}, {res['engines_actual']} engines",
@@ -482,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines-actual", type=int, default=None, help="stand-in engines (default min(engines, 4))")
     ap.add_argument("--reward-workers", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--moe", choices=sorted(control_plane_standins.MOE_MODELS), default=None,
+                    help="the engines return this MoE's routes (uint8 [positions, layers, top_k]) and routing "
+                         "replay R3 is on: every route travels engine -> driver -> ranks")
     args = ap.parse_args(argv)
     size = SIZES[args.size]
     import ray
@@ -492,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     start_local_ray(str(tmp / "ray"), num_cpus=2, log_to_driver=False)
     try:
         res = run_step(size, args.scale, args.ranks_actual or min(size.ranks, 16),
-                       args.engines_actual or min(size.engines, 4), args.reward_workers, tmp)
+                       args.engines_actual or min(size.engines, 4), args.reward_workers, tmp,
+                       moe=control_plane_standins.MOE_MODELS.get(args.moe))
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)

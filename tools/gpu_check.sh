@@ -4,7 +4,9 @@
 # DAA-loss kernel against the reference and its benchmark at the paper's vocabulary (issue 7's targets: >= 3x faster
 # than the eager reference, >= 70% of the measured copy bandwidth, <= 1/8 of its peak extra memory), and, when
 # megatron-core was carried, one bf16 policy train step on CUDA (local layer spec: Transformer-Engine is not on that
-# image), an optimizer save/resume, the TE-spec comparison and the HF -> Megatron bridge with its logits check.
+# image), an optimizer save/resume, the TE-spec comparison, the HF -> Megatron bridge with its logits check, and an MoE
+# step (a tiny Qwen3-MoE of Qwen3-30B-A3B's proportions at EP 1 on the local spec's experts: a bf16 train step with
+# routing replay R3 on the policy side and the expert export's peak device memory; tools/check_moe_gpu.py).
 #
 # The device image has python3 3.12 with torch, triton, transformers, pytest, pyyaml -- but no megatron-core, vLLM or
 # Ray, and nothing can be downloaded there. So:
@@ -18,7 +20,8 @@
 # LIMIT below); a command's limits add up to less than its timeout_s, so no step of it is cut by the device tool:
 # Command 1 (what matters most, first): prelude 60 + ipc_sync 100 + collective_cuda 60 + kernel_cuda 60 +
 #   bench_loss_8k 100 + train_step 130 + resume 60 = 570 s.
-# Command 2 (the rest): prelude 25 + kernel_tests 50 + bench_loss_16k 45 + te_spec 20 + convert_verify 30 = 170 s.
+# Command 2 (the rest): prelude 20 + kernel_tests 40 + bench_loss_16k 35 + moe_step 35 + te_spec 20 +
+#   convert_verify 25 = 175 s.
 # (`bash tools/gpu_check.sh plan` prints the same from LIMIT; tests/test_gpu_check_script.py checks they agree. A CPU
 # machine exercising the script with GPU_CHECK_SMALL=1 gets GPU_CHECK_LIMIT_SCALE x the limits, default 5.)
 #
@@ -37,11 +40,11 @@ PY=${PYTHON:-python3}
 # The plan: each step's limit in seconds and the command (part) it runs in. The header repeats these numbers.
 declare -A LIMIT=([prelude1]=60 [ipc_sync]=100 [collective_cuda]=60 [kernel_cuda]=60 [bench_loss_8k]=100
                   [train_step]=130 [resume]=60
-                  [prelude2]=25 [kernel_tests]=50 [bench_loss_16k]=45 [te_spec]=20 [convert_verify]=30)
+                  [prelude2]=20 [kernel_tests]=40 [bench_loss_16k]=35 [moe_step]=35 [te_spec]=20 [convert_verify]=25)
 # shellcheck disable=SC2034  # PART1 / PART2 are read through `declare -n` in plan
 PART1=(prelude1 ipc_sync collective_cuda kernel_cuda bench_loss_8k train_step resume)
 # shellcheck disable=SC2034
-PART2=(prelude2 kernel_tests bench_loss_16k te_spec convert_verify)
+PART2=(prelude2 kernel_tests bench_loss_16k moe_step te_spec convert_verify)
 declare -A TIMEOUT=([1]=600 [2]=180)  # the device tool's timeout_s for each command
 START_ALLOWANCE=120 DEVICE_BUDGET=900  # the machine's start; 15 minutes of device time in all
 
@@ -212,20 +215,28 @@ part2() {
     [[ $small == 1 ]] && bench_big=(--tokens 128 --vocab 3001 --hidden 32 --repeats 1)
     step bench_loss_16k "$out/bench_loss_16k.txt" "$PY" tools/bench_loss.py "${bench_big[@]}"
     if [[ $have_mcore == 1 ]]; then
-        # 8. The TE layer spec against the local spec on the same weights (float32 log-probs); SKIP without TE.
+        # 8. MoE at EP 1 (tools/check_moe_gpu.py): a tiny Qwen3-MoE of Qwen3-30B-A3B's proportions (expert width
+        # 0.375 x hidden, top-8 of 64 experts, untied) on the local spec's SequentialMLP experts, bf16: the
+        # old-log-prob and train forwards with routing replay R3 (engine-like routes; agreement 1.0 in both, finite
+        # loss and gradient), then the expert export a weight sync streams, its peak extra device memory within two
+        # buckets and two tensors. Not here: EP > 1, TE's grouped experts, vLLM's route capture (docs/gpu_only.md).
+        step moe_step "$out/moe_step.txt" "$PY" tools/check_moe_gpu.py "${small_args[@]}"
+        into_train_log "$out/moe_step.txt"
+        # 9. The TE layer spec against the local spec on the same weights (float32 log-probs); SKIP without TE.
         step te_spec "$out/te_spec.txt" "$PY" tools/check_gpu_stack.py te-spec
         if grep -q '^SKIP: ' "$out/te_spec.txt" 2>/dev/null; then  # it exits 0 with the reason: record a SKIP
             sed -i '$d' "$summary"
             record te_spec SKIP "$(grep -m1 '^SKIP: ' "$out/te_spec.txt" | cut -c7-)"
         fi
         into_train_log "$out/te_spec.txt"
-        # 9. The bridge on CUDA: a tiny Qwen3 converted HF -> Megatron (TP=1), logits compared with transformers'.
+        # 10. The bridge on CUDA: a tiny Qwen3 converted HF -> Megatron (TP=1), logits compared with transformers'.
         local tiny
         tiny=$(mktemp -d)
         "$PY" -c "from da3po_megatron.tiny import build_model; build_model('$tiny/hf', 'qwen3', seed=0)" > /dev/null 2>&1
         step convert_verify "$out/convert_verify.txt" "$PY" -m da3po_megatron.cli convert hf-to-megatron \
             --hf "$tiny/hf" --out "$tiny/mcore" --verify
     else
+        record moe_step SKIP "megatron-core not importable"
         record te_spec SKIP "megatron-core not importable"
         record convert_verify SKIP "megatron-core not importable"
     fi

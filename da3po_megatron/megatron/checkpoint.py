@@ -192,14 +192,22 @@ def finalize_async_save(blocking: bool = False) -> bool:
 
 
 def load_model(model: torch.nn.Module, directory: str | Path, fully_parallel: bool = False) -> None:
-    """Load a model checkpoint saved at any TP x PP layout into this rank's GPTModel stage (collective)."""
+    """Load a model checkpoint saved at any TP x PP (x EP x ETP) layout, with either layer spec, into this rank's
+    GPTModel stage (collective). A MoE norm saved under the other spelling is read under it
+    (:func:`checkpoint_keys.accept_norm_aliases`: checkpoints of the local spec written before issue 46)."""
     from megatron.core import dist_checkpointing
+
+    from da3po_megatron.megatron.checkpoint_keys import accept_norm_aliases, saved_tensor_keys
 
     directory = Path(directory)
     if not (directory / "metadata.json").exists():
         raise FileNotFoundError(f"no Megatron dist checkpoint at {directory} (metadata.json missing)")
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(directory),
-                                    sharded_strategy=_strategies(fully_parallel, directory))
+    sharded = model.sharded_state_dict()
+    renamed = accept_norm_aliases(sharded, saved_tensor_keys(str(directory)))
+    if renamed and _rank() == 0:
+        log.warning("%s: %d MoE norm tensors read under the other layer spec's name (e.g. %s <- %s)", directory,
+                    len(renamed), *renamed[0])
+    state = dist_checkpointing.load(sharded, str(directory), sharded_strategy=_strategies(fully_parallel, directory))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:
@@ -212,16 +220,59 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def _layout() -> dict[str, int]:
+# What the distributed optimizer's ``dp_reshardable`` state depends on besides DP (megatron-core 0.16.1
+# ``optimizer/distrib_optimizer.py`` 1539-1600: one ShardedTensor per gradient-buffer bucket, the buffers' parameter
+# order and sizes): the model-parallel split (TP, PP, CP), the expert split (EP, ETP: the expert buffers hold E / EP
+# experts of 1 / ETP each, over the expert-data-parallel group), the layer spec (TE fuses the norms into its linears:
+# another parameter order in the same-sized buffer, so a mismatch would load moments into the wrong parameters
+# silently), the parameter dtype and whether the optimizer is distributed at all. The state loads only when every one
+# of them matches; DP (and the expert DP and world size it implies) is the one dimension the format reshards.
+OPTIMIZER_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                    "expert_model_parallel_size", "expert_tensor_parallel_size", "layer_spec", "params_dtype",
+                    "distributed_optimizer")
+
+
+def _layout(model: torch.nn.Module | None = None, optimizer: Any = None) -> dict[str, Any]:
+    """The parallel layout of this process (and, given them, the model's layer spec and dtype and the optimizer's
+    kind): what ``meta.json`` records and :func:`optimizer_layout_changes` compares."""
     from megatron.core import parallel_state as ps
 
-    return {
+    out: dict[str, Any] = {
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "context_parallel_size": ps.get_context_parallel_world_size(),
         "data_parallel_size": ps.get_data_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
+        "expert_data_parallel_size": ps.get_expert_data_parallel_world_size(),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
     }
+    if model is not None:
+        from da3po_megatron.megatron.checkpoint_keys import layer_spec_name
+
+        bare = _unwrap(model)
+        out["layer_spec"] = layer_spec_name(bare)
+        out["params_dtype"] = str(getattr(getattr(bare, "config", None), "params_dtype", "")).replace("torch.", "")
+    if optimizer is not None:
+        chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        out["distributed_optimizer"] = any(type(o).__name__ == "DistributedOptimizer" for o in chained)
+    return out
+
+
+def optimizer_layout_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The :data:`OPTIMIZER_LAYOUT` fields that differ between a checkpoint's layout and this one, as
+    "field: saved -> now". A field a checkpoint of an older version did not record counts as its old default (EP 1,
+    ETP = TP) or, for what could not be told then (layer spec, dtype, optimizer kind), as unchanged."""
+    defaults = {"expert_model_parallel_size": 1,
+                "expert_tensor_parallel_size": saved.get("tensor_model_parallel_size")}
+    out = []
+    for k in OPTIMIZER_LAYOUT:
+        old = saved.get(k, defaults.get(k))
+        if old is None or k not in now:
+            continue
+        if old != now[k]:
+            out.append(f"{k}: {old} -> {now[k]}")
+    return out
 
 
 def save_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, *, step: int,
@@ -263,7 +314,7 @@ def save_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
         meta = {
             "format": FORMAT,
             "step": int(step),
-            "layout": _layout(),
+            "layout": _layout(model, optimizer),
             "optimizer_sharding_type": OPTIMIZER_SHARDING,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             **(extra or {}),
@@ -399,9 +450,12 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
                 load_optimizer: bool | None = None, fully_parallel: bool = False) -> dict[str, Any]:
     """Load what :func:`save_policy` wrote (collective). Returns the meta dict plus what was loaded.
 
-    ``load_optimizer``: None = when the saved TP x PP equals the current one (the only case ``dp_reshardable``
-    supports), True = required (error at another layout), False = model only. RNG states are restored when the world
-    size is unchanged. After a model-only load the optimizer's fp32 main weights are refreshed from the model.
+    ``load_optimizer``: None = when every field the optimizer state depends on matches (:data:`OPTIMIZER_LAYOUT`:
+    TP, PP, CP, EP, ETP, layer spec, dtype, distributed optimizer -- DP may differ, the one dimension
+    ``dp_reshardable`` reshards), else the model only, with a warning naming the fields; True = required
+    (ValueError naming them at another layout); False = model only. RNG states are restored when the whole layout
+    is unchanged. After a model-only load the optimizer's fp32 main weights are refreshed from the model. (A
+    trainer resume refuses such a change before Ray starts: ``trainer/config_drift.check_checkpoint_layout``.)
     """
     from megatron.core import dist_checkpointing
 
@@ -409,17 +463,15 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
 
     path = Path(path)
     meta = read_meta(path)
-    now = _layout()
+    now = _layout(model, optimizer)
     saved = meta["layout"]
-    same_mp = all(saved[k] == now[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                  "context_parallel_size"))
-    if load_optimizer and not same_mp:
+    changed = optimizer_layout_changes(saved, now)
+    if load_optimizer and changed:
         raise ValueError(
-            f"optimizer state in {path} was saved at TP={saved['tensor_model_parallel_size']} "
-            f"PP={saved['pipeline_model_parallel_size']} and can only be loaded at the same TP x PP (now "
-            f"TP={now['tensor_model_parallel_size']} PP={now['pipeline_model_parallel_size']}); "
-            f"load with load_optimizer=False for the model only")
-    do_opt = same_mp if load_optimizer is None else load_optimizer
+            f"the optimizer state in {path} was saved at another layout ({'; '.join(changed)}) and loads only at the "
+            f"same one (megatron's dp_reshardable buckets; DP may differ); load with load_optimizer=False for the "
+            f"model only")
+    do_opt = not changed if load_optimizer is None else load_optimizer
     bare = _unwrap(model)
     load_model(bare, path / "model", fully_parallel=fully_parallel)
     if do_opt and optimizer is not None:
@@ -433,13 +485,15 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
             optimizer.load_state_dict(state)
             _restore_adam_step(optimizer, state)
     elif optimizer is not None:
-        log.warning("loading model only from %s (saved layout %s, current %s)", path, saved, now)
+        if _rank() == 0:
+            log.warning("loading the MODEL ONLY from %s: its optimizer state (Adam moments) was saved at another "
+                        "layout (%s) and starts fresh", path, "; ".join(changed) or "load_optimizer=False")
         optimizer.reload_model_params()
     if scheduler is not None and meta.get("scheduler"):
         scheduler.num_steps = 0  # OptimizerParamScheduler.load_state_dict ADDS the saved step count to the current
         scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
-    restored_rng = saved["world_size"] == now["world_size"] and saved == now and rng_file.exists()
+    restored_rng = all(saved.get(k, v) == v for k, v in now.items()) and rng_file.exists()
     if restored_rng:
         set_rng_state(safe_load(rng_file))
     _barrier()

@@ -76,6 +76,7 @@ class MemoryEstimate:
     stage: int = 0
     inputs: dict[str, Any] = field(default_factory=dict)
     static: dict[str, int] = field(default_factory=dict)  # params / grads / optimizer bytes (megatron/offload.py)
+    async_staging: int = 0  # host copy of what this rank's checkpoint writes (weights + optimizer shard), memory_host
 
     def summary(self) -> str:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.components.items() if v)
@@ -217,10 +218,12 @@ def estimate_policy_memory(
         fwd = fwd_act * act_bytes + fwd_logits * 4
         if fwd > comps["activations"] + comps["transient"] + comps["logits"]:
             comps.update(activations=int(fwd_act * act_bytes), transient=0, logits=int(fwd_logits * 4))
+        staging = params * (static_per_param - 4) + experts * (static_per_expert_param - 4)  # no grad buffer
         div, ediv = (dp, edp) if distributed_optimizer else (1, 1)
         static = {"params": int((params + experts) * pbytes), "grads": int((params + experts) * 4),
                   "optimizer": int(params * opt_bytes / div + experts * opt_bytes / ediv)}
-        est = MemoryEstimate(total=sum(comps.values()), components=comps, stage=stage, static=static)
+        est = MemoryEstimate(total=sum(comps.values()), components=comps, stage=stage, async_staging=int(staging),
+                             static=static)
         if best is None or est.total > best.total:
             best = est
     assert best is not None

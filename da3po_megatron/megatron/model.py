@@ -238,8 +238,11 @@ def layer_spec(config, te: bool):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if config.num_moe_experts:
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=config.normalization)
+    if config.num_moe_experts:  # MoE layers save the same norm keys on both specs (checkpoint_keys.py)
+        from da3po_megatron.megatron.checkpoint_keys import unify_moe_norm_keys
+
+        return unify_moe_norm_keys(get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                                              normalization=config.normalization))
     if te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)

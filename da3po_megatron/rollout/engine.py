@@ -24,6 +24,7 @@ import socket
 import time
 from typing import Any
 
+from da3po_megatron.rollout.engine_routes import route_source, take_routes, vllm_routes  # noqa: F401 (re-exported)
 from da3po_megatron.rollout.stream import StreamingMixin, seed_for
 from da3po_megatron.rollout.types import Completion, EngineConfig, RolloutError, SamplingConfig
 
@@ -191,45 +192,6 @@ def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
     return kw
 
 
-def route_source(config: EngineConfig, has_cuda: bool) -> dict[str, Any]:
-    """Where an engine with ``return_routed_experts`` gets its routes. CPU: the worker-side capture
-    (``rollout/routes.py``; vLLM's own needs Model Runner V2, which needs a GPU). CUDA: vLLM 0.32's
-    ``enable_return_routed_experts`` (``config/aux_output.py``; V2, the default runner where Triton has a GPU,
-    ``config/vllm.py`` 702-738), whose ``CompletionOutput.routed_experts`` is ``[positions, all hidden layers,
-    top_k]`` (``outputs.py`` 84; dense layers' columns unused): the MoE layers' columns are kept
-    (:func:`vllm_routes`). The GPU path has not run in this project's CI (docs/gpu_only.md)."""
-    if not has_cuda:
-        return {"source": "worker"}
-    from da3po_megatron.bridge.hf_config import gpt_arch
-
-    arch = gpt_arch(config.model_path)
-    return {"source": "vllm", "columns": [i for i, m in enumerate(arch.moe_pattern()) if m],
-            "num_experts": arch.num_moe_experts}
-
-
-def vllm_routes(outputs: list, ids: list[list[int]], source: dict[str, Any]) -> dict:
-    """{(request id, sample index): [P + R - 1, MoE layers, top_k]} from vLLM's own ``routed_experts`` (GPU), in
-    the worker capture's layout and dtype (rows beyond vLLM's marked missing)."""
-    import numpy as np
-
-    from da3po_megatron.rollout.types import route_dtype, route_missing
-
-    dtype = route_dtype(source["num_experts"])
-    out = {}
-    for pid, o in zip(ids, outputs):
-        for sample in o.outputs:
-            got = getattr(sample, "routed_experts", None)
-            if got is None:
-                raise RolloutError(f"request {o.request_id}: vLLM returned no routed_experts (needs Model Runner "
-                                   "V2: LLM(enable_return_routed_experts=True))")
-            got = np.asarray(got)[:, source["columns"], :]
-            n = len(pid) + len(sample.token_ids) - 1
-            rows = np.full((n, got.shape[1], got.shape[2]), route_missing(dtype), dtype=dtype)
-            rows[:min(n, len(got))] = got[:n]
-            out[(o.request_id, int(sample.index))] = rows
-    return out
-
-
 class VLLMEngine(StreamingMixin):
     """A ``vllm.LLM`` with the trainer's entry points. ``engine_index`` names it in errors and in NCCL rank offsets."""
 
@@ -323,10 +285,8 @@ class VLLMEngine(StreamingMixin):
             if cap is not None:
                 p.max_tokens = int(cap)
         outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
-        routes = None
-        if self.routes is not None:
-            routes = self._take_routes(outputs, ids, sampling.n) if self.routes["source"] == "worker" else \
-                vllm_routes(outputs, ids, self.routes)
+        routes = {} if self.routes is None else take_routes(self.llm, self.routes, outputs, ids, prompt_indices,
+                                                            sampling)
         completions: list[Completion] = []
         for gi, pid, out in zip(prompt_indices, ids, outputs):
             if len(out.outputs) != sampling.n:
@@ -344,23 +304,9 @@ class VLLMEngine(StreamingMixin):
                     prompt_index=gi, sample_index=int(sample.index), prompt_token_ids=list(pid),
                     token_ids=token_ids, text=sample.text, logprobs=logprobs,
                     finish_reason=str(sample.finish_reason), num_tokens=len(token_ids),
-                    routed_experts=None if routes is None else routes[(out.request_id, int(sample.index))]))
+                    routed_experts=routes.get((out.request_id, int(sample.index)))))
                 self.generated_tokens += len(token_ids)
         return completions
-
-    def _take_routes(self, outputs: list, ids: list[list[int]], n: int) -> dict:
-        """The routed experts of every finished sample, from worker 0 (the routers of TP workers agree):
-        {(request id, sample index): [P + R - 1, moe layers, top_k]} (``rollout/routes.py``)."""
-        import numpy as np
-
-        keys, wanted = [], []
-        for pid, out in zip(ids, outputs):
-            for sample in out.outputs:
-                seq = np.asarray([*pid, *sample.token_ids], dtype=np.int32)[:-1]  # positions run as inputs
-                keys.append((out.request_id, int(sample.index)))
-                wanted.append((out.request_id, int(sample.index) if n > 1 else None, seq))
-        got = self.llm.collective_rpc("da3po_routes_take", args=(wanted,))[0]
-        return dict(zip(keys, got))
 
     # ------------------------------------------------------ "bytes" weight transport
     def begin_bucket_update(self) -> None:

@@ -48,6 +48,18 @@ import numpy as np
 from da3po_megatron.rollout.types import route_dtype, route_missing
 
 
+def routes_selected(prompt_index: int, sample_index: int, fraction: float) -> bool:
+    """Whether completion (prompt ``prompt_index``, sample ``sample_index``) carries its routes at ``fraction``
+    (``SamplingConfig.routes_fraction``): a hash of the two, uniform in [0, 1), below ``fraction`` -- the same answer
+    in every process and on every engine, independent of batching."""
+    if fraction >= 1.0:
+        return True
+    if fraction <= 0.0:
+        return False
+    h = hashlib.blake2b(f"{int(prompt_index)}:{int(sample_index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2**64 < fraction
+
+
 def internal_key(request_id: str) -> str:
     """The external part of an internal request id (``"{external}-{8 chars}"`` -> ``"{external}"``)."""
     head, sep, tail = request_id.rpartition("-")

@@ -147,6 +147,10 @@ class SamplingConfig:
     logprobs: bool = True
     """Return the log-prob of every sampled token (needed for the rollout/policy consistency check and for using
     rollout log-probs as pi_old)."""
+    routes_fraction: float = 1.0
+    """Engines with ``return_routed_experts``: the fraction of completions that carry their routes
+    (``rollout/routes.routes_selected``: a hash of prompt index and sample number); the others' are dropped inside the
+    engine (``routed_experts=None``). 1 = all (R3 needs every route), 0 = none (evaluation)."""
 
     def validate(self) -> None:
         if self.n < 1:

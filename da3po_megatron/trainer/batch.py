@@ -58,7 +58,8 @@ class Group:
     rewards: list[float]  # R = R_acc + R_len
     advantages: list[float] = field(default_factory=list)  # filled by compute_advantages (after DAA)
     weight_step: int = 0  # the policy step whose weights generated these responses (0 = the initial checkpoint)
-    routed_experts: list[np.ndarray] | None = None  # MoE: per response the engine's routes (Completion's), or None
+    routed_experts: list[np.ndarray | None] | None = None  # MoE: per response the engine's routes (Completion's),
+    # None for a response whose routes the engine dropped (moe.router_agreement_fraction), or None for the group
     token_versions: list[np.ndarray] | None = None  # partial rollouts: per response the version of each token (int32);
     # None = every token from weight_step (trainer/async_rollout.py; weight_step is then the version it started under)
     seed: int | None = None  # the engine request seed of response 0 (response j: seed + j); rounds only (replay.py)
@@ -70,7 +71,7 @@ class Group:
         if self.token_versions is not None:
             self.token_versions = [_array(r, np.int32) for r in self.token_versions]
         if self.routed_experts is not None:  # [positions, MoE layers, k], dtype kept (uint8 / int16)
-            self.routed_experts = [r.numpy() if isinstance(r, torch.Tensor) else np.asarray(r)
+            self.routed_experts = [None if r is None else r.numpy() if isinstance(r, torch.Tensor) else np.asarray(r)
                                    for r in self.routed_experts]
 
     @property
@@ -110,7 +111,7 @@ def make_groups(examples: Sequence[Example], completions: Sequence[Sequence[Any]
             example=ex, prompt_ids=comps[0].prompt_token_ids, response_ids=[c.token_ids for c in comps],
             texts=[c.text for c in comps], rollout_logprobs=[c.logprobs for c in comps],
             finish_reasons=[c.finish_reason for c in comps], acc=g_acc, rewards=rewards,
-            routed_experts=[c.routed_experts for c in comps] if all(
+            routed_experts=[getattr(c, "routed_experts", None) for c in comps] if any(
                 getattr(c, "routed_experts", None) is not None for c in comps) else None,
             token_versions=[c.versions for c in comps] if any(
                 getattr(c, "versions", None) is not None for c in comps) else None))
@@ -142,7 +143,8 @@ def group_to_dict(g: Group) -> dict[str, Any]:
     out["response_ids"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.response_ids]
     out["rollout_logprobs"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.rollout_logprobs]
     if g.routed_experts is not None:
-        out["routed_experts"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.routed_experts]
+        out["routed_experts"] = [None if r is None else torch.from_numpy(np.ascontiguousarray(r))
+                                 for r in g.routed_experts]
     if g.token_versions is not None:
         out["token_versions"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.token_versions]
     return out
@@ -208,11 +210,23 @@ def policy_batch(groups: Sequence[Group], old_logprobs: Any = None) -> PolicyBat
     adv = np.array([a for g in groups for a in g.advantages], dtype=np.float64) if \
         all(g.advantages for g in groups) else None
     routes = None
-    if groups and all(g.routed_experts is not None for g in groups):  # MoE engine routes (R3 / agreement)
+    if groups and all(g.routed_experts is not None and all(r is not None for r in g.routed_experts)
+                      for g in groups):  # MoE engine routes of every response (R3 / agreement on all)
         rows = [r for g in groups for r in g.routed_experts]
         routes = Ragged.from_rows(rows, rows[0].dtype)
     return PolicyBatch(prompt_ids=prompt_ids, response_ids=response_ids, old_logprobs=lp, advantages=adv,
                        routed_experts=routes)
+
+
+def route_sample(groups: Sequence[Group]) -> tuple[list[int], Ragged] | None:
+    """The responses of the batch (indices into :func:`policy_batch`'s group-major order) that carry engine routes
+    when only some do (``moe.router_agreement_fraction`` < 1 without R3), with their routes as one array; None when
+    none or all do (all: they travel in the batch itself)."""
+    flat = [r for g in groups for r in (g.routed_experts or [None] * len(g.response_ids))]
+    idx = [i for i, r in enumerate(flat) if r is not None]
+    if not idx or len(idx) == len(flat):
+        return None
+    return idx, Ragged.from_rows([flat[i] for i in idx], flat[idx[0]].dtype)
 
 
 def token_versions(groups: Sequence[Group]) -> Ragged:

@@ -8,7 +8,9 @@ filled in). On resume the trainer compares it with the config of the new command
   the custom functions; ``max_generation_rounds`` excepted), ``daa.*``, the data (``data.*`` but ``on_bad_row``),
   the verifier (``reward.kind``), ``trainer.seed``, the sampling that defines the groups and Eq. 8 (``rollout.n``,
   ``temperature``, ``top_p``, ``max_prompt_length``, ``max_response_length``) and the parallel layout the checkpoint
-  cannot reshard (TP, PP, CP: the optimizer state loads at the same TP x PP only) -- unless ``--allow-config-change``;
+  cannot reshard (TP, PP, CP, EP, ETP: the optimizer state loads at the same layout only, DP aside; the checkpoint's
+  own ``policy/meta.json`` layout is compared too, :func:`check_checkpoint_layout`) -- unless
+  ``--allow-config-change``;
 - passes with a one-line **notice** changes that cannot change what a step computes: ``trainer.total_steps``, eval,
   checkpoint and logging cadence, placement and resources (``ray.*``, engine counts and memory, weight-sync
   transport), micro-batch token budgets, recomputation, reward workers and time limits;
@@ -287,10 +289,52 @@ def check_resume_config(cfg: Config, allow: bool = False, log=print) -> list[dic
     return _check(cfg, old, name, _step_of(name), allow, log, f"the run record {run_dir / RECORD_FILE}")
 
 
+def planned_layout(cfg: Config) -> dict[str, Any]:
+    """The parallel layout ``cfg`` will run the policy at, in ``meta.json``'s terms (ETP None = TP)."""
+    p = cfg.parallel
+    return {"tensor_model_parallel_size": p.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+            "context_parallel_size": p.context_parallel_size,
+            "expert_model_parallel_size": p.expert_model_parallel_size,
+            "expert_tensor_parallel_size": p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
+            "params_dtype": cfg.model.params_dtype, "distributed_optimizer": cfg.optim.use_distributed_optimizer}
+
+
+def check_checkpoint_layout(cfg: Config, path: Path, allow: bool = False, log=print) -> list[str]:
+    """Before Ray starts: the policy layout recorded in the checkpoint ``path`` (``policy/meta.json``) against the
+    one ``cfg`` will run at. The optimizer state (Adam moments) loads only at the same TP, PP, CP, EP, ETP, dtype and
+    optimizer kind (``megatron/checkpoint.OPTIMIZER_LAYOUT``; DP may change); any other change raises
+    :class:`ConfigDriftError` naming the fields, or with ``allow`` (``--allow-config-change``) prints that the
+    policy will load the model only. The layer spec (TE or local), known only on the ranks, is checked there
+    (``load_policy``: model only, with a warning). Returns the changes."""
+    from da3po_megatron.megatron.checkpoint import optimizer_layout_changes
+
+    meta_file = next((f for f in (Path(path) / "policy" / "meta.json", Path(path) / "meta.json") if f.exists()), None)
+    if meta_file is None:
+        return []
+    try:
+        saved = json.loads(meta_file.read_text()).get("layout") or {}
+    except (OSError, ValueError):
+        return []  # a damaged checkpoint is the verification's business
+    changes = optimizer_layout_changes(saved, planned_layout(cfg))
+    if changes and not allow:
+        raise ConfigDriftError(
+            f"resuming {cfg.trainer.run_dir} from {Path(path).name} would change the policy's layout: "
+            + "; ".join(changes) + f"\n(saved in {meta_file}). Its optimizer state loads only at the same layout "
+            "(megatron's dp_reshardable buckets; DP may change). Resume with the saved layout, or pass "
+            "--allow-config-change to load the model only (Adam moments start fresh).")
+    if changes:
+        log(f"warning: resume changes the policy's layout ({'; '.join(changes)}): the policy loads the MODEL ONLY "
+            f"from {Path(path).name}; its optimizer state starts fresh (allowed by --allow-config-change)")
+    return changes
+
+
 def check_checkpoint_config(cfg: Config, path: Path, allow: bool = False, log=print) -> list[dict[str, Any]]:
     """The checkpoint ``path`` a resume loads (after verification and any fallback) against its own recorded config,
     when that defines the run differently from the run record (which :func:`check_resume_config` compared with) or
-    there is no run record. Refuses like :func:`check_resume_config`."""
+    there is no run record. Refuses like :func:`check_resume_config`. First its policy layout
+    (:func:`check_checkpoint_layout`)."""
+    check_checkpoint_layout(cfg, path, allow, log)
     run_dir = Path(cfg.trainer.run_dir)
     found = checkpoint_config(run_dir, path)
     if found is None:

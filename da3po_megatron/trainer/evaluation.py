@@ -26,9 +26,9 @@ def evaluate_synthetic(run: Any, k: int) -> dict[str, float]:
     out: dict[str, float] = {}
     modes = {f"avg@{k}": SamplingConfig(n=k, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
                                         max_tokens=cfg.rollout.max_response_length, seed=12345,
-                                        apply_chat_template=False),
+                                        apply_chat_template=False, routes_fraction=0.0),
              "greedy": SamplingConfig(n=1, temperature=0.0, max_tokens=cfg.rollout.max_response_length,
-                                      apply_chat_template=False)}
+                                      apply_chat_template=False, routes_fraction=0.0)}  # evaluation reads no routes
     for name, sampling in modes.items():
         comps = run.rollout.generate(prompts, sampling)
         per_bucket: dict[int, list[float]] = defaultdict(list)

@@ -115,7 +115,8 @@ def run_steps(run: Run) -> None:
             batch = B.policy_batch(groups)
             run.replay.record(step, rollout, batch)  # rollout.dump_dir: the step's rollout + batch (trainer/replay.py)
             with timer("old_logprobs"):
-                batch, mismatch = run.old_logprobs(batch, versions=B.token_versions(groups))
+                batch, mismatch = run.old_logprobs(batch, versions=B.token_versions(groups),
+                                                   routes=B.route_sample(groups))
 
         # 4. Mini-batch updates with the clipped surrogate on the Megatron policy.
         with timer("train"):

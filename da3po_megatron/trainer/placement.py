@@ -481,6 +481,9 @@ def _probe(kind: str, te_setting: Any) -> dict[str, Any]:
             from da3po_megatron.megatron.model import use_te
 
             info["use_te"] = bool(use_te(te_setting))
+        import psutil  # the node's host memory too: asynchronous saves stage there (megatron/memory_host.py)
+
+        info["host_available_bytes"] = int(psutil.virtual_memory().available)
     else:
         _host_memory(info)
     return info

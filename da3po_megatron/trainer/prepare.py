@@ -16,6 +16,7 @@ from typing import Any
 from da3po_megatron.config import Config
 from da3po_megatron.data.datasets import PromptDataset, ReadStats, load_prompts
 from da3po_megatron.megatron.arch import GPTArch
+from da3po_megatron.megatron.memory_host import route_fraction
 from da3po_megatron.rollout.types import EngineConfig
 from da3po_megatron.trainer.console import ray_init_kwargs
 
@@ -131,8 +132,8 @@ def engine_config(cfg: Config, engine_cuda: bool = False, moe: bool = False) -> 
     ``placement.probe_devices``): with it vLLM sizes its KV cache from ``rollout.gpu_memory_utilization`` and
     colocated engines get sleep mode; without it the KV cache is capped at ``rollout.kv_cache_memory_bytes`` (vLLM's CPU
     default takes 0.9 x RAM) and there is no sleep mode (a no-op on CPU). ``moe``: the model has experts; the
-    engines then return their routes when the policy wants them (``moe.routing_replay`` / ``moe.router_agreement``,
-    ``megatron.model.routes_wanted``)."""
+    engines then return routes when something reads them (``memory_host.route_fraction``: R3, or the agreement
+    metric's sample -- ``moe.router_agreement_fraction``; never for streaming engines, which return none)."""
     r = cfg.rollout
     return EngineConfig(
         model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,
@@ -142,7 +143,7 @@ def engine_config(cfg: Config, engine_cuda: bool = False, moe: bool = False) -> 
         gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed,
         enable_sleep_mode=r.colocate and engine_cuda,
         logprobs_mode="processed_logprobs",
-        return_routed_experts=moe and (cfg.moe.routing_replay != "none" or cfg.moe.router_agreement))
+        return_routed_experts=moe and route_fraction(cfg.moe, r.mode == "streaming") > 0)
 
 
 def load_train_data(cfg: Config) -> PromptDataset:
@@ -216,10 +217,22 @@ def preflight(cfg: Config) -> GPTArch:
 def memory_preflight(cfg: Config, arch: GPTArch, seen: dict[str, Any], plan: Any) -> int:
     """The policy's estimated peak memory per rank against what policy rank 0's bundle sees (``seen``: its
     ``probe_devices`` answer: device, free memory, layer spec), before any policy actor starts
-    (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch``). Returns the token budget."""
-    from da3po_megatron.megatron.memory import check_policy_memory
+    (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch``). Returns the token budget. Then
+    what host memory carries (``megatron/memory_host.py``): the MoE routes a step moves, and whether the node can
+    stage asynchronous saves (else ``trainer.async_save`` falls back to synchronous, said)."""
+    from da3po_megatron.megatron.memory import check_policy_memory, estimate_for_config
+    from da3po_megatron.megatron.memory_host import check_async_save_memory, route_plan_line
+
+    def say(m: str) -> None:
+        print(m, flush=True)
 
     per_node = max(plan.rank_node.count(i) for i in set(plan.rank_node))
-    return check_policy_memory(cfg, arch, available=seen["free_bytes"], where=seen["memory_where"],
-                               log=lambda m: print(m, flush=True), device="cuda" if seen["cuda"] else "cpu",
-                               te=seen.get("use_te", False), local_ranks=per_node)
+    device, te = "cuda" if seen["cuda"] else "cpu", seen.get("use_te", False)
+    tokens = check_policy_memory(cfg, arch, available=seen["free_bytes"], where=seen["memory_where"], log=say,
+                                 device=device, te=te, local_ranks=per_node)
+    if arch.is_moe:
+        say(f"memory: {route_plan_line(cfg, arch)}")
+    host = seen.get("host_available_bytes", seen["free_bytes"] if device == "cpu" else None)
+    check_async_save_memory(cfg, arch, per_node, host, device, te, say,
+                            policy_bytes_per_rank=estimate_for_config(cfg, arch, tokens, device, te).total)
+    return tokens

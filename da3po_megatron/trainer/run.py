@@ -251,8 +251,11 @@ class Run(RunCheckpoints):
         from da3po_megatron.rollout import SamplingConfig
 
         r = self.cfg.rollout
+        from da3po_megatron.megatron.memory_host import route_fraction
+
         return SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_length,
-                              seed=seed, apply_chat_template=False, ignore_eos=r.ignore_eos)
+                              seed=seed, apply_chat_template=False, ignore_eos=r.ignore_eos,
+                              routes_fraction=route_fraction(self.cfg.moe))
 
     def render_prompts(self, examples: list[Example]) -> list[Any]:
         return [render_prompt(self.tokenizer, ex.prompt, self.cfg.data.apply_chat_template) for ex in examples]
@@ -303,8 +306,8 @@ class Run(RunCheckpoints):
         return groups
 
     # ------------------------------------------------------------------------------------------------ training
-    def old_logprobs(self, batch: PolicyBatch, fresh: bool = True, versions: Ragged | None = None
-                     ) -> tuple[PolicyBatch, dict[str, float]]:
+    def old_logprobs(self, batch: PolicyBatch, fresh: bool = True, versions: Ragged | None = None,
+                     routes: tuple[list[int], Ragged] | None = None) -> tuple[PolicyBatch, dict[str, float]]:
         """pi_old for the ratio, and the rollout-vs-policy log-prob mismatch of the sampled tokens (logged every step:
         the trainer/engine mismatch problem). With ``actor.use_rollout_logprobs`` only a ``rollout.
         logprob_check_fraction`` sample of responses is recomputed, for the mismatch metric alone. With
@@ -318,7 +321,10 @@ class Run(RunCheckpoints):
         with their mismatch alone (``rollout/logprob_diff_fresh_*`` when the batch mixes versions; nothing when no
         token is fresh) and ``rollout/fresh_token_frac`` says how many there were. ``rollout/logprob_diff_*`` and
         TIS cover every token: each token's rollout log-prob is the behaviour log-prob of the version that sampled
-        it (partial rollouts stitch them per segment), which is what TIS must divide by."""
+        it (partial rollouts stitch them per segment), which is what TIS must divide by.
+
+        ``routes`` (``B.route_sample``): when only some responses carry engine routes (the agreement metric's sample,
+        ``moe.router_agreement_fraction``), those responses' forward with their routes gives ``moe/router_*``."""
         import random as _random
 
         from da3po_megatron.rollout.consistency import logprob_diff_metrics
@@ -328,6 +334,13 @@ class Run(RunCheckpoints):
             raise RuntimeError(f"moe.routing_replay={self.cfg.moe.routing_replay!r}, but the step's batch carries no "
                                "routes from the engines (every completion needs Completion.routed_experts; "
                                "docs/moe.md 'Routing replay')")
+        agreement: dict[str, float] = {}
+        if routes is not None and batch.routed_experts is None:  # MoE: agreement on the sample with routes
+            idx, rows = routes
+            self.policy.compute_logprobs(PolicyBatch([batch.prompt_ids[i] for i in idx],
+                                                     [batch.response_ids[i] for i in idx], routed_experts=rows))
+            agreement = {f"moe/{k}": v for k, v in self.policy.call("routing_stats").items()}
+            agreement["moe/router_agreement_responses"] = float(len(idx))
         if self.cfg.actor.use_rollout_logprobs:
             n = len(batch)
             k = min(n, math.ceil(self.cfg.rollout.logprob_check_fraction * n))
@@ -341,12 +354,13 @@ class Run(RunCheckpoints):
                 mismatch.update({f"moe/{k}": v for k, v in self.policy.call("routing_stats").items()})
             if versions is not None:  # the sample measures the sync only if the current weights sampled all of it
                 fresh = all(bool((versions[i] == self.step).all()) for i in idx)
-            return batch, {**mismatch, **(self.drift.update(self.step + 1, mismatch) if fresh else {})}
+            return batch, {**mismatch, **agreement, **(self.drift.update(self.step + 1, mismatch) if fresh else {})}
         policy_lp = poisoned(self.policy.compute_logprobs(batch), self.step + 1)  # (a no-op outside fault tests)
         mismatch = logprob_diff_metrics(rollout_lp, policy_lp)
         if batch.routed_experts is not None:  # MoE: router agreement of this pass with the engines (docs/moe.md)
             mismatch.update({f"moe/{k}": v for k, v in self.policy.call("routing_stats").items()})
         mismatch.update(fresh_drift(self.drift, self.step, rollout_lp, policy_lp, mismatch, fresh, versions))
+        mismatch.update(agreement)
         weights = None
         if self.cfg.algorithm.rollout_correction == "tis":
             # one float64 vector of all tokens each (arrays: no per-token Python); the weights keep the policy's rows
