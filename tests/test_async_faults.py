@@ -114,11 +114,16 @@ def test_async_checkpoint_saves_partials_with_versions_and_a_kill_9_in_a_partial
     # the resumed run continued the saved partials first (each resubmitted from prompt + its saved tokens)
     assert resumed[2]["step"] == 3 and resumed[2]["rollout/async/resumed_groups"] >= len(saved["partials"])
 
-    # 3. resumed again, to the end
-    p, _ = launch(model, run_dir, "", *ASYNC_RUN)
+    # 3. resumed again, to the end -- and the vLLM engine is SIGKILLed during a stream call (just after the saved
+    #    partials were resubmitted): with rollout.restart_on_failure the producer restarts it, re-syncs it and
+    #    resubmits its groups from their prefixes (issue 47, point 4; before: EngineDeadError, rc 1)
+    p, _ = launch(model, run_dir, f"kill_engine@partial_rollout@{killed_at}", *ASYNC_RUN,
+                  "rollout.restart_on_failure=true")
     assert p.returncode == 0, tail(p)
     assert f"at step {killed_at - 1}" in p.stdout, tail(p)
+    assert "fault injection: kill_engine" in p.stdout and "rollout producer: engine 0 died" in p.stdout, tail(p)
     got = metrics(run_dir)
+    assert sum(r.get("rollout/async/engine_restarts", 0) for r in got) == 1
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert all(within_bound(r) for r in got)  # the bound held across both resumes
     assert all(r["dynamic_sampling/kept_groups"] == 4 for r in got)
