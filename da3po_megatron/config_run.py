@@ -198,8 +198,9 @@ class ProfileConfig:
                               "(torch.cuda.memory._dump_snapshot, open in pytorch.org/memory_viz) of each traced rank.")
     with_stack: bool = doc(False, "Python stacks in the traces (larger files, slower).")
     record_shapes: bool = doc(False, "Tensor shapes of the recorded ops.")
-    nvtx: bool = doc(False, "NVTX ranges for the phases on EVERY step (for an nsys run of the whole job); profiled "
-                            "steps get them anyway. No effect without CUDA.")
+    nvtx: bool = doc(False, "NVTX ranges for the phases on EVERY step, in the driver and on every policy rank (for "
+                            "an nsys run of the whole job); profiled steps get them anyway and return to this state. "
+                            "No effect without CUDA.")
 
 
 @dataclass

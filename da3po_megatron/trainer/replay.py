@@ -414,8 +414,8 @@ class Replay:
         if recorded is None and not self.due(step):
             return
         mine = batch_to_dict(batch)
-        if recorded is not None and "advantages" in recorded and not torch.equal(recorded["advantages"],
-                                                                                   mine.get("advantages")):
+        if recorded is not None and "advantages" in recorded and "advantages" in mine and not torch.equal(
+                recorded["advantages"], mine["advantages"]):
             diff = (recorded["advantages"] - mine["advantages"]).abs().max().item()
             print(f"warning: replay step {step}: advantages differ from the recording by up to {diff:.3g} (the "
                   "advantage code or config differs from the dumping run's)", flush=True)
