@@ -263,7 +263,7 @@ class AsyncRollout(EngineSide):
             self._stop = True
             self._cv.notify_all()
         self._scores.put(None)
-        self._thread.join(timeout=max(60.0, self.timeout_s))
+        self._thread.join(timeout=60)  # a daemon: one stuck in an engine wait (<= producer_timeout_s) is left
         self._scorer.join(timeout=60)
 
     # ------------------------------------------------------------------------------------------ checkpoint
