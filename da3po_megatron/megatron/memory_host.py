@@ -92,9 +92,11 @@ def check_async_save_memory(cfg: Any, arch: GPTArch, ranks_per_node: int, host_a
     """Whether ``trainer.async_save`` can stay on: the staging of ``ranks_per_node`` ranks against the node's
     available host memory (on CPU less what the policy ranks themselves take, ``policy_bytes_per_rank`` each; on
     GPU less :data:`HOST_RESERVE_FRACTION`). When it cannot, sets ``cfg.trainer.async_save = False`` and says so.
-    Returns the (possibly changed) setting. Unknown host memory (None): left on, with a note."""
-    if not cfg.trainer.async_save:
-        return False
+    Returns the (possibly changed) setting. Unknown host memory (None): left on, with a note. Follows
+    ``actor.memory_check`` as the device plan does: "skip" checks nothing, "warn" only says so."""
+    mode = getattr(getattr(cfg, "actor", None), "memory_check", "refuse")
+    if not cfg.trainer.async_save or mode == "skip":
+        return bool(cfg.trainer.async_save)
     per_rank = async_save_staging_bytes(cfg, arch, device, te)
     need = per_rank * ranks_per_node
     if host_available is None:
@@ -109,6 +111,9 @@ def check_async_save_memory(cfg: Any, arch: GPTArch, ranks_per_node: int, host_a
             f"{need / GiB:.1f} GiB for the node's {ranks_per_node} rank(s), in {room / GiB:.1f} GiB of host memory")
     if need <= room:
         log(f"memory: {line}")
+        return True
+    if mode == "warn":
+        log(f"memory: {line}: does not fit (actor.memory_check=warn: asynchronous saves stay on)")
         return True
     cfg.trainer.async_save = False
     log(f"memory: {line}: does not fit -- checkpoints are saved SYNCHRONOUSLY (trainer.async_save=false; the save "
