@@ -130,6 +130,9 @@ def resolve(cfg: Config) -> Config:
     signature-checked; a relative ``file.py`` path is made absolute so that workers with another working directory
     find it). Called by :func:`load_config`; call it on a :class:`Config` built in code. Returns ``cfg``."""
     resolve_presets(cfg)
+    p = cfg.parallel
+    if p.sequence_parallel is None:  # megatron-core's recipes: SP whenever TP > 1 (config_policy.py)
+        p.sequence_parallel = p.tensor_model_parallel_size > 1
     a = cfg.algorithm
     for name, args in (("policy_loss_fn", POLICY_LOSS_FN_ARGS), ("advantage_fn", ADVANTAGE_FN_ARGS)):
         spec = getattr(a, name)

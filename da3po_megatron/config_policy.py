@@ -37,6 +37,13 @@ class ParallelConfig:
                                              "ETP must divide TP x DP). 1 for dense models. docs/moe.md.")
     expert_tensor_parallel_size: int | None = doc(None, "ETP (MoE models): each expert's MLP split over this many "
                                                         "ranks; None = TP. ETP=1 with EP > 1 is the usual choice.")
+    sequence_parallel: bool | None = doc(
+        None, "SP (Megatron's sequence parallelism, with TP > 1): the norms, residuals and dropout of every layer "
+              "run on 1/TP of the sequence per TP rank (all-gather before, reduce-scatter after each TP region "
+              "instead of one all-reduce), so those activations take 1/TP of the memory; log-probs and losses are "
+              "unchanged. None = on whenever tensor_model_parallel_size > 1 (megatron-core's recipes; resolved at "
+              "load); true with TP 1 is an error. Needed to train MoE layers at TP > 1 (megatron-core refuses "
+              "otherwise). docs/policy.md 'Sequence parallelism'.")
 
 
 @dataclass
@@ -99,7 +106,8 @@ class ActorConfig:
                 "cross-entropy; kernel backends from kernels/ ('auto' = Triton where it compiles, else chunked); "
                 "'fused_linear' = kernels/fused_linear.py from the final hidden states and the output weight: no "
                 "[tokens x vocab] logits tensor at all (memory), one extra matmul per token chunk in backward "
-                "(speed); not with sequence parallelism.")
+                "(speed); with sequence parallelism it all-gathers the final hidden states over the sequence first, "
+                "as the output layer does.")
     use_rollout_logprobs: bool = doc(False, "Use the engines' sampled-token log-probs as pi_old instead of "
                                             "recomputing them with the policy (cheaper, carries engine mismatch).")
     entropy: bool = doc(True, "Compute the mean token entropy of the policy for logging.")

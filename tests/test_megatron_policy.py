@@ -421,7 +421,8 @@ def test_train_step_at_temperature_has_the_loss_and_gradient_of_tempered_logits(
 def fused_linear_run(request, tiny_hf, tmp_path_factory) -> dict:
     """tests/_policy_fused_linear.py with a padded vocabulary: TP=1 untied; TP=2 with tied output weights (the
     vocabulary-parallel embedding shard is the output weight; covers TP and tying together, so CI starts no separate
-    TP=2-untied and TP=1-tied jobs); PP=2 tied (the last stage's copy of the embedding is the output weight there)."""
+    TP=2-untied and TP=1-tied jobs; TP=2 runs with sequence parallelism, the default); PP=2 tied (the last stage's
+    copy of the embedding is the output weight there)."""
     from da3po_megatron.tiny import build_model
 
     tp, pp, tied = request.param
@@ -430,6 +431,8 @@ def fused_linear_run(request, tiny_hf, tmp_path_factory) -> dict:
     res = _launch(tp * pp, d / "out.json", "--hf", str(hf), "--ckpt", str(d / "ckpt"), "--pp", str(pp),
                   script=Path(__file__).with_name("_policy_fused_linear.py"))
     assert (res["info"]["tp"], res["info"]["pp"], res["tied"]) == (tp, pp, tied)
+    # sequence parallelism is on by default at TP 2: fused_linear gathers the hidden states as the output layer does
+    assert res["info"]["sequence_parallel"] == (tp > 1)
     assert res["info"]["padded_vocab_size"] > res["info"]["vocab_size"]
     return res
 
@@ -453,22 +456,6 @@ def test_fused_linear_train_step_equals_the_kernel_backend(fused_linear_run, alg
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-9), f"{key} T={t}"
         # after one Adam step at lr 1e-4 (measured: <= 4e-6)
         assert _max_diff(want["logprobs_after"], got["logprobs_after"]) < 1e-5, f"T={t}"
-
-
-def test_fused_linear_with_sequence_parallel_is_refused_at_validation(tiny_hf, monkeypatch):
-    from da3po_megatron.megatron import policy
-
-    real = policy.transformer_config
-
-    def sequence_parallel(*a, **kw):
-        tc = real(*a, **kw)
-        tc.sequence_parallel = True
-        return tc
-
-    monkeypatch.setattr(policy, "transformer_config", sequence_parallel)
-    with pytest.raises(ValueError, match="fused_linear.*sequence_parallel"):
-        validate_config(_cfg(tiny_hf, overrides=("actor.loss_backend=fused_linear",)), gpt_arch(tiny_hf), 1)
-    validate_config(_cfg(tiny_hf, overrides=("actor.loss_backend=chunked",)), gpt_arch(tiny_hf), 1)
 
 
 def test_actor_loss_backend_fused_linear_reaches_the_policy():

@@ -18,8 +18,20 @@ The patches (measured on megatron-core 0.16.1, see ``shared/notes/cpu-stack.md``
 6. ``torch.cuda.Stream`` / ``current_stream()`` / ``stream(...)`` are one synchronous stand-in stream (the MoE
    alltoall token dispatcher moves its split sizes to the host on a side stream).
 
-Not supported on CPU (checked by the runtime, not patched): ``sequence_parallel=True`` (torch LayerNorm assert) and
-the fused kernels (bias-activation, bias-dropout, masked-softmax, RoPE, gradient-accumulation fusions).
+7. Sequence parallelism on Megatron's local spec (:func:`allow_sequence_parallel_torch_norm`, applied by the model
+   builder whenever the local spec is built with ``sequence_parallel=True``): the local spec's norm is
+   ``WrappedTorchNorm``, which asserts ``not config.sequence_parallel`` (megatron-core 0.16.1
+   ``transformer/torch_norm.py`` 32; ``models/gpt/gpt_layer_specs.py`` 64-71 picks it when apex is absent). A norm
+   is per token, so it computes the same on a slice of the sequence; what SP needs besides is that its weights'
+   gradients, now from 1/TP of the tokens on each TP rank, are summed over TP: Megatron's own norms mark their
+   parameters ``sequence_parallel`` (``fusions/fused_layer_norm.py`` 116-120, TE's norms likewise) and
+   ``finalize_model_grads`` all-reduces the gradients of parameters so marked (``distributed/finalize_model_grads.py``
+   354-366). The shim builds the same torch norm without the assert and marks its parameters the same way. The SP
+   collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``: ``tensor_parallel/mappings.py`` 12-13) run on
+   gloo with torch 2.13 as they are.
+
+Not supported on CPU (checked by the runtime, not patched): the fused kernels (bias-activation, bias-dropout,
+masked-softmax, RoPE, gradient-accumulation fusions).
 """
 
 from __future__ import annotations
@@ -184,3 +196,35 @@ def cpu_safe_config_overrides() -> dict:
         persist_layer_norm=False,
         use_cpu_initialization=True,
     )
+
+
+_norm_patched = False
+
+
+def allow_sequence_parallel_torch_norm() -> None:
+    """Let megatron-core's ``WrappedTorchNorm`` (the local spec's norm) run with ``sequence_parallel=True`` and mark
+    its parameters ``sequence_parallel`` so that their gradients are summed over TP (point 7 of the module doc).
+    Idempotent; the same module on CPU and on a GPU without Transformer-Engine / apex (the local spec's torch norm is
+    the same there); without SP the norm is built exactly as before."""
+    global _norm_patched
+    if _norm_patched:
+        return
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        plain = copy.copy(config)  # the same config, seen without SP by the assert only
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)  # type: ignore[method-assign]
+    _norm_patched = True

@@ -18,7 +18,8 @@ Backends are registered by name (:data:`LOSS_BACKENDS`, :func:`register_loss_bac
 - ``"fused_linear"``: the last stage's forward returns the final hidden states (:meth:`forward_context` swaps the
   output layer for a pass-through), and log-probs, entropy and loss come from
   :mod:`da3po_megatron.kernels.fused_linear` with this rank's output-weight shard: no ``[tokens x vocab]`` logits
-  tensor at all. Not with sequence parallelism (the hidden states are sequence-sharded there).
+  tensor at all. With sequence parallelism the final hidden states are sequence-sharded; the pass-through gathers them
+  over the sequence first, as the output layer it replaces does (so every backend runs under SP: none is refused).
 
 :func:`microbatch_loss` is what the Megatron schedule calls per micro-batch: the backend's fused loss or its log-probs
 + ``policy_loss`` (or a custom loss), normalised by the GLOBAL token / response count of the mini-batch, plus the
@@ -221,7 +222,7 @@ class FusedLinearLossBackend(LossBackend):
             yield
             return
         layer = gpt.output_layer
-        gpt.output_layer = _PassThroughOutputLayer(layer.weight)
+        gpt.output_layer = _PassThroughOutputLayer(layer.weight, self._sequence_parallel())
         try:
             yield
         finally:
@@ -232,17 +233,23 @@ class FusedLinearLossBackend(LossBackend):
         (``kernels.OutputLayer``): divided by the sampling temperature, padded vocab columns left out.
 
         The weight is the one Megatron's output layer would use: with tied embeddings the word-embedding weight (or
-        its last-stage copy when PP > 1), else the output layer's own. The hidden states are replicated over the TP
-        group (no sequence parallelism) and each rank's shard sees only its part of their gradient:
+        its last-stage copy when PP > 1), else the output layer's own. Without sequence parallelism the hidden states
+        are replicated over the TP group and each rank's shard sees only its part of their gradient:
         ``reduce_hidden_grad`` sums it, what the output layer's ``copy_to_tensor_model_parallel_region`` does on the
-        logits path.
+        logits path. With it, the pass-through's gather already sums them in its backward (a reduce-scatter), as
+        ``ColumnParallelLinear`` with ``sequence_parallel`` does instead of that copy (megatron-core 0.16.1
+        ``tensor_parallel/layers.py`` ``ColumnParallelLinear.forward``), so no second sum here.
         """
         from da3po_megatron.kernels import OutputLayer
 
         gpt = self.gpt
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
             else gpt.output_layer.weight
-        return OutputLayer(weight, temperature=self.temperature, vocab_limit=self.shard.vocab, reduce_hidden_grad=True)
+        return OutputLayer(weight, temperature=self.temperature, vocab_limit=self.shard.vocab,
+                           reduce_hidden_grad=not self._sequence_parallel())
+
+    def _sequence_parallel(self) -> bool:
+        return bool(getattr(self.gpt.config, "sequence_parallel", False)) and self.shard.tp_size > 1
 
     @staticmethod
     def response_hidden(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -270,15 +277,23 @@ class _PassThroughOutputLayer(torch.nn.Module):
     return): hands the final hidden states through, so that the fused_linear loss gets them instead of logits.
 
     It exposes the real layer's ``weight``, because ``GPTModel.shared_embedding_or_output_weight()`` reads
-    ``output_layer.weight`` during the forward on a last pipeline stage with tied embeddings (PP > 1).
+    ``output_layer.weight`` during the forward on a last pipeline stage with tied embeddings (PP > 1). With
+    ``sequence_parallel`` it all-gathers the sequence-sharded [S / TP, b, H] hidden states over the TP group (backward:
+    reduce-scatter), the step ``ColumnParallelLinear`` takes before its matmul under sequence parallelism
+    (``gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True)``).
     """
 
-    def __init__(self, weight: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor | None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = weight
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
         return hidden_states, None
 
 

@@ -186,10 +186,11 @@ def moe_config_kwargs(arch: GPTArch, moe: Any = None, ep: int = 1, etp: int | No
 
 
 def transformer_config(arch: GPTArch, options: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                       etp: int | None = None, te: bool = False, moe: Any = None):
+                       etp: int | None = None, te: bool = False, moe: Any = None, sequence_parallel: bool = False):
     """A megatron ``TransformerConfig`` for ``arch``, with parallel sizes (checked:
     :meth:`GPTArch.check_parallel_sizes`) and the run config's ``model`` options (dtype, recomputation); MoE fields
-    from :func:`moe_config_kwargs` (``te``: grouped GEMM experts)."""
+    from :func:`moe_config_kwargs` (``te``: grouped GEMM experts). ``sequence_parallel``: the run config's resolved
+    ``parallel.sequence_parallel`` (megatron-core's ``ModelParallelConfig.sequence_parallel``; only with TP > 1)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch.check_parallel_sizes(tp, pp, ep, etp)
@@ -211,6 +212,7 @@ def transformer_config(arch: GPTArch, options: ModelConfig, tp: int = 1, pp: int
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
+        sequence_parallel=bool(sequence_parallel) and tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -254,9 +256,12 @@ def build_gpt_model(
     pre_process: bool | None = None,
     post_process: bool | None = None,
     moe: Any = None,
+    sequence_parallel: bool = False,
 ):
     """The GPTModel stage of this rank (parallel state must be initialised: see ``runtime.init_parallel``), built as
-    the run config's ``model`` section says (dtype, layer spec, recomputation, vocabulary padding)."""
+    the run config's ``model`` section says (dtype, layer spec, recomputation, vocabulary padding), with sequence
+    parallelism when ``sequence_parallel`` (``parallel.sequence_parallel``) and TP > 1: on the local spec its torch
+    norm goes through :func:`cpu_compat.allow_sequence_parallel_torch_norm`."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -266,7 +271,9 @@ def build_gpt_model(
     ep = ps.get_expert_model_parallel_world_size()
     etp = ps.get_expert_tensor_parallel_world_size()
     te = use_te(options)
-    config = transformer_config(arch, options, tp, pp, cp, ep, etp, te, moe)
+    config = transformer_config(arch, options, tp, pp, cp, ep, etp, te, moe, sequence_parallel)
+    if config.sequence_parallel and not te:
+        cpu_compat.allow_sequence_parallel_torch_norm()
     if arch.is_moe:
         from da3po_megatron.megatron.moe import patch_megatron_moe
 

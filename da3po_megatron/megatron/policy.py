@@ -129,18 +129,30 @@ def validate_config(cfg: Config, arch: GPTArch, world_size: int, *, megatron_con
     if cfg.moe.routing_replay != "none" and not arch.is_moe:
         raise ValueError(f"moe.routing_replay={cfg.moe.routing_replay!r} needs a Mixture-of-Experts model; "
                          f"{cfg.model.path} is dense (no experts: nothing to route); use moe.routing_replay=none")
-    tconf = transformer_config(arch, cfg.model, tp, pp, layout.context_parallel_size, ep, etp,
-                               moe=cfg.moe) if megatron_config else None
+    sp = sequence_parallel_of(cfg)
+    if arch.is_moe and tp > 1 and not sp:
+        raise ValueError(f"{cfg.model.path} is a Mixture-of-Experts model: training it at "
+                         f"parallel.tensor_model_parallel_size = {tp} needs parallel.sequence_parallel (megatron-core "
+                         "0.16.1 transformer/moe/moe_layer.py 379-383 refuses a training forward without it); use "
+                         "parallel.sequence_parallel=null (on at TP > 1) or true")
+    if megatron_config:
+        transformer_config(arch, cfg.model, tp, pp, layout.context_parallel_size, ep, etp, moe=cfg.moe,
+                           sequence_parallel=sp)
     if world_size != cfg.policy_world_size:
         p = cfg.parallel
         raise ValueError(f"world size {world_size} != parallel.tensor_model_parallel_size "
                          f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
                          f"({p.pipeline_model_parallel_size}) x context_parallel_size ({p.context_parallel_size}) x "
                          f"data_parallel_size ({p.data_parallel_size}) = {cfg.policy_world_size}")
-    setup = loss_setup(cfg)
-    if setup["backend"] == "fused_linear" and tconf is not None and tconf.sequence_parallel:
-        raise ValueError("actor.loss_backend='fused_linear' does not support sequence_parallel=True: the final hidden "
-                         "states are sharded over the sequence there; use a kernel backend or 'torch'")
+    loss_setup(cfg)
+
+
+def sequence_parallel_of(cfg: Config) -> bool:
+    """``parallel.sequence_parallel`` as resolved at load (None, in a config built in code and not resolved: on
+    whenever TP > 1, the same rule as ``config.resolve``); only ever True with TP > 1."""
+    p = cfg.parallel
+    sp = p.tensor_model_parallel_size > 1 if p.sequence_parallel is None else bool(p.sequence_parallel)
+    return sp and p.tensor_model_parallel_size > 1
 
 
 class PolicyWorker:
@@ -199,7 +211,8 @@ class PolicyWorker:
         self.thd = self.te and cfg.actor.packing
         self.pad_id = arch.pad_token_id
 
-        model = self._gpt = build_gpt_model(arch, cfg.model, moe=cfg.moe)
+        self.sequence_parallel = sequence_parallel_of(cfg)
+        model = self._gpt = build_gpt_model(arch, cfg.model, moe=cfg.moe, sequence_parallel=self.sequence_parallel)
         self.model, self.optimizer, self.scheduler = build_ddp_optimizer(
             model, cfg.optim, total_steps=cfg.optimizer_steps, lr_decay_style=cfg.optim.lr_schedule)
         from da3po_megatron.megatron.model import routes_wanted
@@ -211,7 +224,8 @@ class PolicyWorker:
             columns = stage_moe_columns(model, arch.moe_pattern())
         self.schedule = ForwardSchedule(self.model, self.device, self.te, self.thd, self.pad_id, self.dp,
                                         self.dp_rank, self.tp_rank, moe_columns=columns,
-                                        replay=cfg.moe.routing_replay == "rollout")
+                                        replay=cfg.moe.routing_replay == "rollout", tp=self.tp,
+                                        sequence_parallel=self.sequence_parallel)
         self.loss_backend = self._make_loss_backend()
         from da3po_megatron.megatron.offload import PolicyOffload
 
@@ -264,7 +278,7 @@ class PolicyWorker:
             "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "tp": self.tp, "pp": self.pp, "dp": self.dp,
             "local_params": n_params, "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab,
             "device": str(self.device), "thd": self.thd, "step": self.step,
-            "loss_backend": self.loss_backend_name(),
+            "loss_backend": self.loss_backend_name(), "sequence_parallel": self.sequence_parallel,
         }
 
     def loss_backend_name(self) -> str:

@@ -45,14 +45,34 @@ class ForwardSchedule:
     (``moe.stage_moe_columns``); None: micro-batches' routes are ignored (dense model, or routes off)."""
     replay: bool = False
     """``moe.routing_replay=rollout``: the forwards use the engine's routes (R3), else they only compare."""
+    tp: int = 1
+    sequence_parallel: bool = False
+    """``parallel.sequence_parallel`` (with TP > 1): rows are padded to a multiple of TP, and each TP rank's routers
+    see (and get the routes of) only its 1/TP of every micro-batch's positions (:meth:`tp_slice`)."""
 
     def __post_init__(self) -> None:
         self.route_counts = torch.zeros(3, dtype=torch.float64)  # moe.route_counts summed since the last take
 
     def take_route_counts(self) -> torch.Tensor:
-        """The route counts summed since the last call (this rank's; TP rank 0 only: TP ranks route alike)."""
+        """The route counts summed since the last call, this rank's share of a sum over the world: with sequence
+        parallelism each TP rank counts its own slice of the positions (summed over TP), without it TP ranks route
+        every position alike and TP rank 0 alone counts."""
         out, self.route_counts = self.route_counts, torch.zeros(3, dtype=torch.float64)
-        return out if self.tp_rank == 0 else torch.zeros(3, dtype=torch.float64)
+        return out if self.sequence_parallel or self.tp_rank == 0 else torch.zeros(3, dtype=torch.float64)
+
+    def tp_slice(self, n: int) -> slice:
+        """This TP rank's part of a micro-batch's ``n`` router tokens (s-major, ``MicroBatch.routes``): with sequence
+        parallelism the decoder runs on positions ``[r S / TP, (r + 1) S / TP)`` of every row (megatron-core's
+        ``scatter_to_sequence_parallel_region`` splits dim 0 of [S, b, H]: ``tensor_parallel/mappings.py``
+        ``_split_along_first_dim``), i.e. the contiguous flat range ``[r n / TP, (r + 1) n / TP)``; all of them
+        without."""
+        if not self.sequence_parallel:
+            return slice(0, n)
+        if n % self.tp:
+            raise ValueError(f"a micro-batch of {n} router tokens cannot be split over {self.tp} TP ranks (rows must "
+                             "be padded to a multiple of TP: batching.build_microbatch pad_to)")
+        k = n // self.tp
+        return slice(self.tp_rank * k, (self.tp_rank + 1) * k)
 
     def dp_shard(self, batch: PolicyBatch, rows: Sequence[int] | None = None) -> list[int]:
         """This DP rank's responses among ``rows`` (all of the batch by default), token-balanced over DP ranks."""
@@ -65,7 +85,7 @@ class ForwardSchedule:
         """Micro-batches of ``rows`` within the token budget (THD rows only with TE and packing)."""
         thd = self.thd and packing
         return microbatches(batch, rows, max_tokens, packing=packing, thd=thd, pad_id=self.pad_id,
-                            row_capacity=None if thd else 0)
+                            row_capacity=None if thd else 0, pad_to=self.tp if self.sequence_parallel else 1)
 
     def run(self, mbs: list[MicroBatch], loss_builder: Callable, backend: LossBackend, forward_only: bool) -> list:
         """Forward (and backward unless ``forward_only``) of every micro-batch; ``loss_builder(mb, output)`` is called
@@ -88,7 +108,8 @@ class ForwardSchedule:
             if routed:  # R3 replay, or only the router-agreement count (megatron/moe.py)
                 from da3po_megatron.megatron import moe
 
-                moe.use_routes(model, mb.routes[:, self.moe_columns, :], mb.route_mask, self.replay)
+                part = self.tp_slice(mb.routes.shape[0])
+                moe.use_routes(model, mb.routes[part, self.moe_columns, :], mb.route_mask[part], self.replay)
             with backend.forward_context():
                 output = model(mb.tokens, mb.position_ids, mask, **kwargs)
             if routed:
