@@ -28,15 +28,21 @@ from da3po_megatron.bridge.export import export_policy, load_policy_hf
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.offload import OffloadedError, _optimizers
 
-LAYOUTS = {"dp2": dict(tp=1, overrides=()),
+LAYOUTS = {"dp1": dict(tp=1, overrides=()),  # one rank: a quick local check, not in the test
+           "dp2": dict(tp=1, overrides=()),
            "tp2": dict(tp=2, overrides=()),
            "ep2": dict(tp=1, overrides=("parallel.expert_model_parallel_size=2",
                                         "parallel.expert_tensor_parallel_size=1"))}
 STEPS = 3
 
 
+def _bytes(t: torch.Tensor) -> bytes:
+    """The tensor's bytes, from a copy: ``.numpy()`` on a view marks the storage under it non-resizable for good."""
+    return t.detach().reshape(-1).clone().view(torch.uint8).numpy().tobytes()
+
+
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(_bytes(t)).hexdigest()[:16]
 
 
 def _state(w) -> dict:
@@ -63,7 +69,7 @@ def _push(w) -> str:
     h = hashlib.sha256()
     for name, t in export_policy(w):
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(_bytes(t))
     return h.hexdigest()[:16]
 
 

@@ -147,18 +147,21 @@ def test_offload_cycle_is_bit_identical_and_frees_every_covered_storage(layout, 
             assert off[key] == plain[key], key
         assert off["state"] == plain["state"] and off["state"]["adam"], "parameters / Adam state differ"
         assert len(off["loss"]) == 3
-        for sizes, freed in zip(off["offloaded_sizes"], off["freed"]):
-            assert sizes["grads"] and sizes["optimizer"] and sizes["params"]
+        # the first cycle comes before the first step: Adam's state does not exist yet (torch creates it lazily)
+        for i, (sizes, freed) in enumerate(zip(off["offloaded_sizes"], off["freed"])):
+            assert sizes["grads"] and sizes["params"] and (sizes["optimizer"] or i == 0)
             assert all(v == 0 for part in sizes.values() for v in part), sizes  # every covered storage released
-            assert freed["grads"] > 0 and freed["optimizer"] > 0 and freed["params"] > 0
+            assert freed["grads"] > 0 and freed["params"] > 0 and (freed["optimizer"] > 0 or i == 0)
         assert all(off["same_objects"])  # the same parameter / state / bucket objects, valid after the reload
         for refused in off["refused"]:
             assert refused[0].startswith("forward: a forward of the policy while the policy's params")
             assert refused[1].startswith("train: train_step while the policy's grads, optimizer, params")
             assert all("actor.offload='all'" in r for r in refused)
-        # host memory peaks once: the buffers of the first cycle are reused (same pointers), one copy of the bytes
-        assert all(p == off["host_pointers"][0] for p in off["host_pointers"])
-        assert off["host_bytes"] == off["covered_bytes"] and len(set(off["host_bytes"])) == 1
+        # host memory peaks once: one host buffer per covered storage, allocated at its first offload and reused
+        # after (same pointers); the second cycle adds Adam's state, created by the first step, and nothing later
+        ptrs = off["host_pointers"]
+        assert set(ptrs[0]) < set(ptrs[1]) and all(p == ptrs[1] for p in ptrs[1:])
+        assert off["host_bytes"] == off["covered_bytes"] and len(set(off["host_bytes"][1:])) == 1
         assert off["calls"] == ["offload:grads", "offload:optimizer", "offload:params",
                                 "reload:params", "reload:optimizer", "reload:grads"] * 3
 

@@ -7,7 +7,8 @@ exists), then per tier times ``--cycles`` offload + reload cycles through ``Poli
 ``reload_offloaded``, and a plain ``copy_`` of the same number of bytes (device -> persistent host buffer and
 back; pinned on CUDA) as the reference. The first cycle allocates the host buffers and is reported apart.
 
-    python tools/bench_offload.py [--hidden 512 --layers 4 --cycles 5 --out table.md]
+    python -m torch.distributed.run --nproc-per-node 1 tools/bench_offload.py [--hidden 512 --layers 4 --cycles 5
+        --out table.md]
 
 On CPU the "device" is host memory: the figures measure the cycle's own cost (copies, storage resize), not a
 PCIe transfer; on a GPU they are the D2H / H2D rates the offload reaches.
@@ -27,8 +28,8 @@ from pathlib import Path
 def _model(out: Path, hidden: int, layers: int) -> Path:
     from da3po_megatron.tiny import build_model
 
-    return build_model(out, family="qwen3", seed=0, hidden_size=hidden, num_hidden_layers=layers,
-                       intermediate_size=3 * hidden)
+    return build_model(out, family="qwen3", seed=0, hidden_size=hidden, num_layers=layers, ffn_hidden_size=3 * hidden,
+                       num_heads=hidden // 32, num_kv_heads=max(1, hidden // 128))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,10 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     from _policy_selfcheck import fixed_batch
 
     from da3po_megatron.megatron.batching import PolicyBatch
-    from da3po_megatron.megatron.runtime import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
     with tempfile.TemporaryDirectory() as d:
         hf = _model(Path(d) / "hf", args.hidden, args.layers)
         w = small_policy(str(hf), overrides=("actor.offload=all",))

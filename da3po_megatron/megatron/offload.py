@@ -126,12 +126,13 @@ class PolicyOffload:
         params = {p.untyped_storage().data_ptr() for p in self._param_tensors()}
         if part == "params":
             return _unique(self._param_tensors())
+        device = self._param_tensors()[0].device  # Adam's ``step`` is a host scalar on CUDA: left where it is
         tensors: list[torch.Tensor] = []
         for opt in _optimizers(self.optimizer):
             for g in opt.param_groups:
                 tensors += [p for p in g["params"] if isinstance(p, torch.Tensor)]  # master weights (bf16 runs)
             for state in opt.state.values():
-                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.device == device]
         grads = {b.grad_data.untyped_storage().data_ptr() for b in self._grad_buffers() if b.grad_data is not None}
         return _unique(tensors, exclude=params | grads)
 
