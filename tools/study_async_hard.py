@@ -72,7 +72,8 @@ def run_values(rows: list[dict], buckets: Sequence[int], budget: float, last: in
                                   for r in steps)
         out[f"share/{b}"] = ratio(out[f"trained/{b}"], total)
         out[f"discarded/{b}"] = sum(r.get(f"rollout/async/discarded_late/bucket_{b}", 0.0) for r in steps)
-    for what in ("groups", "kept", "kept_to_dropped", "dropped", "dropped_to_kept", "daa_flips", "age_sum"):
+    for what in ("groups", "kept", "kept_to_dropped", "dropped", "dropped_to_kept", "daa_flips", "age_sum",
+                 "p_diff_sum"):
         for b in [None, *buckets]:
             key = f"rescore/{what}" if b is None else f"rescore/bucket{b}/{what}"
             out[key] = sum(r.get(key, 0.0) for r in steps)
@@ -82,6 +83,7 @@ def run_values(rows: list[dict], buckets: Sequence[int], budget: float, last: in
                                            out[f"{p}/groups"])
         out[f"{p}/daa_flip_rate"] = ratio(out[f"{p}/daa_flips"], out[f"{p}/kept"])
         out[f"{p}/age_mean"] = ratio(out[f"{p}/age_sum"], out[f"{p}/groups"])
+        out[f"{p}/p_diff_mean"] = ratio(out[f"{p}/p_diff_sum"], out[f"{p}/kept"])
     out["samples"] = max((r.get(SAMPLES, 0.0) for r in rows), default=0.0)
     out["discarded_late_groups"] = sum(r.get("rollout/async/discarded_late_groups", 0.0) for r in steps)
     out["step_s"] = sum(r.get("time/step", 0.0) for r in steps) / max(len(steps), 1)
@@ -107,7 +109,7 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
         raise SystemExit(f"no sync runs under {root}/sync/{SLUG}")
     # paired: only the seeds every policy finished (the last step of the longest run)
     done = max(r["step"] for g in grids.values() for rows in g.values() for r in rows)
-    common = set.intersection(*[{s for s, rows in g.items() if max(r["step"] for r in rows) == done}
+    common = set.intersection(*[{s for s, rows in g.items() if max((r["step"] for r in rows), default=0) == done}
                                 for g in grids.values()])
     grids = {p: {s: rows for s, rows in g.items() if s in common} for p, g in grids.items()}
     if not common:
@@ -140,7 +142,7 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
     def diff(p: str, key: str, scale: float = 100.0, fmt: str = "+.1f") -> str:
         m, se, _ = paired({s: v[key] for s, v in vals[p].items()}, {s: v[key] for s, v in vals[ref].items()})
         flag = " *" if math.isfinite(se) and abs(m) > 2 * se else ""
-        return f"{scale * m:{fmt}} (SE {scale * se:.1f}){flag}"
+        return f"{scale * m:{fmt}} (SE {scale * se:{fmt.lstrip('+')}}){flag}"
 
     seeds = {p: sorted(vals[p]) for p in vals}
     lines.append(f"Policies and seeds: {seeds}; {last} steps; equal-sample budget {budget:,.0f} generated responses "
@@ -148,13 +150,15 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
     lines.append("Differences are vs sync, paired by seed (same prompts): mean of per-seed differences (SE = sd/sqrt(n)"
                  " over seeds); * marks |diff| > 2 SE.\n")
     lines.append("| policy | s/step | samples generated | discarded late (groups; hard) | mean age of re-scored groups "
-                 "(versions) |")
-    lines.append("|---|---:|---:|---|---:|")
+                 "(versions) | mean p_hat now - stale, re-scored kept groups |")
+    lines.append("|---|---:|---:|---|---:|---|")
     for p in vals:
         lines.append(f"| {p} | {mean(p, 'step_s'):.1f} | {mean(p, 'samples'):,.0f} | "
                      f"{sum(v['discarded_late_groups'] for v in vals[p].values()):.0f}; "
                      f"{sum(v['discarded/hard'] for v in vals[p].values()):.0f} | "
-                     f"{pooled(p, ['rescore/age_sum'], 'rescore/groups'):.2f} |")
+                     f"{pooled(p, ['rescore/age_sum'], 'rescore/groups'):.2f} | "
+                     f"{pooled(p, ['rescore/p_diff_sum'], 'rescore/kept'):+.3f}"
+                     + (f" (vs sync {diff(p, 'rescore/p_diff_mean', 1.0, '+.3f')})" if p != ref else "") + " |")
     lines.append("\n**Trained share** of each bucket (kept groups trained, summed over steps; % of all trained groups; "
                  "mean over seeds) and the paired difference vs sync (points)\n")
     lines.append(f"| bucket | {ref} | " + " | ".join(f"{p} | diff" for p in others) + " | discarded late (" +
