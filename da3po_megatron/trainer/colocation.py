@@ -21,9 +21,12 @@ still start side by side. The price on GPU: the engines' start-up no longer over
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from da3po_megatron.megatron.offload import PARTS, TIERS
 
 
 def engines_after_policy(colocate: bool, engine_cuda: bool) -> bool:
@@ -69,13 +72,23 @@ class OffloadCycle:
         self.effective = tier != "none" and (engines_sleep or without_sleep) and staleness == 0
         self.offloaded = False
         self.calls: list[str] = []
+        self.seconds = {"offload_s": 0.0, "reload_s": 0.0}  # the last cycle's, logged as sync/offload_s, sync/reload_s
+        if tier != "none":
+            why = "the engines sleep" if engines_sleep else "actor.offload_without_sleep" if without_sleep else ""
+            print(f"actor.offload={tier}: " + (f"{', '.join(PARTS[:TIERS.index(tier)])} leave the device while the "
+                                               f"engines generate ({why})" if self.effective else
+                                               "inactive (the engines do not sleep: rollout.staleness > 0 or not "
+                                               "colocated on CUDA; actor.offload_without_sleep applies it anyway)"),
+                  flush=True)
 
     def record(self, event: str) -> None:
         self.calls.append(event)
 
     def _offload(self, parts: tuple[str, ...]) -> None:
         if self.effective:
+            t0 = time.perf_counter()
             self.policy.call_all("offload_state", parts)
+            self.seconds["offload_s"] += time.perf_counter() - t0
             self.offloaded = True
             self.record("policy:offload " + "+".join(parts))
 
@@ -93,13 +106,16 @@ class OffloadCycle:
         ``push()`` (``actor.offload_without_sleep``: the same order without wake-ups). A resync while offloaded (an
         engine restarted) reloads the policy first."""
         self.engines_asleep()
+        self.seconds["offload_s"] = 0.0
         if inside:
-            return push(self.before_wake, self.after_push)
-        self.before_wake()
-        try:
-            return push()
-        finally:
-            self.after_push()
+            stats = push(self.before_wake, self.after_push)
+        else:
+            self.before_wake()
+            try:
+                stats = push()
+            finally:
+                self.after_push()
+        return {**stats, **self.seconds} if self.effective else stats
 
     def engines_asleep(self, slept: bool = False) -> None:
         """Everything back on the device before the policy's next forward (``slept``: the engines were just put to
@@ -107,7 +123,9 @@ class OffloadCycle:
         if slept:
             self.record("engines:sleep")
         if self.effective and self.offloaded:
+            t0 = time.perf_counter()
             self.policy.call_all("reload_offloaded")
+            self.seconds["reload_s"] = time.perf_counter() - t0
             self.offloaded = False
             self.record("policy:reload")
 
