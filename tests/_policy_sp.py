@@ -8,12 +8,11 @@ step's loss and gradient norm and the log-probs after the last. ``--moe``: the b
 the routes would replay other experts and change the log-probs -- and each step's router-agreement counts are
 recorded (the same pairs must be counted once with SP as without).
 
-megatron-core refuses to TRAIN a MoE layer at TP > 1 without SP (``transformer/moe/moe_layer.py`` 379-383, a guard
-"performance may degrade", not a correctness check; ``attn_tp_group`` is read nowhere else in the layer). For the
-SP-off reference of a MoE model the job swaps that attribute of each MoE layer for
-:class:`_TPGroupSizeOneForTheMoEGuardOnly` (a stand-in, says so in its name), so the reference trains as megatron
-would without the guard; the project's own start-up refusal of that layout (``policy.validate_config``) is lifted
-for it the same way. Rank 0 writes the JSON.
+megatron-core refuses to TRAIN a MoE layer at TP > 1 without SP (``transformer/moe/moe_layer.py`` 379-383; the
+project's start-up check refuses that layout too, ``policy.validate_config``, lifted here for the SP-off worker so
+that it can be built): for ``--moe`` at TP > 1 the SP-off worker computes the log-probs (eval passes run) and records
+the refusal of its first train step; the training reference is the same job at ``--tp 1`` (TP 1 x EP 2 on 2 ranks: the
+same DP 2 split, no sequence to split). Rank 0 writes the JSON.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/_policy_sp.py --hf HF --out O --tp 2 [--ep 2 --moe]
 """
@@ -27,18 +26,11 @@ import time
 import numpy as np
 from _policy_job import ADVANTAGES, finish, small_policy
 from _policy_selfcheck import fixed_batch, perturbed
+from torch.overrides import TorchFunctionMode
 
 from da3po_megatron.megatron.batching import PolicyBatch
 
 STEPS = 3
-
-
-class _TPGroupSizeOneForTheMoEGuardOnly:
-    """Stands in for ``MoELayer.attn_tp_group`` in the SP-off MoE reference only: megatron reads it only for its
-    "MoE + TP without SP" training guard (``moe_layer.py`` 96, 379)."""
-
-    def size(self) -> int:
-        return 1
 
 
 def _routes(prompts, responses, layers: int, experts: int, k: int, seed: int = 3) -> list[np.ndarray]:
@@ -76,12 +68,6 @@ def main() -> int:
     for sp in (False, True) if args.tp > 1 else (False,):  # (TP 1: the single-rank-TP reference, by hand)
         workers[sp] = small_policy(args.hf, args.tp, overrides=(*common, f"parallel.sequence_parallel={sp}",
                                                                 f"parallel.data_parallel_size={world // args.tp}"))
-    if args.moe:
-        from megatron.core.transformer.moe.moe_layer import MoELayer
-
-        for m in workers[False]._bare.modules():
-            if isinstance(m, MoELayer):
-                m.attn_tp_group = _TPGroupSizeOneForTheMoEGuardOnly()
     prompts, responses = fixed_batch()
     routes = None
     if args.moe:
@@ -95,6 +81,14 @@ def main() -> int:
         lp = w.compute_logprobs(batch)
         old = old or perturbed(lp)
         train = PolicyBatch(prompts, responses, old, ADVANTAGES, routed_experts=routes)
+        if args.moe and args.tp > 1 and not sp:  # megatron-core refuses it (module doc): log-probs only
+            try:
+                w.train_step(train)
+                refusal = None
+            except ValueError as e:
+                refusal = str(e)
+            res["sp0"] = {"logprobs": lp, "train_refused": refusal, "sequence_parallel": w.sequence_parallel}
+            continue
         steps = [w.train_step(train) for _ in range(STEPS)]
         res[f"sp{int(sp)}"] = {
             "info": w.info(), "sequence_parallel": w.sequence_parallel, "logprobs": lp,
@@ -106,7 +100,48 @@ def main() -> int:
             "router_agreement": [s.get("router_agreement") for s in steps],
             "router_agreement_own": [s.get("router_agreement_own") for s in steps],
             "logprobs_after": w.compute_logprobs(batch), "seconds": time.perf_counter() - t0}
+    if args.moe:
+        res["route_copies"] = _route_copies(workers[args.tp > 1], batch)
     return finish(workers[args.tp > 1], res, args.out)
+
+
+class _CountHostCopies(TorchFunctionMode):
+    """Counts the tensor calls that copy device memory to the host or read a tensor into Python: ``.cpu()``,
+    ``.to("cpu")``, ``.tolist()``, ``.item()``, ``.numpy()``. On CPU nothing moves, but the calls are those a GPU
+    would make; ``.to(<the compute device>)`` is not one (on a GPU it stays on the GPU)."""
+
+    NAMES = ("cpu", "tolist", "item", "numpy")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        to_host = name == "to" and any(isinstance(a, str) and a == "cpu" for a in (*args[1:], kwargs.get("device")))
+        if name in self.NAMES or to_host:
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def _route_copies(w, batch: PolicyBatch) -> dict[str, int]:
+    """Host copies of ONE micro-batch's forward (the schedule's forward step: routes put on the routers, the
+    forward, the router-agreement counts), with the engine routes and without them: the difference is what the
+    route bookkeeping costs (issue 46 M6: at most one)."""
+    import torch
+
+    shard = w.schedule.dp_shard(batch)
+    got = {}
+    for name, b in (("with_routes", batch), ("without", PolicyBatch(batch.prompt_ids, batch.response_ids))):
+        mbs = w.schedule.microbatches(b, shard, 10 ** 6, True)
+        assert len(mbs) == 1
+        w.model.eval()
+        with torch.no_grad(), _CountHostCopies() as counter:
+            w.schedule.run(mbs, lambda mb, output, non_loss_data=False: None, w.loss_backend, forward_only=True)
+        got[name] = counter.count
+    w.schedule.take_route_counts()
+    return got
 
 
 if __name__ == "__main__":

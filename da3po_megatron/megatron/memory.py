@@ -39,7 +39,8 @@ routing map / probabilities (``3 E`` per token, fp32). The estimate assumes bala
 Calibration: the per-term constants above were checked against the measured peak RSS of single-rank train steps
 (``tools/measure_policy_memory.py``; numbers and error in docs/real_model.md). Left out: the engine's KV cache (its own
 budget, ``rollout.kv_cache_memory_bytes``), the allocator's fragmentation beyond what the measurements absorbed, CUDA
-context and NCCL buffers (``runtime_overhead_bytes``), context parallelism and sequence parallelism.
+context and NCCL buffers (``runtime_overhead_bytes``) and context parallelism. Sequence parallelism divides the
+TP-replicated activations by TP (``sequence_parallel`` of :func:`estimate_policy_memory`).
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def estimate_policy_memory(
     ep: int = 1,
     etp: int | None = None,
     moe_imbalance: float = 1.5,
+    sequence_parallel: bool = False,
 ) -> MemoryEstimate:
     """Estimated peak bytes of one policy rank in a train step (see the module doc for every term).
 
@@ -139,7 +141,11 @@ def estimate_policy_memory(
     ``logprob_max_tokens_per_microbatch``: the forward-only pi_old pass's budget (the policy's default: 2 x the train
     budget); its peak (no activations kept, logits of twice the tokens) is taken when it is the larger one.
     ``ep`` / ``etp``: expert model / tensor parallel sizes (MoE; ``etp`` defaults to ``tp``); ``moe_imbalance``: the
-    most tokens one rank's experts receive, relative to balanced routing.
+    most tokens one rank's experts receive, relative to balanced routing. ``sequence_parallel`` (with ``tp`` > 1):
+    the parts of a layer's activations that TP alone keeps whole on every rank -- norms, residuals, dropout (``6h``
+    per token), a "full"-recomputed layer's input (``h``), the MoE router and dispatcher buffers (each TP rank routes
+    only its 1/t of the tokens) -- are divided by t (Korthikanti et al. 2022, Sec. 4.2.2: ``34 s b h / t`` instead of
+    ``s b h (10 + 24 / t)``).
     """
     if max_tokens_per_microbatch < 1 or max_seq_len < 1:
         raise ValueError(f"need max_tokens_per_microbatch >= 1 and max_seq_len >= 1, got "
@@ -168,9 +174,13 @@ def estimate_policy_memory(
     fe = arch.moe_ffn_hidden_size or 0
     # per token of an MoE layer: routed expert intermediates (k tokens x SwiGLU, x imbalance) + dispatcher buffers
     # (permuted hidden states out and back, each kept for backward) + routing map / probabilities / logits
-    moe_lin = (k * 3 * fe / etp + 2 * k * h) * moe_imbalance + 3 * E
+    sp = tp if sequence_parallel and tp > 1 else 1  # what sequence parallelism divides (the TP-replicated parts)
+    if sp > 1:  # each TP rank routes T / t tokens; its experts compute the k T / t routed ones over ETP ranks
+        moe_lin = (k * 3 * fe / tp + 2 * k * h / sp) * moe_imbalance + 3 * E / sp
+    else:
+        moe_lin = (k * 3 * fe / etp + 2 * k * h) * moe_imbalance + 3 * E
 
-    lin = 6 * h + (2 * a + 3 * g) * d / tp + a * d / tp + 3 * f / tp  # per token, per layer (elements)
+    lin = 6 * h / sp + (2 * a + 3 * g) * d / tp + a * d / tp + 3 * f / tp  # per token, per layer (elements)
     attn = S * a / tp if layer_spec == "local" else 0.0  # per token, per layer: softmax output [rows, a/t, S, S]
     act_bytes = 4  # CPU computes in float32; bf16 halves activations on GPU
     if params_dtype != "float32":
@@ -191,7 +201,7 @@ def estimate_policy_memory(
         params += h if last else 0  # final norm
         in_flight = min(pp - stage, pp)  # 1F1B: stage i holds (pp - i) micro-batches' activations
         if recompute_granularity == "full":
-            kept = T * h * layers + T * (lin_stage + attn) if layers else 0  # inputs + one layer recomputed at a time
+            kept = T * h / sp * layers + T * (lin_stage + attn) if layers else 0  # inputs + one layer recomputed
         elif recompute_granularity == "selective":
             kept = T * lin_stage * layers
         else:
@@ -228,7 +238,7 @@ def estimate_policy_memory(
             best = est
     assert best is not None
     best.inputs = {"max_tokens_per_microbatch": T, "max_seq_len": int(max_seq_len), "tp": tp, "pp": pp, "dp": dp,
-                   "ep": ep, "etp": etp,
+                   "ep": ep, "etp": etp, "sequence_parallel": sp > 1,
                    "params_dtype": params_dtype, "layer_spec": layer_spec,
                    "recompute_granularity": recompute_granularity, "loss_backend": loss_backend}
     return best
@@ -259,7 +269,9 @@ def estimate_for_config(cfg: Any, arch: GPTArch, max_tokens_per_microbatch: int 
         loss_backend=backend, distributed_optimizer=cfg.optim.use_distributed_optimizer,
         temperature_scaled=cfg.rollout.temperature != 1.0, device=device,
         logprob_max_tokens_per_microbatch=getattr(a, "logprob_max_tokens_per_microbatch", 0) or None,
-        ep=getattr(p, "expert_model_parallel_size", 1), etp=getattr(p, "expert_tensor_parallel_size", None))
+        ep=getattr(p, "expert_model_parallel_size", 1), etp=getattr(p, "expert_tensor_parallel_size", None),
+        sequence_parallel=p.tensor_model_parallel_size > 1 if getattr(p, "sequence_parallel", None) is None
+        else bool(p.sequence_parallel))
 
 
 def device_memory_bytes(device: str | None = None) -> tuple[int, str]:

@@ -88,7 +88,7 @@ def recorded_routes(model):
     got = [r.get_recorded_indices() for r in _replays(model)]
     if any(g is None for g in got):
         raise RuntimeError("no routes recorded: call record_routes(model) before the forward")
-    return torch.stack([g.detach().to("cpu") for g in got], 1)
+    return torch.stack([g.detach() for g in got], 1).cpu()  # one device-to-host copy, not one per layer
 
 
 def replay_routes(model, routes) -> None:
@@ -200,15 +200,21 @@ def use_routes(model, routes, mask, replay: bool) -> None:
 
 def route_counts(model, replay: bool):
     """After a forward prepared by :func:`use_routes`: float64 [3] = (masked pairs whose used experts match the
-    engine's set, pairs whose router-chosen experts match, masked pairs); then back to plain routing."""
+    engine's set, pairs whose router-chosen experts match, masked pairs); then back to plain routing.
+
+    Counted on the device the routes are on, and returned there: no device-to-host copy (issue 46 M6: the copies of
+    the recorded, engine and mask tensors per MoE layer per micro-batch are gone; the caller sums the counts on the
+    device and reads them once per step, ``PolicyWorker.routing_stats``)."""
     import torch
 
-    out = torch.zeros(3, dtype=torch.float64)
+    out = None
     for r in _replays(model):
         engine, mask, own = getattr(r, "da3po_engine", None), getattr(r, "da3po_mask", None), r.recorded_topk_idx
         if engine is None or own is None:
             continue
-        own, engine, mask = own.detach().to("cpu"), engine.to("cpu"), mask.to("cpu")
+        own = own.detach()  # engine and mask: on the device already (use_routes got the micro-batch's tensors)
+        if out is None:
+            out = torch.zeros(3, dtype=torch.float64, device=own.device)
         used = torch.where(mask[:, None], engine, own) if replay else own
         key = engine.sort(-1).values
         out[0] += ((used.sort(-1).values == key).all(-1) & mask).sum()
@@ -216,4 +222,4 @@ def route_counts(model, replay: bool):
         out[2] += mask.sum()
         r.da3po_engine = r.da3po_mask = None
     clear_routes(model)
-    return out
+    return torch.zeros(3, dtype=torch.float64) if out is None else out

@@ -51,14 +51,16 @@ class ForwardSchedule:
     see (and get the routes of) only its 1/TP of every micro-batch's positions (:meth:`tp_slice`)."""
 
     def __post_init__(self) -> None:
-        self.route_counts = torch.zeros(3, dtype=torch.float64)  # moe.route_counts summed since the last take
+        # moe.route_counts summed since the last take, on the device: read once per step (routing_stats), not per
+        # micro-batch (issue 46 M6)
+        self.route_counts = torch.zeros(3, dtype=torch.float64, device=self.device)
 
     def take_route_counts(self) -> torch.Tensor:
         """The route counts summed since the last call, this rank's share of a sum over the world: with sequence
         parallelism each TP rank counts its own slice of the positions (summed over TP), without it TP ranks route
         every position alike and TP rank 0 alone counts."""
-        out, self.route_counts = self.route_counts, torch.zeros(3, dtype=torch.float64)
-        return out if self.sequence_parallel or self.tp_rank == 0 else torch.zeros(3, dtype=torch.float64)
+        out, self.route_counts = self.route_counts, torch.zeros(3, dtype=torch.float64, device=self.device)
+        return out if self.sequence_parallel or self.tp_rank == 0 else torch.zeros_like(out)
 
     def tp_slice(self, n: int) -> slice:
         """This TP rank's part of a micro-batch's ``n`` router tokens (s-major, ``MicroBatch.routes``): with sequence
@@ -113,7 +115,7 @@ class ForwardSchedule:
             with backend.forward_context():
                 output = model(mb.tokens, mb.position_ids, mask, **kwargs)
             if routed:
-                self.route_counts += moe.route_counts(model, self.replay)
+                self.route_counts += moe.route_counts(model, self.replay).to(self.device)
             return output, partial(loss_builder, mb)
 
         fb = get_forward_backward_func()
