@@ -82,7 +82,7 @@ def reference(model, tmp_path_factory):
     return rows
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2000)
 def test_async_checkpoint_saves_partials_with_versions_and_a_kill_9_in_a_partial_rollout_resumes(
         model, reference, tmp_path):
     run_dir = tmp_path / "run"
@@ -118,7 +118,7 @@ def test_async_checkpoint_saves_partials_with_versions_and_a_kill_9_in_a_partial
     #    partials were resubmitted): with rollout.restart_on_failure the producer restarts it, re-syncs it and
     #    resubmits its groups from their prefixes (issue 47, point 4; before: EngineDeadError, rc 1)
     p, _ = launch(model, run_dir, f"kill_engine@partial_rollout@{killed_at}", *ASYNC_RUN,
-                  "rollout.restart_on_failure=true")
+                  "rollout.restart_on_failure=true", timeout=700)  # + an engine start-up
     assert p.returncode == 0, tail(p)
     assert f"at step {killed_at - 1}" in p.stdout, tail(p)
     assert "fault injection: kill_engine" in p.stdout and "rollout producer: engine 0 died" in p.stdout, tail(p)
