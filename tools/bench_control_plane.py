@@ -245,7 +245,7 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     run = SimpleNamespace(cfg=cfg, rewards=rewards, policy=policy, step=0, data_skipped_rows=0,
                           drift=DriftMonitor(0.0), pending=[], engine_weight_step=0,
                           buffer=DynamicSamplingBuffer(prompts, surplus="carry", group_size=size.group),
-                          prompts=SimpleNamespace(state_dict=lambda: {"position": 0}),
+                          prompts=SimpleNamespace(state_dict=lambda: {"position": 0}), selection_metrics={},
                           totals={"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
                                   "reward_errors": 0, "skipped_updates": 0})
     run.totals.update(groups=10 * prompts, kept_groups=7 * prompts)  # steady state: the keep rate of earlier steps
