@@ -200,3 +200,15 @@ def test_colocated_plan_names_the_tier_the_qwen3_8b_recipe_needs():
     with pytest.raises(MemoryBudgetError, match=r"set actor.offload='grads\+optimizer'"):
         check_policy_memory(replace(cfg, actor=replace(cfg.actor, offload="none")), arch, available=free,
                             device="cuda", te=True, log=logs.append)
+
+
+def test_the_colocated_recipe_places_policy_and_engines_on_one_8_gpu_node() -> None:
+    """examples/qwen3_8b_da3po_colocated.yaml as written: 8 policy ranks and 8 engines on ONE 8-GPU node, engine i in
+    policy rank i's GPU bundle, and the IPC routing of the first sync (ipc_routing.check_colocated_layout) serves it."""
+    from da3po_megatron.config import load_config
+    from da3po_megatron.trainer.placement import Node, plan_placement, resources_for_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples/qwen3_8b_da3po_colocated.yaml",
+                      ["model.path=/x"])
+    plan = plan_placement(resources_for_config(cfg, cluster_gpus=8), [Node("id0", "node1", 64, 8)])
+    assert plan.rank_node == [0] * 8 and not plan.engine_bundles
