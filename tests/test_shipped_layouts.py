@@ -14,8 +14,9 @@ never silently: ``ray.device`` gpu -> cpu; ``params_dtype`` -> float32 (the fres
 level); the recipe's DP is cut to the fewest ranks its layout allows (``DP 4->2``, the expert layout keeps EP x ETP
 dividing TP x DP; 8 policy ranks at most); one engine (the engine TP kept); ``engine_placement`` -> any (one node);
 the CUDA-only ipc transport -> bytes; colocated engines -> separate (sleep/wake and IPC are CUDA only). Recipes whose
-shrunk run is identical (:func:`signature`) share ONE run: the first recipe of a layout starts it, the others assert
-on its result.
+shrunk run is identical (the layout signature of :func:`shrink`) share ONE run: the first recipe of a layout starts
+it, the others assert on its result. The GPU recipes' layouts run in the serial second pass (``-m slurm``; see
+:func:`_params`).
 """
 
 from __future__ import annotations
@@ -167,8 +168,22 @@ def _tail(p: subprocess.CompletedProcess | None) -> str:
     return "" if p is None else (p.stdout[-2500:] + "\n--- stderr ---\n" + p.stderr[-5000:])
 
 
+def _params() -> list:
+    """One param per recipe; the GPU recipes' layouts (TP >= 2, up to 8 ranks, 4-8 minutes each on 2 cores) run in
+    the second, serial pass of scripts/run_tests.sh (``-m slurm``, with the multi-node tests) to keep the parallel
+    pass within its budget; the CPU recipes' layouts run in the first."""
+    out = []
+    for recipe in RECIPES:
+        try:
+            gpu = "ray.device gpu->cpu" in shrink(recipe)["substitutions"]
+        except Exception:  # noqa: BLE001 - the test itself fails naming why
+            gpu = False
+        out.append(pytest.param(recipe, marks=[pytest.mark.slurm] if gpu else []))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", _params())
 def test_shipped_recipe_trains_syncs_checkpoints_and_resumes_at_tiny_width(recipe, layout_runs):
     plan = shrink(recipe)  # a recipe that cannot be shrunk fails here, naming why
     print(f"{recipe}: layout {plan['layout']}; CPU substitutions: {plan['substitutions'] or 'none'}")
