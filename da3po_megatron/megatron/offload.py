@@ -78,7 +78,9 @@ class _Storage:
     def release(self) -> None:
         if not self.tensor.untyped_storage().resizable():
             raise RuntimeError(f"actor.offload: a storage of {self.nbytes} bytes (a {tuple(self.tensor.shape)} "
-                               f"{self.tensor.dtype} tensor on it) cannot be resized, so it cannot be released")
+                               f"{self.tensor.dtype} tensor on it) cannot be resized, so it cannot be released -- "
+                               "torch marks a storage non-resizable for good once a tensor on it was shared with "
+                               "numpy (tensor.numpy()); share a copy instead")
         self.tensor.untyped_storage().resize_(0)
 
     def copy_in(self, pin: bool) -> None:
