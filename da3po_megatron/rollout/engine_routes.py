@@ -63,9 +63,8 @@ def take_routes(llm: Any, source: dict[str, Any], outputs: list, ids: list[list[
     prompt's global index and the sample's number): {(request id, sample index): [P + R - 1, MoE layers, top_k]}.
     Worker capture: from worker 0 (the routers of TP workers agree), which takes every sample's capture and returns
     only the kept ones."""
-    import numpy as np
-
     from da3po_megatron.rollout.routes import routes_selected
+    from da3po_megatron.rollout.worker_ext import routes_from_wire
 
     keep = {(o.request_id, int(s.index)) for gi, o in zip(prompt_indices, outputs) for s in o.outputs
             if routes_selected(gi, int(s.index), sampling.routes_fraction)}
@@ -74,8 +73,8 @@ def take_routes(llm: Any, source: dict[str, Any], outputs: list, ids: list[list[
     keys, wanted = [], []
     for pid, out in zip(ids, outputs):
         for sample in out.outputs:
-            seq = np.asarray([*pid, *sample.token_ids], dtype=np.int32)[:-1]  # positions run as inputs
+            seq = [int(t) for t in (*pid, *sample.token_ids)][:-1]  # positions run as inputs (ints: wire-safe)
             keys.append((out.request_id, int(sample.index)))
             wanted.append((out.request_id, int(sample.index) if sampling.n > 1 else None, seq))
-    got = llm.collective_rpc("da3po_routes_take", args=(wanted, [k in keep for k in keys]))[0]
+    got = routes_from_wire(llm.collective_rpc("da3po_routes_take", args=(wanted, [k in keep for k in keys]))[0])
     return {k: r for k, r in zip(keys, got) if r is not None}

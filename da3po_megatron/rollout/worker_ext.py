@@ -197,6 +197,24 @@ def cpu_moe_prepack_on_update(model) -> Callable[[], list[str]]:
     return undo
 
 
+def routes_to_wire(routes: list) -> list:
+    """Routes as ``(bytes, shape, dtype)`` (None stays None) for ``collective_rpc``'s answer. An engine of TP > 1 runs
+    its core in another process: vLLM 0.32 msgpack-encodes a utility call's arguments and answer
+    (``v1/serial_utils.py`` 211-218: an untyped answer without ``VLLM_ALLOW_INSECURE_SERIALIZATION``) and its
+    multiprocessing executor pickles them to the workers, so numpy arrays came back as raw buffers or failed ("cannot
+    pickle memoryview objects", found by the 30B recipe's engine TP 4 in tests/test_shipped_layouts.py). Bytes, lists
+    and strings cross every hop; :func:`routes_from_wire` undoes it (and passes arrays of an in-process core)."""
+    return [None if r is None else (r.tobytes(), list(r.shape), r.dtype.str) for r in routes]
+
+
+def routes_from_wire(routes: list) -> list:
+    """Inverse of :func:`routes_to_wire`."""
+    import numpy as np
+
+    return [r if r is None or isinstance(r, np.ndarray) else
+            np.frombuffer(bytes(r[0]), dtype=np.dtype(r[2])).reshape(r[1]).copy() for r in routes]
+
+
 class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
 
@@ -322,7 +340,7 @@ class WeightSyncExtension(CollectiveReceiverMixin, IpcReceiverMixin):
         """The routes of finished requests (``RouteCapture.take``), None where ``keep`` is False (taken and dropped
         here, so that they never leave the worker)."""
         got = self._da3po_routes.take(wanted)
-        return got if keep is None else [r if k else None for r, k in zip(got, keep)]
+        return routes_to_wire(got if keep is None else [r if k else None for r, k in zip(got, keep)])
 
     def _da3po_reset_routes(self) -> None:
         """New weights: the captured routes and the prefix store belong to the old ones."""
