@@ -16,7 +16,9 @@ final checkpoint): nothing lost, nothing twice. Staleness 0 and 1 resume bit-exa
 
 The task makes partial rollouts certain: the coin verifier of the synthetic task's benchmark options
 (``data.synthetic.coin_p``, ``response_tokens``, ``rollout.ignore_eos``) gives every response a fixed length of
-32-96 tokens, so generating one batch takes longer than training one and requests are running at every weight update.
+64-160 tokens, so generating one batch takes longer than training one and requests are running at every weight update
+(32-96 stopped being enough once the producer kept two calls in flight per engine and scored off its thread: at the
+step-2 checkpoint the engines had reached the staleness bound and nothing ran).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ K = 2
 ASYNC_RUN = (f"trainer.total_steps={STEPS}", "trainer.save_every=1", "trainer.keep_last=10",
              "rollout.mode=streaming", f"rollout.staleness={K}", "rollout.partial_rollouts=true",
              "algorithm.rollout_correction=tis", "rollout.max_inflight_prompts=4", "rollout.stream_steps_per_call=4",
-             "reward.kind=coin", "data.synthetic.coin_p=[0.5,0.5,0.5]", "data.synthetic.response_tokens=[32,96]",
-             "rollout.max_response_length=96", "rollout.ignore_eos=true")
+             "reward.kind=coin", "data.synthetic.coin_p=[0.5,0.5,0.5]", "data.synthetic.response_tokens=[64,160]",
+             "rollout.max_response_length=160", "rollout.ignore_eos=true")
 # counters of the producer that depend on when the loop paused it (how far the engines got meanwhile)
 TIMING = ("rollout/async/", "gen/cumulative_", "perf/")
 
