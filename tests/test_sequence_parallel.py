@@ -93,6 +93,34 @@ def test_memory_plan_divides_the_tp_replicated_activations_by_tp_with_sequence_p
     assert estimate_for_config(cfg, arch, device="cpu", te=False).inputs["sequence_parallel"] is False
 
 
+@pytest.mark.parametrize("layout", ["thd", "packed-rows", "padded"])
+def test_rows_are_padded_to_a_multiple_of_tp_and_the_padding_scores_nothing(layout):
+    import numpy as np
+
+    from da3po_megatron.megatron.batching import PolicyBatch, build_microbatch
+
+    prompts, responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[20, 21], [22, 23, 24], [25]]
+    routes = [np.full((len(p) + len(r) - 1, 1, 2), i + 1, dtype=np.uint8) for i, (p, r) in
+              enumerate(zip(prompts, responses))]
+    batch = PolicyBatch(prompts, responses, routed_experts=routes)
+    kw = {"thd": dict(thd=True), "packed-rows": dict(row_capacity=0), "padded": dict(packing=False)}[layout]
+    plain = build_microbatch(batch, [0, 1, 2], **kw)
+    mb = build_microbatch(batch, [0, 1, 2], pad_to=4, **kw)
+    b, s = mb.tokens.shape
+    assert s % 4 == 0 and s > plain.tokens.shape[1] and b == plain.tokens.shape[0]
+    # the same tokens score the same targets; the padding is pad_id with label 0, and no route is expected there
+    flat, flat0 = mb.tokens.reshape(-1), plain.tokens.reshape(-1)
+    assert flat[mb.token_index].tolist() == flat0[plain.token_index].tolist()
+    assert mb.token_targets.tolist() == plain.token_targets.tolist()
+    assert int(mb.route_mask.sum()) == int(plain.route_mask.sum()) == sum(len(r) for r in routes)
+    assert mb.tokens[:, plain.tokens.shape[1]:].eq(0).all() and mb.labels[:, plain.tokens.shape[1]:].eq(0).all()
+    if layout == "thd":  # the padding is one more segment of cu_seqlens, so THD attention covers every position
+        assert mb.cu_seqlens.tolist() == [*plain.cu_seqlens.tolist(), s]
+    else:  # a padding position attends only to itself
+        pad = mb.attention_mask[0, 0, -1]
+        assert (~pad).sum() == 1 and not pad[-1]
+
+
 # ------------------------------------------------------------------------------------- SP on vs off, real ranks
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory) -> dict:
