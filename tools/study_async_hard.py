@@ -57,6 +57,14 @@ def paired(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int]
     return m, (sd / math.sqrt(n) if n >= 2 else math.nan), n
 
 
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided 95 %, n-1 dof
+
+
+def significant(m: float, se: float, n: int) -> bool:
+    """|m| beyond Student's t (two-sided 95 %, n - 1 degrees of freedom) standard errors; 2.0 from 10 seeds on."""
+    return n >= 2 and math.isfinite(se) and abs(m) > T95.get(n - 1, 2.0) * se
+
+
 def ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
 
@@ -65,11 +73,12 @@ def run_values(rows: list[dict], buckets: Sequence[int], budget: float, last: in
     """One run's numbers: trained / discarded groups per bucket, decision-flip counts, held-out avg@k."""
     steps = [r for r in rows if r.get("step", 0) > 0 and "filter/kept_groups" in r]
     out: dict[str, float] = {"steps": float(len(steps))}
-    total = sum(r["filter/kept_groups"] for r in steps)
+    trained = {r["step"]: r["filter/kept_groups"] - r.get("dynamic_sampling/discarded_surplus_groups", 0.0)
+               for r in steps}  # the batch (kept groups beyond train_batch_size are dropped as surplus)
+    total = sum(trained.values())
     out["trained_groups"] = total
     for b in buckets:
-        out[f"trained/{b}"] = sum(r.get(f"batch/group_frac_bucket/{b}", 0.0) * r["filter/kept_groups"]
-                                  for r in steps)
+        out[f"trained/{b}"] = sum(r.get(f"batch/group_frac_bucket/{b}", 0.0) * trained[r["step"]] for r in steps)
         out[f"share/{b}"] = ratio(out[f"trained/{b}"], total)
         out[f"discarded/{b}"] = sum(r.get(f"rollout/async/discarded_late/bucket_{b}", 0.0) for r in steps)
     for what in ("groups", "kept", "kept_to_dropped", "dropped", "dropped_to_kept", "daa_flips", "age_sum",
@@ -140,15 +149,16 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
         return ratio(sum(v[n] for v in vals[p].values() for n in num), sum(v[den] for v in vals[p].values()))
 
     def diff(p: str, key: str, scale: float = 100.0, fmt: str = "+.1f") -> str:
-        m, se, _ = paired({s: v[key] for s, v in vals[p].items()}, {s: v[key] for s, v in vals[ref].items()})
-        flag = " *" if math.isfinite(se) and abs(m) > 2 * se else ""
+        m, se, n = paired({s: v[key] for s, v in vals[p].items()}, {s: v[key] for s, v in vals[ref].items()})
+        flag = " *" if significant(m, se, n) else ""
         return f"{scale * m:{fmt}} (SE {scale * se:{fmt.lstrip('+')}}){flag}"
 
     seeds = {p: sorted(vals[p]) for p in vals}
     lines.append(f"Policies and seeds: {seeds}; {last} steps; equal-sample budget {budget:,.0f} generated responses "
                  f"(the smallest any run reached); hard buckets (starting held-out avg@{k} < {tau:g}): {hard}.")
     lines.append("Differences are vs sync, paired by seed (same prompts): mean of per-seed differences (SE = sd/sqrt(n)"
-                 " over seeds); * marks |diff| > 2 SE.\n")
+                 " over seeds); * marks |diff| > t * SE (Student's t, two-sided 95 %, seeds - 1 degrees of freedom: "
+                 "12.7 for 2 seeds, 4.3 for 3).\n")
     lines.append("| policy | s/step | samples generated | discarded late (groups; hard) | mean age of re-scored groups "
                  "(versions) | mean p_hat now - stale, re-scored kept groups |")
     lines.append("|---|---:|---:|---|---:|---|")
