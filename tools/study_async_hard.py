@@ -62,7 +62,7 @@ T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 
 
 def significant(m: float, se: float, n: int) -> bool:
     """|m| beyond Student's t (two-sided 95 %, n - 1 degrees of freedom) standard errors; 2.0 from 10 seeds on."""
-    return n >= 2 and math.isfinite(se) and abs(m) > T95.get(n - 1, 2.0) * se
+    return n >= 2 and math.isfinite(se) and se > 0 and abs(m) > T95.get(n - 1, 2.0) * se
 
 
 def ratio(num: float, den: float) -> float:
