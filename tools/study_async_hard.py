@@ -93,6 +93,8 @@ def run_values(rows: list[dict], buckets: Sequence[int], budget: float, last: in
         out[f"{p}/daa_flip_rate"] = ratio(out[f"{p}/daa_flips"], out[f"{p}/kept"])
         out[f"{p}/age_mean"] = ratio(out[f"{p}/age_sum"], out[f"{p}/groups"])
         out[f"{p}/p_diff_mean"] = ratio(out[f"{p}/p_diff_sum"], out[f"{p}/kept"])
+        for num, den in (("kept_to_dropped", "kept"), ("dropped_to_kept", "dropped"), ("daa_flips", "kept")):
+            out[f"{p}/{num}_rate"] = ratio(out[f"{p}/{num}"], out[f"{p}/{den}"])
     out["samples"] = max((r.get(SAMPLES, 0.0) for r in rows), default=0.0)
     out["discarded_late_groups"] = sum(r.get("rollout/async/discarded_late_groups", 0.0) for r in steps)
     out["step_s"] = sum(r.get("time/step", 0.0) for r in steps) / max(len(steps), 1)
@@ -107,6 +109,47 @@ def run_values(rows: list[dict], buckets: Sequence[int], budget: float, last: in
 
 def _nan(v: float | None) -> float:
     return math.nan if v is None else float(v)
+
+
+def summary(vals, ref, others, budget, last, hard, tau, mean, pooled, diff) -> list[str]:  # noqa: ANN001
+    """The one-table digest (docs/async.md quotes it): each row a quantity, sync's value and each policy's paired
+    difference."""
+    def n_of(den: str) -> str:
+        return " / ".join(f"{sum(v[den] for v in vals[p].values()):.0f}" for p in [ref, *others])
+
+    def row(name: str, base: str, key: str | None, scale: float = 100.0, fmt: str = "+.1f") -> str:
+        cells = [diff(p, key, scale, fmt) if key else "" for p in others]
+        return f"| {name} | {base} | " + " | ".join(cells) + " |"
+
+    def flip(num: str, den: str) -> str:
+        return f"{100 * pooled(ref, [f'rescore/{num}'], f'rescore/{den}'):.1f} %"
+
+    disc = " | ".join(f"{sum(v['discarded_late_groups'] for v in vals[p].values()):.0f} "
+                      f"({sum(v['discarded/hard'] for v in vals[p].values()):.0f})" for p in others)
+    return ["\n**Summary**\n", f"| | {ref} | " + " | ".join(f"{p}: diff vs {ref}" for p in others) + " |",
+            "|---|---:|" + "---|" * len(others),
+            f"| responses generated in {last} steps (mean) | {mean(ref, 'samples'):,.0f} | "
+            + " | ".join(f"{mean(p, 'samples'):,.0f}" for p in others) + " |",
+            f"| groups discarded late (all seeds; of them hard) | 0 | {disc} |",
+            row("trained share of the hard buckets", f"{100 * mean(ref, 'share/hard'):.1f} %", "share/hard"),
+            row(f"trained share of bucket {max(hard)}", f"{100 * mean(ref, f'share/{max(hard)}'):.1f} %",
+                f"share/{max(hard)}"),
+            f"| age of the re-scored groups (versions, mean) | {pooled(ref, ['rescore/age_sum'], 'rescore/groups'):.2f}"
+            " | " + " | ".join(f"{pooled(p, ['rescore/age_sum'], 'rescore/groups'):.2f}" for p in others) + " |",
+            row("new p_hat - stale p_hat, re-scored kept groups",
+                f"{pooled(ref, ['rescore/p_diff_sum'], 'rescore/kept'):+.3f}", "rescore/p_diff_mean", 1.0, "+.3f"),
+            row(f"kept, the new p_hat would drop (n {n_of('rescore/kept')})", flip("kept_to_dropped", "kept"),
+                "rescore/kept_to_dropped_rate"),
+            row(f"dropped, the new p_hat would keep (n {n_of('rescore/dropped')})",
+                flip("dropped_to_kept", "dropped"), "rescore/dropped_to_kept_rate"),
+            row(f"kept, DAA decision p_hat < {tau:g} flips (n {n_of('rescore/kept')})", flip("daa_flips", "kept"),
+                "rescore/daa_flips_rate"),
+            row(f"held-out avg@k at equal samples ({budget:,.0f}), all buckets",
+                f"{100 * mean(ref, 'avg_samples/all'):.1f}", "avg_samples/all"),
+            row("the same, hard buckets", f"{100 * mean(ref, 'avg_samples/hard'):.1f}", "avg_samples/hard"),
+            row(f"held-out avg@k at step {last}, all buckets", f"{100 * mean(ref, 'avg_step/all'):.1f}",
+                "avg_step/all"),
+            row("the same, hard buckets", f"{100 * mean(ref, 'avg_step/hard'):.1f}", "avg_step/hard")]
 
 
 def report(root: Path, out: Path, k: int, tau: float) -> str:
@@ -169,6 +212,7 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
                      f"{pooled(p, ['rescore/age_sum'], 'rescore/groups'):.2f} | "
                      f"{pooled(p, ['rescore/p_diff_sum'], 'rescore/kept'):+.3f}"
                      + (f" (vs sync {diff(p, 'rescore/p_diff_mean', 1.0, '+.3f')})" if p != ref else "") + " |")
+    lines += summary(vals, ref, others, budget, last, hard, tau, mean, pooled, diff)
     lines.append("\n**Trained share** of each bucket (kept groups trained, summed over steps; % of all trained groups; "
                  "mean over seeds) and the paired difference vs sync (points)\n")
     lines.append(f"| bucket | {ref} | " + " | ".join(f"{p} | diff" for p in others) + " | discarded late (" +
@@ -189,8 +233,6 @@ def report(root: Path, out: Path, k: int, tau: float) -> str:
         lines.append("|---|---:|" + "---:|---|" * len(others))
         for b in [None, *buckets]:
             pre = "rescore" if b is None else f"rescore/bucket{b}"
-            for v in (x for p in vals for x in vals[p].values()):
-                v[f"{pre}/{num}_rate"] = ratio(v[f"{pre}/{num}"], v[f"{pre}/{den}"])
             cells = []
             for p in [ref, *others]:
                 n = sum(v[f"{pre}/{den}"] for v in vals[p].values())
