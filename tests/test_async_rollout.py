@@ -100,7 +100,8 @@ def test_the_producer_needs_streaming_in_submission_order():
         load_config(None, base + ["rollout.staleness=2"])
     with pytest.raises(ConfigError, match="rollout.staleness = 0 is out of range"):
         load_config(None, base + ["rollout.mode=streaming", "rollout.partial_rollouts=true"])
-    cfg = load_config(None, base + ["rollout.mode=streaming", "rollout.staleness=4", "algorithm.rollout_correction=tis"])
+    cfg = load_config(None, base + ["rollout.mode=streaming", "rollout.staleness=4",
+                                    "algorithm.rollout_correction=tis"])
     assert uses_producer(cfg) and not uses_producer(load_config(None, base + ["rollout.staleness=1"]))
 
 
