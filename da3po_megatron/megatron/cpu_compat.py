@@ -129,6 +129,12 @@ def _install_cpu_rng_tracker() -> None:
 
     mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recomputation (model.recompute_granularity=full, the 30B recipes) saves and restores the "device"
+    # RNG state around each checkpointed chunk (tensor_parallel/random.py 443-460, 514: _get_all_rng_states ->
+    # _get_cuda_rng_state -> torch.cuda.random.get_rng_state, "Torch not compiled with CUDA enabled" on CPU). On CPU
+    # the device generator is the CPU one, as in the tracker above (found by tests/test_shipped_layouts.py).
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
 
 
 class _CPUStream:
