@@ -180,7 +180,8 @@ def test_moe_tp2_ep2_sequence_parallel_replays_the_same_routes_and_trains_like_t
     pairs = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))  # the tiny MoE has one MoE layer
     assert on["route_pairs"] == ref["route_pairs"] == [pairs] * 3
     assert on["router_agreement"] == [1.0] * 3  # replayed
-    assert on["router_agreement_own"] == ref["router_agreement_own"]
+    # the routers' own choices (float noise could flip a near-tie: at most one pair)
+    assert max(abs(x - y) for x, y in zip(on["router_agreement_own"], ref["router_agreement_own"])) <= 1 / pairs
 
 
 def test_route_bookkeeping_makes_no_host_copy_per_moe_layer(moe):
