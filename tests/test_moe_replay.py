@@ -119,6 +119,14 @@ def test_engine_returns_routes_of_every_position_also_for_prefix_cached_prompt_b
         assert reused >= 128  # at least one whole prompt block came from the prefix cache
         for c in later:
             assert np.array_equal(c.routed_experts[:len(prompt)], first.routed_experts[:len(prompt)])
+        # only the completions SamplingConfig.routes_fraction selects carry routes (the agreement metric's sample,
+        # issue 46 M3); the others are dropped inside the worker, whose capture store is left empty
+        from da3po_megatron.rollout.routes import routes_selected
+
+        half = client.generate([prompt[:40]], SamplingConfig(n=8, max_tokens=4, seed=9, routes_fraction=0.5))[0]
+        want = [routes_selected(c.prompt_index, c.sample_index, 0.5) for c in half]
+        assert [c.routed_experts is not None for c in half] == want and 0 < sum(want) < 8, want
+        assert client.engines[0].llm.collective_rpc(lambda w: len(w._da3po_routes._requests))[0] == 0
     finally:
         client.shutdown()
 
