@@ -17,7 +17,7 @@ and dropped groups of the step are generated again with the new weights, and the
 (p_hat < tau) decisions made with the old p_hat are compared with the new ones. The synchronous run's rates are the
 floor (p_hat from G samples is noisy, and the new weights are one update newer there too).
 
-    python tools/study_async_hard.py run --policy sync --seeds 0,1,2 --steps 24     # one grid per policy
+    python tools/study_async_hard.py run --policy sync --seeds 0,1,2,3 --steps 30   # one grid per policy
     python tools/study_async_hard.py report --out reports/async47                  # the tables (+ summary.json)
 
 ``run`` calls ``tools/compare_algorithms.py`` (method ``da3po:2``) with runs in ``runs/async47/<policy>`` and the
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="train one policy's seeds (tools/compare_algorithms.py)")
     r.add_argument("--policy", choices=list(POLICIES), required=True)
     r.add_argument("--seeds", default="0,1,2")
-    r.add_argument("--steps", type=int, default=24)
+    r.add_argument("--steps", type=int, default=30)
     r.add_argument("--rescore-groups", type=int, default=8, help="eval.rescore_groups (kept and dropped per step)")
     r.add_argument("--root", type=Path, default=ROOT)
     r.add_argument("overrides", nargs="*", help="extra section.key=value overrides for every run")
