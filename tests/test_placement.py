@@ -304,6 +304,7 @@ def test_zero_gpu_bundles_on_the_drivers_host_without_an_nvidia_driver_are_answe
     import dataclasses
 
     from da3po_megatron.trainer import placement as P
+    from da3po_megatron.trainer import placement_ray as PR  # the Ray side: the probe and the driver-file check
     from da3po_megatron.trainer.prepare import plan_for_cluster
 
     cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", ["model.path=/x", "ray.device=cpu"])
@@ -313,7 +314,7 @@ def test_zero_gpu_bundles_on_the_drivers_host_without_an_nvidia_driver_are_answe
     try:
         def no_probe(kind, _opts):
             raise AssertionError(f"the {kind} bundle was probed")
-        monkeypatch.setattr(P, "_probe", no_probe)
+        monkeypatch.setattr(PR, "_probe", no_probe)
         seen = P.probe_devices(res, cfg.model)
     finally:
         res.close()
@@ -323,7 +324,7 @@ def test_zero_gpu_bundles_on_the_drivers_host_without_an_nvidia_driver_are_answe
     node = plan.nodes[plan.rank_node[0]]
     assert P.answer_without_probe("policy", node, 1.0) is None  # a GPU bundle
     assert P.answer_without_probe("policy", dataclasses.replace(node, node_id="0" * 56), 0) is None  # another node
-    monkeypatch.setattr(P, "NVIDIA_DEVICE_FILES", (str(tmp_path),))  # a host with an NVIDIA driver
+    monkeypatch.setattr(PR, "NVIDIA_DEVICE_FILES", (str(tmp_path),))  # a host with an NVIDIA driver
     assert P.answer_without_probe("policy", node, 0) is None
 
 
