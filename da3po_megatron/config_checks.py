@@ -44,6 +44,7 @@ def validate(cfg: Config) -> None:
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         raise ConfigError("parallel.sequence_parallel = True needs parallel.tensor_model_parallel_size > 1 (it splits "
                           "the sequence over the TP ranks); use parallel.sequence_parallel=null or false at TP 1")
+    _check(cfg.eval.rescore_groups >= 0, "eval.rescore_groups", cfg.eval.rescore_groups, ">= 0 (0 = off)")
     _check(cfg.moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", cfg.moe.aux_loss_coeff, ">= 0")
     _check(0 <= cfg.moe.router_agreement_fraction <= 1, "moe.router_agreement_fraction",
            cfg.moe.router_agreement_fraction, "[0, 1]")

