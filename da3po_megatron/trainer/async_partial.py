@@ -73,17 +73,18 @@ class Partial:
         return f"a{self.j}s{self.segments}"
 
     def add_segment(self, seg: dict[str, Any], version: int) -> None:
-        """Record an interrupted segment (the engine's ``interrupted[key]``) generated under ``version``."""
+        """Record an interrupted segment (the engine's ``interrupted[key]``) generated under ``version``. The arrays
+        are copied: the engine's came through Ray as views into one buffer (see :func:`batch.own_tensor`)."""
         routes = seg.get("routed_experts")
         for i in range(self.n):
             if self.done[i]:
                 continue
-            t = np.asarray(seg["token_ids"][i], dtype=np.int32)
+            t = np.array(seg["token_ids"][i], dtype=np.int32)
             self.tokens[i].append(t)
-            self.logprobs[i].append(np.asarray(seg["logprobs"][i], dtype=np.float32))
+            self.logprobs[i].append(np.array(seg["logprobs"][i], dtype=np.float32))
             self.versions[i].append(np.full(len(t), version, dtype=np.int32))
             if routes is not None and routes[i] is not None:
-                self.routes[i] = np.asarray(routes[i])
+                self.routes[i] = np.array(routes[i])
             if seg["finished"][i]:
                 self.done[i], self.reasons[i], self.texts[i] = True, seg["reasons"][i], seg["texts"][i]
         self.segments += 1
@@ -126,15 +127,13 @@ class Partial:
                        list(self.reasons), list(self.texts), self.segments, self.span, list(self.routes))
 
     def to_dict(self) -> dict[str, Any]:
-        import torch
-
-        t = lambda rows: [[torch.from_numpy(np.ascontiguousarray(a)) for a in r] for r in rows]  # noqa: E731
+        t = lambda rows: [[B.own_tensor(a) for a in r] for r in rows]  # noqa: E731
         out = {"j": self.j, "example": B._plain(asdict(self.example)), "start_version": self.start_version,
                "n": self.n, "tokens": t(self.tokens), "logprobs": t(self.logprobs), "versions": t(self.versions),
                "done": list(self.done), "reasons": list(self.reasons), "texts": list(self.texts),
                "segments": self.segments, "span": self.span}
         if any(r is not None for r in self.routes):
-            out["routes"] = [None if r is None else torch.from_numpy(np.ascontiguousarray(r)) for r in self.routes]
+            out["routes"] = [None if r is None else B.own_tensor(r) for r in self.routes]
         return out
 
     @classmethod

@@ -133,20 +133,29 @@ def _plain(value: Any) -> Any:
 _TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "routed_experts", "token_versions")
 
 
+def own_tensor(a: Any) -> torch.Tensor:
+    """An independent, compact copy of a per-token array as a tensor (what a checkpoint stores). A completion that
+    crossed Ray holds read-only views into its object's one buffer, and an empty view shares its address with the
+    next array there, of another dtype (int32 tokens, float32 log-probs, uint8 routes): ``torch.from_numpy`` of such
+    views makes ``torch.save`` refuse ("view the same data as different types": torch/serialization.py keys saved
+    storages by ``data_ptr``), and a non-empty view would pin the whole Ray buffer."""
+    return torch.from_numpy(np.array(a, copy=True, order="C"))
+
+
 def group_to_dict(g: Group) -> dict[str, Any]:
     """A group as plain data (what a checkpoint stores: loads with ``torch.load(weights_only=True)``). Per-token
     fields are tensors (int32 / float32; checkpoints before issue 36 held lists of numbers, which
     :func:`group_from_dict` still reads)."""
     out = _plain({k: getattr(g, k) for k in g.__dataclass_fields__ if k not in _TOKEN_FIELDS and k != "example"})
     out["example"] = _plain(asdict(g.example))
-    out["prompt_ids"] = torch.from_numpy(np.ascontiguousarray(g.prompt_ids))
-    out["response_ids"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.response_ids]
-    out["rollout_logprobs"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.rollout_logprobs]
+    out["prompt_ids"] = own_tensor(g.prompt_ids)
+    out["response_ids"] = [own_tensor(r) for r in g.response_ids]
+    out["rollout_logprobs"] = [own_tensor(r) for r in g.rollout_logprobs]
     if g.routed_experts is not None:
-        out["routed_experts"] = [None if r is None else torch.from_numpy(np.ascontiguousarray(r))
+        out["routed_experts"] = [None if r is None else own_tensor(r)
                                  for r in g.routed_experts]
     if g.token_versions is not None:
-        out["token_versions"] = [torch.from_numpy(np.ascontiguousarray(r)) for r in g.token_versions]
+        out["token_versions"] = [own_tensor(r) for r in g.token_versions]
     return out
 
 
