@@ -142,6 +142,12 @@ def validate(cfg: Config) -> None:
     _check(r.dump_every >= 1, "rollout.dump_every", r.dump_every, ">= 1")
     _check(r.dump_keep >= 0, "rollout.dump_keep", r.dump_keep, ">= 0 (0 = keep all)")
     _check(0 <= r.replay_match_threshold <= 1, "rollout.replay_match_threshold", r.replay_match_threshold, "[0, 1]")
+    if r.dump_dir and (r.staleness >= 2 or r.partial_rollouts):  # trainer/replay.py records collect()'s driver state
+        raise ConfigError(
+            f"rollout.dump_dir = {r.dump_dir!r} with rollout.staleness = {r.staleness} and rollout.partial_rollouts = "
+            f"{r.partial_rollouts}: the rollout dump needs the per-step collection (rollout.staleness 0 or 1, "
+            "rollout.partial_rollouts=false); the asynchronous producer generates beside the loop, has no per-step "
+            "driver state to record, and its dump could not be replayed (rollout.replay_dir refuses it too)")
     if r.replay_dir:  # trainer/replay.py: recorded batches, consumed in order
         _check(not (r.dump_dir and Path(r.dump_dir).resolve() == Path(r.replay_dir).resolve()), "rollout.dump_dir",
                r.dump_dir, "a directory other than rollout.replay_dir")

@@ -13,8 +13,10 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pytest
 import torch
 
+from da3po_megatron.config import ConfigError, load_config
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.async_partial import Partial, ProducerSnapshot, plain_state
@@ -143,3 +145,29 @@ def _leaves(x):
             yield from _leaves(v)
     else:
         yield x
+
+
+BASE = ["model.path=x", "data.format=synthetic", "rollout.n=4", "actor.ppo_mini_batch_size=1",
+        "data.train_batch_size=2", "rollout.mode=streaming", "algorithm.rollout_correction=tis"]
+
+
+@pytest.mark.parametrize("over", [["rollout.staleness=2"], ["rollout.staleness=2", "rollout.partial_rollouts=true"],
+                                  ["rollout.staleness=1", "rollout.partial_rollouts=true"]])
+def test_a_rollout_dump_with_the_asynchronous_producer_is_refused_naming_the_fields(tmp_path, over):
+    """``rollout.dump_dir`` records the driver state that ``collect()`` keeps per step (``Replay.collect``); the
+    producer's ``take()`` never calls it, so at HEAD the first due step died in ``Replay.record`` (KeyError on
+    ``_snapshots.pop(step)``) after the step's generation. Now refused at load, naming the fields."""
+    with pytest.raises(ConfigError, match=r"rollout\.dump_dir .*rollout\.staleness .*rollout\.partial_rollouts"):
+        load_config(None, BASE + over + [f"rollout.dump_dir={tmp_path / 'dump'}"])
+    load_config(None, BASE + over)  # the producer alone loads
+    load_config(None, BASE + ["rollout.staleness=1", f"rollout.dump_dir={tmp_path / 'dump'}"])  # one-step-off dumps
+
+
+def test_replay_record_without_collect_has_no_driver_state_to_dump(tmp_path):
+    """Why the combination is refused: the loop with the producer calls ``Replay.record`` for a step whose
+    ``Replay.collect`` never ran (trainer/loop.py: ``producer.take(step)``, then ``run.replay.record``)."""
+    from da3po_megatron.trainer.replay import Replay
+
+    cfg = load_config(None, BASE + ["rollout.staleness=1", f"rollout.dump_dir={tmp_path / 'dump'}"])
+    with pytest.raises(KeyError):
+        Replay(cfg).record(1, StepRollout([], [], {}, 0), None)

@@ -33,8 +33,9 @@ the checkpoint, the metrics -- is the original step's:
   warning and ``replay/match_below_threshold=1`` -- the engines do not hold the policy's weights (Miles' check; 0.9
   its threshold). Training consumes the recording. Needs ``rollout.mode=rounds`` (the recorded seeds are the rounds').
 
-Left out: replay with the asynchronous producer (``rollout.staleness >= 2`` / partial rollouts: refused by the config
-checks), and evaluation in ``train_only`` (it needs engines).
+Left out: dump and replay with the asynchronous producer (``rollout.staleness >= 2`` / partial rollouts: both refused
+by the config checks; its ``take()`` never runs :meth:`Replay.collect`), and evaluation in ``train_only`` (it needs
+engines).
 """
 
 from __future__ import annotations
