@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -13,6 +15,7 @@ from da3po_megatron.bridge.export import load_policy_hf
 from da3po_megatron.bridge.hf_config import gpt_arch
 from da3po_megatron.config import Config, standalone_policy_config
 from da3po_megatron.megatron.policy import PolicyWorker
+from da3po_megatron.megatron.runtime import free_port
 
 ADVANTAGES = [1.0, -1.0, 2.0, 0.5, -1.0, 2.0, -0.5, 1.0]  # one per response of selfcheck.fixed_batch(), as selfcheck
 
@@ -56,3 +59,22 @@ def finish(w: PolicyWorker, res: dict, out: str) -> int:
     dist.barrier()
     w.shutdown()
     return 0
+
+
+# ---- for the test files that launch these jobs (test_megatron_policy.py, test_policy_losses.py)
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max((abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v)), default=0.0)
+
+
+def launch(nproc: int, out: Path, *args: str, script: Path | None = None) -> dict:
+    """torchrun ``nproc`` processes of the selfcheck (or of ``script``) writing JSON to ``out``; returns it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    target = [str(script or Path(__file__).with_name("_policy_selfcheck.py"))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), *target, "--out", str(out), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())

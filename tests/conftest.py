@@ -88,7 +88,8 @@ LONG_FILES_FIRST = (
     "test_reliability_faults.py", "test_real_model.py", "test_trainer_e2e.py", "test_moe.py", "test_moe_replay.py",
     "test_replay.py",
     "test_gpu_check_script.py", "test_compare.py", "test_operations.py", "test_weight_sync_collective.py",
-    "test_megatron_policy.py", "test_weight_sync_megatron.py", "test_convert.py", "test_export_parity.py",
+    "test_megatron_policy.py", "test_policy_losses.py", "test_weight_sync_megatron.py", "test_convert.py",
+    "test_export_parity.py",
     "test_run_integrity_units.py", "test_reliability_units.py", "test_eval_runner.py", "test_rollout_ray.py",
 )
 
