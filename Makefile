@@ -5,7 +5,7 @@ PYTEST_ARGS ?= --durations=25
 # PYTEST_WORKERS: pytest-xdist workers for everything but the Slurm tests, which then run alone; its default (2) and
 # why are in scripts/run_tests.sh. `make test PYTEST_WORKERS=0` runs the first pass serially too.
 
-.PHONY: install demo test lint theory clean ci-time
+.PHONY: install demo test test-layouts lint theory clean ci-time
 
 install:  ## create .venv if missing and install the CPU stack (idempotent)
 	bash scripts/install.sh cpu $(VENV)
@@ -16,6 +16,9 @@ demo: install  ## tiny end-to-end CPU run (see examples/tiny_cpu_da3po.yaml)
 test: install  ## the whole test suite, as CI runs it
 	$(PY) -m ruff check .
 	PYTEST_WORKERS=$(PYTEST_WORKERS) bash scripts/run_tests.sh $(PY) $(PYTEST_ARGS)
+
+test-layouts: install  ## the dense GPU recipes' layouts shrunk to tiny width (~15-20 min on 2 cores; not in make test)
+	$(PY) -m pytest -m layouts tests/test_shipped_layouts.py $(PYTEST_ARGS)
 
 theory: install  ## the paper's Figures 1-2 (alpha+, alpha-, gamma vs p)
 	$(PY) tools/plot_theory.py --out outputs/theory

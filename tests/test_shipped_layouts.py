@@ -169,16 +169,22 @@ def _tail(p: subprocess.CompletedProcess | None) -> str:
 
 
 def _params() -> list:
-    """One param per recipe; the GPU recipes' layouts (TP >= 2, up to 8 ranks, 4-8 minutes each on 2 cores) run in
-    the second, serial pass of scripts/run_tests.sh (``-m slurm``, with the multi-node tests) to keep the parallel
-    pass within its budget; the CPU recipes' layouts run in the first."""
+    """One param per recipe. The CPU recipes' layouts run in ``make test``'s first pass. The GPU recipes' layouts
+    (TP >= 2, up to 8 ranks, 4-8 minutes each on 2 cores) would take the suite past its budget: the MoE ones (the
+    30B-A3B layout: TP 4 x PP 2, EP 4, SP, engine TP 4 -- the layout no other test covers) run in the second, serial
+    pass of scripts/run_tests.sh (``-m slurm``); the dense ones (TP 2 x DP 2, TP 4, the colocated TP 1 x DP 8) are
+    marked ``layouts`` and run by ``make test-layouts``, outside ``make test`` (their SP, TP and DP paths are covered
+    in the suite at policy level: tests/test_sequence_parallel.py, tests/test_megatron_policy.py)."""
     out = []
     for recipe in RECIPES:
         try:
-            gpu = "ray.device gpu->cpu" in shrink(recipe)["substitutions"]
+            plan = shrink(recipe)
+            gpu = "ray.device gpu->cpu" in plan["substitutions"]
+            moe = (plan["layout"]["ep"] or 1) > 1
         except Exception:  # noqa: BLE001 - the test itself fails naming why
-            gpu = False
-        out.append(pytest.param(recipe, marks=[pytest.mark.slurm] if gpu else []))
+            gpu = moe = False
+        marks = [] if not gpu else [pytest.mark.slurm] if moe else [pytest.mark.layouts]
+        out.append(pytest.param(recipe, marks=marks))
     return out
 
 
