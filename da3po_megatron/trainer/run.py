@@ -301,8 +301,8 @@ class Run(RunCheckpoints):
         self.totals["groups"] += len(groups)
         self.totals["reward_timeouts"] += scored.timeouts
         self.totals["reward_errors"] += scored.errors
-        if hasattr(self.prompts, "observe"):  # data.selection: the history and the exploration rates
-            self.prompts.observe([(g.example.uid, g.p_hat) for g in groups])
+        if observe := getattr(getattr(self, "prompts", None), "observe", None):  # data.selection: the history
+            observe([(g.example.uid, g.p_hat) for g in groups])
         return groups
 
     # ------------------------------------------------------------------------------------------------ training
