@@ -100,11 +100,13 @@ def init_ray(cfg: Config) -> None:
         # no prestarted workers: every actor of the run has its own runtime env (env vars), so Ray starts a worker
         # for it anyway and the num_cpus idle ones it prestarts for the first driver (each importing ray) only take
         # CPU from the actors' start-up -- 3 processes on the tiny 2-core launch (Ray's prestart_worker_first_driver)
-        start_local_ray(None, max(os.cpu_count() or 1, math.ceil(need) + 1),
-                        _system_config={"prestart_worker_first_driver": False}, **ray_init_kwargs())
         from da3po_megatron.trainer.reaper import start_reaper
 
-        start_reaper()  # the Ray processes this driver started end with it, even after a kill -9 (trainer/reaper.py)
+        # the Ray processes this driver starts end with it, even after a kill -9 (trainer/reaper.py); started first,
+        # so that they inherit its tag
+        start_reaper()
+        start_local_ray(None, max(os.cpu_count() or 1, math.ceil(need) + 1),
+                        _system_config={"prestart_worker_first_driver": False}, **ray_init_kwargs())
     else:
         ray.init(address=cfg.ray.address, include_dashboard=False, **ray_init_kwargs())
 

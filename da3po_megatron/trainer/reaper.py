@@ -14,6 +14,13 @@ does not reach it). It records the driver's descendants (pid and start time, fro
 run with the same start time (a reused pid is left alone), then exits. After a normal exit Ray has stopped them
 already and it finds nothing to do. Cost: one small process per run and a ``/proc`` scan every second.
 
+A process that leaves the tree before a scan sees it is found by its environment instead: :func:`start_reaper` puts
+``DA3PO_REAPER_TAG=<uuid>`` into the driver's environment before Ray starts, every process the run starts inherits
+it, and once the driver is gone the watcher also kills every process whose ``/proc/<pid>/environ`` carries the tag.
+Seen in a fresh-clone CI run (2026-12-05): megatron-core's asynchronous checkpoint save forks a writer from the
+policy actor (``ray::PolicyWorker.save``); SIGKILLed within a second of that fork, the writer was never scanned,
+became init's child when the actor was killed and outlived the run by more than 30 s.
+
 Not covered: a Ray cluster the driver connects to (``ray.address`` set, e.g. on Slurm): its processes are not the
 driver's (``slurm/`` scripts stop them with the job); and a machine whose ``/proc`` is not Linux's (the reaper is not
 started).
@@ -24,11 +31,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 
 WATCHER = r"""
 import os, signal, sys, time
 
-driver, interval = int(sys.argv[1]), float(sys.argv[2])
+driver, interval, tag = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3].encode()
 
 def stat(pid):
     try:
@@ -53,29 +61,52 @@ def descendants():
                 todo.append(pid)
     return out
 
+def tagged():
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                env = open(f"/proc/{d}/environ", "rb").read()
+            except OSError:
+                continue
+            s = stat(int(d))
+            if s is not None and b"DA3PO_REAPER_TAG=" + tag + b"\0" in env + b"\0":
+                out[int(d)] = s[1]
+    return out
+
 seen = {}
 while os.getppid() == driver:
     seen.update(descendants())
     seen = {pid: start for pid, start in seen.items() if stat(pid) is not None}
     time.sleep(interval)
-killed = 0
-for pid, start in seen.items():
-    s = stat(pid)
-    if s is not None and s[1] == start:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
-        except OSError:
-            pass
+killed = set()
+for _ in range(4):  # again after a short wait: a process forked while the others were being killed
+    found = 0
+    for pid, start in {**seen, **tagged()}.items():
+        s = stat(pid)
+        if s is not None and s[1] == start and pid not in killed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+                found += 1
+            except OSError:
+                pass
+    if not found:
+        break
+    time.sleep(0.2)
+killed = len(killed)
 if killed and os.environ.get("DA3PO_REAPER_VERBOSE") == "1":
     print(f"da3po reaper: the driver (pid {driver}) is gone; stopped {killed} of its processes", file=sys.stderr)
 """
 
 
 def start_reaper(interval_s: float = 1.0) -> subprocess.Popen | None:
-    """Start the watcher of this process (see the module docstring); None where ``/proc`` is not available."""
+    """Start the watcher of this process (see the module docstring); None where ``/proc`` is not available. Call it
+    before Ray starts, so that Ray's processes inherit the tag."""
     if not os.path.isdir("/proc/self") or sys.platform != "linux":
         return None
-    return subprocess.Popen([sys.executable, "-S", "-c", WATCHER, str(os.getpid()), str(interval_s)],
+    # a new tag per driver, never one inherited from a parent run (its reaper would kill this run's processes)
+    tag = os.environ["DA3PO_REAPER_TAG"] = uuid.uuid4().hex
+    return subprocess.Popen([sys.executable, "-S", "-c", WATCHER, str(os.getpid()), str(interval_s), tag],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
                             close_fds=True)
