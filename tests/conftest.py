@@ -90,7 +90,8 @@ LONG_FILES_FIRST = (  # by the seconds of the fresh-clone run of dcfd0eb (tools/
     "test_offload.py", "test_weight_sync_collective.py", "test_replay.py", "test_moe.py", "test_compare.py",
     "test_weight_sync_megatron.py", "test_policy_losses.py", "test_gpu_check_script.py", "test_rollout_ray.py",
     "test_moe_checkpoint.py", "test_operations.py", "test_moe_real_shape_sync.py", "test_async_rollout.py",
-    "test_convert.py", "test_export_parity.py", "test_run_integrity_units.py", "test_run_processes.py", "test_doctor.py",
+    "test_convert.py", "test_export_parity.py", "test_run_processes.py", "test_run_integrity_units.py",
+    "test_doctor.py",
     "test_reliability_units.py", "test_sequence_parallel.py", "test_placement.py", "test_control_plane.py",
     "test_eval_runner.py",
 )
