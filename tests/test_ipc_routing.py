@@ -1,6 +1,8 @@
 """The "ipc" transport's routing (rollout/ipc_routing.py) as a pure function over GPU UUID strings and layouts: which
 policy rank's CUDA-IPC handles reach which engine worker, for policy TP / PP / DP x engines x engine TP, and the
-layouts that must be refused with an error naming engine, worker, GPU and stage. No GPU needed: UUIDs are strings."""
+layouts that must be refused with an error naming engine, worker and GPU. No GPU needed: UUIDs are strings. Since
+issue 49 every policy rank holds every bucket (rollout/ipc.py ipc_buckets; proven over gloo in test_ipc_layouts.py),
+so any policy TP x PP x DP is served from the rank on each engine worker's GPU."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def engines_over(n_gpus: int, engine_tp: int) -> list[list[str]]:
 
 def test_one_gpu_one_engine_the_sender_ships_its_own_handle():
     routes = plan_ipc_routes(megatron_ranks(1, 1, 1), [[GPU[0]]])
-    assert routes.serves == {0: [(0, 0)]} and routes.shippers == {0: 0} and routes.by_stage == {0: {GPU[0]: 0}}
+    assert routes.serves == {0: [(0, 0)]} and routes.shipper == 0 and routes.by_gpu == {GPU[0]: 0}
     assert routes.role(0) == "ship"
 
 
@@ -37,7 +39,7 @@ def test_one_gpu_one_engine_the_sender_ships_its_own_handle():
 def test_policy_dp8_every_rank_exports_for_the_engine_worker_on_its_gpu(engine_tp):
     engines = engines_over(8, engine_tp)
     routes = plan_ipc_routes(megatron_ranks(1, 1, 8), engines)
-    assert routes.shippers == {0: 0} and routes.holders == {0: list(range(8))}
+    assert routes.shipper == 0
     # rank r runs on GPU r; the worker on GPU r is worker r % engine_tp of engine r // engine_tp
     assert routes.serves == {r: [(r // engine_tp, r % engine_tp)] for r in range(8)}
     assert [routes.role(r) for r in range(8)] == ["ship"] + ["export"] * 7
@@ -49,33 +51,32 @@ def test_holders_on_gpus_without_engines_take_part_in_the_gather_only():
     assert [routes.role(r) for r in range(4)] == ["ship", "export", "hold", "hold"]
 
 
-def test_policy_tp2_works_when_the_engines_sit_on_tp_rank_0_gpus_only():
+def test_policy_tp2_serves_an_engine_on_tp_rank_1s_gpu_from_that_rank():
+    """On 2b6e185 an engine on TP rank 1's GPU was refused (only TP rank 0 gathered the full tensors); now every rank
+    holds every bucket (TP all-gather) and exports for its own GPU."""
     ranks = megatron_ranks(2, 1, 2)  # ranks 0,1 = DP replica 0 (TP 0, 1), ranks 2,3 = replica 1; GPU i = rank i
-    routes = plan_ipc_routes(ranks, [[GPU[0]], [GPU[2]]])
-    assert routes.serves == {0: [(0, 0)], 2: [(1, 0)]} and routes.holders == {0: [0, 2]}
-    assert routes.role(1) is None and routes.role(3) is None  # TP rank 1: iterates the export, holds nothing
+    routes = plan_ipc_routes(ranks, [[GPU[0]], [GPU[1]], [GPU[3]]])
+    assert routes.serves == {0: [(0, 0)], 1: [(1, 0)], 3: [(2, 0)]}
+    assert [routes.role(r) for r in range(4)] == ["ship", "export", "hold", "export"]
 
 
-def test_several_ranks_on_one_gpu_each_stage_from_its_own_holder():
+def test_several_ranks_on_one_gpu_the_lowest_exports():
     ranks = [{"rank": 0, "uuid": GPU[0], "tp": 0, "pp": 0, "dp": 0},
              {"rank": 1, "uuid": GPU[0], "tp": 0, "pp": 1, "dp": 0}]  # PP=2, both stages on one GPU
     routes = plan_ipc_routes(ranks, [[GPU[0]]])
-    assert routes.by_stage == {0: {GPU[0]: 0}, 1: {GPU[0]: 1}} and routes.shippers == {0: 0, 1: 1}
-    assert routes.serves == {0: [(0, 0)], 1: [(0, 0)]}
+    assert routes.by_gpu == {GPU[0]: 0} and routes.shipper == 0 and routes.serves == {0: [(0, 0)]}
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1), (4, 1, 1), (1, 4, 1)])
 @pytest.mark.parametrize("engine_tp", [1, 2, 4])
-def test_four_colocated_gpus_every_layout_is_served_or_refused_naming_engine_gpu_and_stage(tp, pp, dp, engine_tp):
+def test_four_colocated_gpus_every_policy_layout_serves_every_engine_worker_from_its_own_gpu(tp, pp, dp, engine_tp):
+    """Every policy TP x PP x DP on 4 GPUs x engines of TP 1, 2, 4 (on 2b6e185 every layout with TP or PP > 1 was
+    refused here): each engine worker is served by the rank on its GPU."""
     engines = engines_over(4, engine_tp)
-    if tp == 1 and pp == 1:
-        routes = plan_ipc_routes(megatron_ranks(tp, pp, dp), engines)
-        served = sorted(ew for pairs in routes.serves.values() for ew in pairs)
-        assert served == sorted((e, w) for e in range(len(engines)) for w in range(engine_tp))
-        return
-    with pytest.raises(ValueError, match=r"engine \d+ worker \d+ on GPU GPU-\S+ needs PP stage \d's full tensors") as e:
-        plan_ipc_routes(megatron_ranks(tp, pp, dp), engines)
-    assert "rollout.weight_transfer=bytes" in str(e.value) and "TP rank" in str(e.value)
+    routes = plan_ipc_routes(megatron_ranks(tp, pp, dp), engines)
+    served = sorted(ew for pairs in routes.serves.values() for ew in pairs)
+    assert served == sorted((e, w) for e in range(len(engines)) for w in range(engine_tp))
+    assert routes.by_gpu == {GPU[r]: r for r in range(4)}
 
 
 def test_engines_on_gpus_without_a_policy_rank_are_refused_as_not_colocated():
@@ -83,12 +84,9 @@ def test_engines_on_gpus_without_a_policy_rank_are_refused_as_not_colocated():
         plan_ipc_routes(megatron_ranks(1, 1, 2), [[GPU[0]], [GPU[5]]])
 
 
-def test_two_workers_of_one_engine_on_one_gpu_and_a_stage_without_its_sender_are_refused():
+def test_two_workers_of_one_engine_on_one_gpu_and_an_engine_without_workers_are_refused():
     with pytest.raises(ValueError, match="engine 0 has two workers on one GPU"):
         plan_ipc_routes(megatron_ranks(1, 1, 2), [[GPU[0], GPU[0]]])
-    no_sender = [{"rank": 0, "uuid": GPU[0], "tp": 0, "pp": 0, "dp": 1}]
-    with pytest.raises(ValueError, match="PP stage 0 needs exactly one rank with TP rank 0 and DP rank 0"):
-        plan_ipc_routes(no_sender, [[GPU[0]]])
     with pytest.raises(ValueError, match="every engine needs at least one worker GPU"):
         plan_ipc_routes(megatron_ranks(1, 1, 1), [])
 
@@ -215,8 +213,8 @@ def test_colocated_engines_start_after_the_policy_and_wake_after_its_cache_relea
 
 def test_context_parallel_ranks_other_than_cp_rank_0_neither_send_nor_ship_a_stage():
     """CP ranks hold the same weights as CP rank 0 (CP splits the sequence): only CP rank 0 of TP rank 0 of DP
-    replica 0 sends a stage (``weight_sync.sender_stage``) or ships its IPC handles. On 27dab78 a CP-rank-1 rank was a
-    sender too (the stage pushed twice) and the IPC routing saw two shippers per stage."""
+    replica 0 sends a stage (``weight_sync.sender_stage``); the IPC routing has one shipper (rank 0) whatever the
+    layout. On 27dab78 a CP-rank-1 rank was a sender too (the stage pushed twice)."""
     from types import SimpleNamespace
 
     from da3po_megatron.rollout.ipc_routing import colocated_layout
@@ -228,4 +226,4 @@ def test_context_parallel_ranks_other_than_cp_rank_0_neither_send_nor_ship_a_sta
     ranks, engines = colocated_layout(world_size=4, tp=1, pp=1, num_engines=1, cp=2)  # CP=2 x DP=2
     assert [(r.cp, r.dp) for r in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # Megatron's order: CP before DP
     routes = plan_ipc_routes(ranks, engines)
-    assert routes.shippers == {0: 0} and routes.holders == {0: [0, 2]}
+    assert routes.shipper == 0 and routes.serves == {0: [(0, 0)]}

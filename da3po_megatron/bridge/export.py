@@ -50,16 +50,19 @@ def to_hf(megatron_stream: Iterable[tuple[str, torch.Tensor]], arch: HFSpec) -> 
         except (KeyError, ValueError) as e:
             raise ValueError(f"cannot map Megatron tensor {name!r} {tuple(tensor.shape)} to HF: {e}") from e
         yield from pairs
+        del pairs, tensor  # not held while the next tensor is gathered (issue 49: one full tensor at a time)
 
 
 def export_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False,
-                 experts_last: bool = False) -> HFStream:
+                 experts_last: bool = False, everywhere: bool = False) -> HFStream:
     """The HF stream of a live GPTModel stage (bare or DDP-wrapped). Collective over the stage's TP group: every rank
     iterates it to the end; items come out on TP rank 0 only (of every PP stage and DP replica). MoE experts come
     out on the ranks that own them; ``owner_only``: every tensor once in the world; ``experts_last``: the experts
-    after every other tensor (see :func:`~da3po_megatron.bridge.megatron_io.iter_model`)."""
+    after every other tensor; ``everywhere``: TP shards all-gathered, items on every TP rank (the colocated IPC
+    transport; see :func:`~da3po_megatron.bridge.megatron_io.iter_model`)."""
     arch = gpt_arch(arch)
-    return to_hf(iter_model(model, arch, owner_only=owner_only, experts_last=experts_last), arch)
+    return to_hf(iter_model(model, arch, owner_only=owner_only, experts_last=experts_last, everywhere=everywhere),
+                 arch)
 
 
 def export_checkpoint(model_dir: str | Path, arch: HFSpec, progress: Callable[[str], None] | None = None) -> HFStream:

@@ -116,7 +116,7 @@ def expert_sender(arch: HFSpec) -> bool:
 
 @torch.no_grad()
 def iter_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False,
-               experts_last: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+               experts_last: bool = False, everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective generator of ``(global_megatron_name, full_tensor)`` for this rank's pipeline stage (``model``: the
     GPTModel stage, bare or DDP-wrapped), in ``named_parameters()`` order, one gathered tensor at a time.
 
@@ -135,10 +135,17 @@ def iter_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False,
     experts it yields (pass 2), whose only collectives are ETP gathers with ranks that yield nothing: the collective
     weight transport relies on this to let each EP rank broadcast its own experts on a group of its own without a
     deadlock (:mod:`~da3po_megatron.rollout.collective`).
+
+    ``everywhere`` (the colocated IPC transport, :func:`~da3po_megatron.rollout.ipc.ipc_buckets`): the shards are
+    all-gathered (``dist.all_gather``) instead of gathered on rank 0, and every rank of the TP (ETP) group yields
+    every item, so each GPU holds each full tensor of its stage in turn. Same collectives in the same order on every
+    rank of the group; not with ``owner_only``.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    if everywhere and owner_only:
+        raise ValueError("iter_model: everywhere (every rank yields every item) contradicts owner_only")
     arch = gpt_arch(arch)
     bare = unwrap(model)
     to_global = global_layer_fn(bare)
@@ -157,32 +164,45 @@ def iter_model(model: torch.nn.Module, arch: HFSpec, owner_only: bool = False,
             continue
         if mapping.is_expert(name):
             if etp_size == 1 or mapping.resolve(name, arch)[0].tp_dim is None:
-                if etp_rank == 0 and expert_ok:
+                if (etp_rank == 0 or everywhere) and expert_ok:
                     yield name, param.detach()
                 continue
-            shard = param.detach().contiguous()
-            shards = [torch.empty_like(shard) for _ in range(etp_size)] if etp_rank == 0 else None
             egroup = ps.get_expert_tensor_parallel_group()
-            dist.gather(shard, shards, dst=dist.get_global_rank(egroup, 0), group=egroup)
-            if etp_rank == 0 and expert_ok:
+            shards = _collect(param, etp_size, etp_rank == 0, egroup, dist.get_global_rank(egroup, 0), everywhere)
+            if (etp_rank == 0 or everywhere) and expert_ok:
                 full = mapping.full_from_tp_shards(name, shards, arch)
                 del shards
                 yield name, full
+                del full
             continue
         if not dense_ok:  # owner_only on a DP replica > 0: its whole TP group skips (no gather), yields nothing
             continue
         # split or replicated per the mapping table, not per parameter attributes (TE's fused layers differ there)
         if tp_size == 1 or mapping.resolve(name, arch)[0].tp_dim is None:
-            if tp_rank == 0:
+            if tp_rank == 0 or everywhere:
                 yield name, param.detach()
             continue
-        shard = param.detach().contiguous()
-        shards = [torch.empty_like(shard) for _ in range(tp_size)] if tp_rank == 0 else None
-        dist.gather(shard, shards, dst=dst, group=group)
-        if tp_rank == 0:
+        shards = _collect(param, tp_size, tp_rank == 0, group, dst, everywhere)
+        if tp_rank == 0 or everywhere:
             full = mapping.full_from_tp_shards(name, shards, arch)
             del shards  # one full tensor alive while the consumer holds the item
             yield name, full
+            del full  # not held while the next tensor is gathered (a generator keeps its locals between items)
+
+
+def _collect(param: torch.Tensor, size: int, root: bool, group, dst: int, everywhere: bool) -> list | None:
+    """The ``size`` TP (or ETP) shards of ``param`` in rank order: gathered on the group's rank 0 (``dst``, global;
+    None elsewhere) or, ``everywhere``, all-gathered on every rank of the group."""
+    import torch.distributed as dist
+
+    shard = param.detach().contiguous()
+    if everywhere:
+        shards = [torch.empty_like(shard) for _ in range(size)]
+        dist.all_gather(shards, shard, group=group)
+        return shards
+    shards = [torch.empty_like(shard) for _ in range(size)] if root else None
+    dist.gather(shard, shards, dst=dst, group=group)
+    return shards
 
 
 # ----------------------------------------------------------------------------------- reading a dist checkpoint

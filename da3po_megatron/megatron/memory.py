@@ -350,10 +350,12 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
     est = estimate_for_config(cfg, arch, tokens, device, te)
     log(f"memory: {est.summary()}; budget per rank {budget / GiB:.2f} GiB ({share})")
     if device == "cuda" and cfg.rollout.colocate:  # generation: the engine's share beside the resident policy
-        from da3po_megatron.megatron.offload import colocated_plan
+        from da3po_megatron.megatron.offload import colocated_plan, ipc_sync_extra_bytes
 
+        sync = ipc_sync_extra_bytes(arch, int(cfg.rollout.weight_sync_bucket_mb * 2**20),
+                                    2 if cfg.model.params_dtype == "bfloat16" else 4)
         plan = colocated_plan(est.static, est.components.get("runtime", 0), est.total, int(available),
-                              int(available * cfg.rollout.gpu_memory_utilization), cfg.actor.offload)
+                              int(available * cfg.rollout.gpu_memory_utilization), cfg.actor.offload, sync)
         log(f"memory: {plan['message']}")
         if plan["train_fits"] and not plan["fits"] and mode == "refuse":
             raise MemoryBudgetError(f"{plan['message']}: set actor.offload={plan['needed']!r}" if plan["needed"]

@@ -236,8 +236,23 @@ class PolicyOffload:
         return [s.host.data_ptr() for v in self._storages.values() for s in v if s.host is not None]
 
 
+def ipc_sync_extra_bytes(arch: Any, bucket_bytes: int, bytes_per_param: int) -> tuple[int, int]:
+    """(bucket, largest full tensor) bytes a colocated GPU holds beyond its own parameters during an IPC weight sync
+    (``rollout/ipc.py``: every rank packs, sends or receives one bucket at a time; a packing rank also holds the
+    stream's current full tensor, and its TP shards while they are all-gathered). Pure: from the HF architecture
+    (``GPTArch``), the largest of the embedding / output layer (V x h), fused QKV, fused gate-up (2 f x h), router
+    and one expert's fused gate-up. A tensor larger than the bucket travels alone, in a bucket of its size."""
+    h, d, a, g = arch.hidden_size, arch.kv_channels, arch.num_attention_heads, arch.num_query_groups
+    fused = [arch.vocab_size * h, (a + 2 * g) * d * h, 2 * arch.ffn_hidden_size * h]  # Megatron's full tensors
+    pieces = [arch.vocab_size * h, a * d * h, arch.ffn_hidden_size * h]  # the largest HF tensor of each
+    if getattr(arch, "is_moe", False):
+        fused += [arch.num_moe_experts * h, 2 * arch.moe_ffn_hidden_size * h]
+        pieces += [arch.num_moe_experts * h, arch.moe_ffn_hidden_size * h]
+    return max(int(bucket_bytes), max(pieces) * bytes_per_param), max(fused) * bytes_per_param
+
+
 def colocated_plan(static: dict[str, int], runtime: int, train_peak: int, device_bytes: int, engine_bytes: int,
-                   tier: str) -> dict[str, Any]:
+                   tier: str, sync_bytes: tuple[int, int] | None = None) -> dict[str, Any]:
     """The time-multiplexed memory plan of one colocated GPU (pure; ``megatron/memory.py`` calls it).
 
     Two phases share the device: **training**, the policy's peak (``train_peak``) beside the sleeping engine (vLLM
@@ -246,6 +261,7 @@ def colocated_plan(static: dict[str, int], runtime: int, train_peak: int, device
     the parts of ``static`` ({"params", "grads", "optimizer"} bytes) its tier does not offload (activations are
     freed after the step). Returns ``train_fits``, ``resident`` bytes per tier, ``needed`` (the smallest tier whose
     generation phase fits, None if even "all" does not), ``fits`` (both phases fit at ``tier``) and ``message``.
+    ``sync_bytes``: :func:`ipc_sync_extra_bytes`, printed as the weight sync's bound per GPU.
     """
     resident = {t: runtime + sum(v for k, v in static.items() if k not in tier_parts(t)) for t in TIERS}
     needed = next((t for t in TIERS if resident[t] + engine_bytes <= device_bytes), None)
@@ -257,5 +273,9 @@ def colocated_plan(static: dict[str, int], runtime: int, train_peak: int, device
            + ", ".join(f"{t} {resident[t] / g:.2f}" for t in TIERS) + " GiB -> needs actor.offload="
            + (repr(needed) if needed else "more than 'all' (lower rollout.gpu_memory_utilization or add ranks)")
            + f" (configured {tier!r})")
+    if sync_bytes is not None:
+        bucket, full = sync_bytes
+        msg += (f"; ipc weight sync: each GPU holds one bucket ({bucket / 2**20:.1f} MiB) + one full tensor "
+                f"({full / 2**20:.1f} MiB, and its TP shards while gathered) beyond its own parameters")
     return {"train_fits": train_fits, "resident": resident, "needed": needed, "fits": train_fits and gen_fits,
             "message": msg}

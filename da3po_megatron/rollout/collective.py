@@ -312,6 +312,7 @@ def iter_flat_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_
         buf[off:off + nb].view(t.dtype).view(t.shape).copy_(t)
         meta.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), off, nb])
         off = min(-(-(off + nb) // ALIGN) * ALIGN, buf.numel())
+        del t  # packed: not held while the next tensor is produced
     if buf is not None and meta:
         yield buf[:off], meta
 

@@ -5,36 +5,40 @@ One step boundary (:func:`ipc_sync`, called by ``Run.sync_weights``; ``Run.engin
 after the step's generation so the policy could use their memory):
 
 1. the routing (:func:`~da3po_megatron.rollout.ipc_routing.plan_ipc_routes`): every policy rank reports its GPU UUID
-   and TP / PP / DP ranks, every engine the UUIDs of its workers' GPUs; each engine worker gets, per PP stage, the
-   rank on its own GPU that holds that stage in full (TP rank 0 of a DP replica), or the sync is refused before
-   anything is touched, naming the engine, worker, GPU and stage;
+   and TP / PP / DP ranks, every engine the UUIDs of its workers' GPUs; each engine worker gets the policy rank on its
+   own GPU, or the sync is refused before anything is touched, naming the engine, worker and GPU;
 2. every policy rank returns its cached device blocks (:func:`release_cached_memory`: ``torch.cuda.empty_cache``,
    again before step 4's KV-cache wake-up), then ``wake_up(["weights"])`` -- the engines' weight memory comes back
    (vLLM sleep level 1 kept a host copy, level 2 none: the sync overwrites every weight anyway) -- and the
    layerwise-reload session opens on every engine (the same one the "bytes" and "collective" transports use);
-3. every holder of a stage packs its HF-named tensors into flat CUDA buffers of at most
-   ``rollout.weight_sync_bucket_mb`` (:func:`~da3po_megatron.rollout.collective.iter_flat_buckets`); per bucket the
-   routed ranks export theirs (``reduce_tensor``), the stage's holders all-gather ``{GPU UUID: handle}`` over their
-   DP group (vLLM's trainer side does the same over its group, ``ipc_engine.py:326-363``), the stage's sender merges
-   them and calls every engine once; each worker picks the handle of its own GPU
-   (:func:`~da3po_megatron.rollout.ipc_routing.pick_handle`), maps it (``rebuild_cuda_tensor`` with its own device
-   index: CUDA_VISIBLE_DEVICES differ between the processes), loads the views on its RPC thread's current stream and
-   synchronizes that stream before it answers; the holders then pass a barrier before freeing the buffer (vLLM's
-   per-chunk barrier, ``ipc_engine.py:426-431``);
+3. every policy rank walks the same sequence of packed buckets of the whole model (:func:`ipc_buckets`: flat CUDA
+   buffers of at most ``rollout.weight_sync_bucket_mb``, one at a time); per bucket the routed ranks export theirs
+   (``reduce_tensor``), all ranks all-gather ``{GPU UUID: handle}`` (vLLM's trainer side does the same over its group,
+   ``ipc_engine.py:326-363``), rank 0 merges them and calls every engine once; each worker picks the handle of its own
+   GPU (:func:`~da3po_megatron.rollout.ipc_routing.pick_handle`), maps it (``rebuild_cuda_tensor`` with its own
+   device index: CUDA_VISIBLE_DEVICES differ between the processes), loads the views on its RPC thread's current
+   stream and synchronizes that stream before it answers; all ranks then pass a barrier before freeing the buffer
+   (vLLM's per-chunk barrier, ``ipc_engine.py:426-431``);
 4. the session closes (tied heads refreshed, strict check, prefix caches reset) and ``wake_up(["kv_cache"])``.
 
-Layouts: policy TP = PP = 1 with any DP (every rank holds the whole model) and any number of engines of any TP, as
-long as every engine GPU runs a policy rank; policy TP > 1 or PP > 1 leaves engine GPUs without a full copy of some
-stage and is refused (:mod:`~da3po_megatron.rollout.ipc_routing` says why and what to use). Engine TP > 1: each
-worker maps its own GPU's handle and ``load_weights`` keeps its shard.
+Layouts (issue 49): any policy TP x PP x DP (x EP with expert TP 1), any number of engines of any TP, as long as
+every engine GPU runs a policy rank. Every GPU receives every bucket through its own policy rank, so that rank can
+export it (:func:`ipc_buckets`), with every rank running the same collectives in the same order:
 
-MoE with expert parallelism (EP > 1, expert TP 1; issue 38): a rank holds every non-expert tensor but only its EP
-rank's experts, and an engine worker can map only its own GPU's memory. So the experts travel in two hops, one bucket
-at a time (:func:`ep_shared_buckets`): the EP ranks take turns, each packing the experts it owns into buckets of at
-most ``rollout.weight_sync_bucket_mb`` and broadcasting every bucket over the policy's EP group (NCCL on GPU, gloo on
-CPU: the part tested here), so every rank then holds that one bucket on its own GPU and exports it by handle like a
-non-expert bucket. No rank holds more than one bucket of experts beyond its own weights, no rank gathers a layer's
-experts, and every EP rank sends only the experts it owns.
+- TP: the export all-gathers each split tensor on every TP rank (``iter_model(everywhere=True)``) -- not the gather
+  to TP rank 0 the other transports use, which would leave TP rank 1's GPU without the full tensor;
+- PP (:func:`pp_shared_buckets`): the stages take turns in stage order; the ranks of the stage whose turn it is pack
+  its buckets (their TP all-gathers and EP broadcasts stay inside the stage) and broadcast each finished bucket over
+  their PP group; the ranks of every other stage receive it into a fresh buffer. The ranks of the packing stage
+  wait only on each other and on receivers that do nothing but receive, so no cycle of waits forms;
+- EP (:func:`ep_shared_buckets`, issue 38): a rank holds every non-expert tensor but only its EP rank's experts, so
+  the EP ranks take turns packing the experts they own into buckets and broadcasting each over the EP group (inside
+  the stage's turn with PP > 1). No rank gathers a layer's experts; every EP rank sends only the experts it owns.
+
+Memory beyond a rank's own weights: one bucket (the one being packed, sent or received, at most
+``rollout.weight_sync_bucket_mb`` or one tensor if larger) plus, on the packing ranks, one full tensor of the stream
+(and its TP shards while they are gathered). Engine TP > 1: each worker maps its own GPU's handle and
+``load_weights`` keeps its shard.
 
 GPU-only (docs/gpu_only.md, "weight sync"); the routing is pure and unit-tested on CPU. Follows vLLM's
 ``distributed/weight_transfer/ipc_engine.py`` (handles keyed by GPU UUID, device index rewritten on the receiver,
@@ -148,31 +152,87 @@ def _ep_group(worker: Any) -> Any:
     return ps.get_expert_model_parallel_group()
 
 
+def _pp_group(worker: Any) -> Any:
+    """The policy's pipeline-parallel process group when this rank's model has PP > 1, else None (a non-policy
+    sender with its own ``hf_stream`` is one stage)."""
+    if hasattr(worker, "hf_stream") or getattr(worker, "model", None) is None:
+        return None
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return ps.get_pipeline_model_parallel_group()
+
+
 def ipc_buckets(worker: Any, bucket_bytes: int, device: torch.device, dtype: torch.dtype | None = None
                 ) -> Iterator[tuple[torch.Tensor, list[list]]]:
-    """The packed buckets this rank exports in an IPC sync (collective: every rank iterates to the end): its
+    """The packed buckets ``(flat uint8 buffer on device, meta rows)`` every policy rank exports in an IPC sync: the
+    same sequence on every rank, each HF tensor of the whole model once, one bucket at a time (collective over the
+    whole policy: every rank iterates to the end). Per PP stage (:func:`pp_shared_buckets` when PP > 1) its
     :func:`ipc_stream` packed as it comes, or with EP > 1 through :func:`ep_shared_buckets`."""
     from da3po_megatron.rollout.collective import iter_flat_buckets
 
-    stream, ep_group = ipc_stream(worker), _ep_group(worker)
-    if ep_group is None:
-        return iter_flat_buckets(stream, bucket_bytes, device, dtype)
-    return ep_shared_buckets(stream, ep_group, bucket_bytes, device, dtype)
+    def stage() -> Iterator[tuple[torch.Tensor, list[list]]]:
+        stream, ep_group = ipc_stream(worker), _ep_group(worker)
+        if ep_group is None:
+            return iter_flat_buckets(stream, bucket_bytes, device, dtype)
+        return ep_shared_buckets(stream, ep_group, bucket_bytes, device, dtype)
+
+    pp_group = _pp_group(worker)
+    return stage() if pp_group is None else pp_shared_buckets(stage, pp_group, device)
 
 
 def ipc_stream(worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF stream the IPC holders pack: :func:`~da3po_megatron.rollout.weight_sync.policy_hf_stream` for a dense
-    model; for an MoE, every holder's non-expert tensors first, then the experts its EP rank owns (``owner_only`` is
-    off: IPC needs every non-expert tensor on every GPU, not once in the world; ``experts_last``, which
-    :func:`ep_shared_buckets` relies on)."""
-    arch = getattr(worker, "arch", None)
-    if hasattr(worker, "hf_stream") or arch is None or not getattr(arch, "is_moe", False):
-        from da3po_megatron.rollout.weight_sync import policy_hf_stream
-
-        return policy_hf_stream(worker)
+    """The HF stream of this rank's PP stage that the IPC transport packs, on every rank of the stage
+    (``export_model(everywhere=True)``: TP shards all-gathered, not gathered on TP rank 0); for an MoE, every
+    non-expert tensor first, then the experts this EP rank owns (``experts_last``, which :func:`ep_shared_buckets`
+    relies on). A non-policy sender (tests, tools) supplies ``hf_stream()`` instead."""
+    if hasattr(worker, "hf_stream"):
+        return worker.hf_stream()
     from da3po_megatron.bridge.export import export_model
 
-    return export_model(worker.model, arch, owner_only=False, experts_last=True)
+    arch = worker.arch
+    return export_model(worker.model, arch, experts_last=bool(getattr(arch, "is_moe", False)), everywhere=True)
+
+
+def _take_turns(group: Any, own: Callable[[], Iterator[tuple[torch.Tensor, list[list]]]], device: torch.device
+                ) -> Iterator[tuple[torch.Tensor, list[list]]]:
+    """Collective over ``group``: its ranks take turns in group-rank order; on its turn a rank yields the buckets of
+    ``own()`` after broadcasting each (meta rows and size with ``broadcast_object_list``, then the bytes), ending its
+    turn with ``None``; the others receive each into a fresh buffer of that size and yield it. The same sequence on
+    every rank; a bucket is dropped here before the next is packed or received."""
+    import torch.distributed as dist
+
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    for owner in range(size):
+        src = dist.get_global_rank(group, owner)
+        if owner == me:
+            for buf, meta in own():
+                dist.broadcast_object_list([(meta, buf.numel())], src=src, group=group, device=device)
+                dist.broadcast(buf, src=src, group=group)
+                yield buf, meta
+                del buf  # not held while the next bucket is packed
+            dist.broadcast_object_list([None], src=src, group=group, device=device)
+            continue
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=src, group=group, device=device)
+            if box[0] is None:
+                break
+            meta, nbytes = box[0]
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            dist.broadcast(buf, src=src, group=group)
+            yield buf, meta
+            del buf  # not held while the next bucket is allocated
+
+
+def pp_shared_buckets(stage: Callable[[], Iterator[tuple[torch.Tensor, list[list]]]], group: Any,
+                      device: torch.device) -> Iterator[tuple[torch.Tensor, list[list]]]:
+    """Collective over the PP ``group`` (one rank per stage, group rank = stage): stage 0's buckets, then stage 1's,
+    ..., on every rank. ``stage()``: this rank's stage's buckets, itself collective over the stage's TP / EP groups
+    only (every rank of the stage packs the same buckets: TP all-gathers, EP turns), so while stage s packs, the other
+    stages' ranks only receive: the collectives of every group pair up without a cycle of waits."""
+    return _take_turns(group, stage, device)
 
 
 def ep_shared_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], group: Any, bucket_bytes: int,
@@ -192,8 +252,6 @@ def ep_shared_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
     replicas (other EP groups) run the same turns concurrently with identical buckets."""
     import itertools
 
-    import torch.distributed as dist
-
     from da3po_megatron.rollout.collective import chunk_key, iter_flat_buckets
 
     items = iter(named_tensors)
@@ -205,73 +263,58 @@ def ep_shared_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
                 first_expert.append((name, t))
                 return
             yield name, t
+            del t
+
+    def experts() -> Iterator[tuple[torch.Tensor, list[list]]]:
+        for buf, meta in iter_flat_buckets(itertools.chain(first_expert, items), bucket_bytes, device, dtype):
+            for name, *_ in meta:
+                if chunk_key(name) == -1:
+                    raise ValueError(f"ipc weight sync with EP: non-expert tensor {name!r} after the experts "
+                                     "(the stream must give every non-expert tensor first: experts_last)")
+            yield buf, meta
+            del buf
 
     yield from iter_flat_buckets(dense(), bucket_bytes, device, dtype)
-    mine = itertools.chain(first_expert, items)
-    me, size = dist.get_rank(group), dist.get_world_size(group)
-    for owner in range(size):
-        src = dist.get_global_rank(group, owner)
-        if owner == me:
-            for buf, meta in iter_flat_buckets(mine, bucket_bytes, device, dtype):
-                for name, *_ in meta:
-                    if chunk_key(name) == -1:
-                        raise ValueError(f"ipc weight sync with EP: non-expert tensor {name!r} after the experts "
-                                         "(the stream must give every non-expert tensor first: experts_last)")
-                dist.broadcast_object_list([(meta, buf.numel())], src=src, group=group, device=device)
-                dist.broadcast(buf, src=src, group=group)
-                yield buf, meta
-                del buf  # not held while the next bucket is packed
-            dist.broadcast_object_list([None], src=src, group=group, device=device)
-            continue
-        while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=src, group=group, device=device)
-            if box[0] is None:
-                break
-            meta, nbytes = box[0]
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            dist.broadcast(buf, src=src, group=group)
-            yield buf, meta
-            del buf  # not held while the next bucket is allocated
+    yield from _take_turns(group, experts, device)
 
 
-def ipc_bucket_plan(worker: Any, bucket_bytes: int, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
-    """On every policy rank (``PolicyGroup.run_on_all``): the buckets this rank would export in an IPC sync, packed
-    on ``device`` -- any device, so the part of the IPC transport that decides what every GPU holds (the stream and
-    :func:`ep_shared_buckets` over the EP group) runs on CPU / gloo too. Returns ``{"buckets": [[names], ...],
-    "nbytes": [...], "sha256": {hf_name: digest of its bytes}}``; nothing is exported or sent to an engine."""
+def ipc_bucket_plan(worker: Any, bucket_bytes: int, device: str = "cpu", dtype: torch.dtype | None = None,
+                    observe: Callable[[torch.Tensor], Any] | None = None) -> dict:
+    """On every policy rank (``PolicyGroup.run_on_all`` or a torchrun job): the buckets this rank would export in an
+    IPC sync, packed on ``device`` -- any device, so the part of the IPC transport that decides what every GPU holds
+    (the stream, the TP all-gathers, :func:`pp_shared_buckets` and :func:`ep_shared_buckets`) runs on CPU / gloo
+    too. Returns ``{"buckets": [[names], ...], "nbytes": [...], "sha256": {hf_name: digest of its bytes}}``;
+    nothing is exported or sent to an engine. ``observe(buf)``: called with each bucket (tests measure memory)."""
     import hashlib
 
     from da3po_megatron.rollout.collective import unpack_flat
 
     out: dict[str, Any] = {"buckets": [], "nbytes": [], "sha256": {}}
     for buf, meta in ipc_buckets(worker, bucket_bytes, torch.device(device), dtype):
+        if observe is not None:
+            observe(buf)
         out["buckets"].append([r[0] for r in meta])
         out["nbytes"].append(int(buf.numel()))
-        for name, t in unpack_flat(buf, meta).items():
-            out["sha256"][name] = hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+        out["sha256"].update({name: hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+                              for name, t in unpack_flat(buf, meta).items()})
+        del buf  # not held while the next bucket is packed or received
     return out
 
 
 def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | None, routes: Any) -> dict:
-    """On every policy rank: the holders of a stage pack its buckets; per bucket the routed ranks export theirs, the
-    holders all-gather the handles over their DP group (only when a stage has several holders), the stage's sender
-    ships the merged handles to every engine, and all holders pass a barrier before the buffer goes."""
+    """On every policy rank: walk the same bucket sequence (:func:`ipc_buckets`); per bucket the routed ranks export
+    theirs, every rank all-gathers the handles (and the bucket's tensor names, which must agree), rank 0 ships the
+    merged handles to every engine, and all pass a barrier before the buffer goes."""
     import torch.distributed as dist
     from torch.multiprocessing.reductions import reduce_tensor
 
     from da3po_megatron.rollout.ipc_routing import merge_handles
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    role = routes.role(rank)
+    require_ipc("policy rank")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    ships = routes.role(rank) == "ship"
     stats = {"bytes": 0, "buckets": 0, "tensors": 0, "max_bucket_bytes": 0}
-    if role is None:  # TP rank != 0: take part in the export's gathers, hold nothing
-        for _ in ipc_stream(worker):
-            pass
-        return stats
-    require_ipc("policy sender")
-    stage = int(getattr(worker, "pp_rank", 0))
-    group = getattr(worker, "dp_group", None) if len(routes.holders[stage]) > 1 else None
     uuid = gpu_uuid()
     device = _cuda_device()
     for buf, meta in ipc_buckets(worker, bucket_bytes, device, dtype):
@@ -279,25 +322,25 @@ def _ipc_push(worker: Any, client: Any, bucket_bytes: int, dtype: torch.dtype | 
         mine = {uuid: reduce_tensor(buf)[1]} if routes.exports(rank) else {}
         names = [r[0] for r in meta]
         parts = [(mine, names)]
-        if group is not None:
-            parts = [None] * dist.get_world_size(group)
-            dist.all_gather_object(parts, (mine, names), group=group)
-        if role == "ship":
+        if world > 1:
+            parts = [None] * world
+            dist.all_gather_object(parts, (mine, names))
+        if ships:
             if any(p[1] != names for p in parts):
-                raise RuntimeError(f"ipc weight sync: the holders of PP stage {stage} packed different bucket "
-                                   f"{stats['buckets']} (tensors {[p[1][:2] for p in parts]})")
+                raise RuntimeError(f"ipc weight sync: the policy ranks hold different bucket {stats['buckets']} "
+                                   f"(tensors {[p[1][:2] for p in parts]})")
             handles = merge_handles(p[0] for p in parts)
             pending = [(i, client._call(i, "ipc_load_bucket", handles, meta)) for i in range(client.num_engines)]
-            client._gather(pending, f"ipc weight sync, PP stage {stage} bucket {stats['buckets']}")
-        if group is not None:
-            dist.barrier(group=group)  # every engine loaded it: the holders may free their buffers
+            client._gather(pending, f"ipc weight sync, bucket {stats['buckets']}")
+        if world > 1:
+            dist.barrier()  # every engine loaded it: the ranks may free their buffers
         stats["bytes"] += sum(r[4] for r in meta)
         stats["buckets"] += 1
         stats["tensors"] += len(meta)
         stats["max_bucket_bytes"] = max(stats["max_bucket_bytes"], buf.numel())
         del buf
     torch.cuda.ipc_collect()  # release the IPC-shared blocks the engines have closed (ipc_engine.py:373)
-    return stats if role == "ship" else {**stats, "bytes": 0, "buckets": 0, "tensors": 0}
+    return stats if ships else {**stats, "bytes": 0, "buckets": 0, "tensors": 0}
 
 
 def ipc_sync(policy_group: Any, client: Any, bucket_mb: float = 512, dtype: torch.dtype | None = None,

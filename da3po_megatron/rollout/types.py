@@ -247,6 +247,7 @@ def checked_weights(named_tensors, dtype=None):
         seen.add(name)
         t = tensor.detach()
         yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+        del tensor, t  # not held while the next tensor is produced
 
 
 def timed_stream(it: Iterable[tuple[str, torch.Tensor]], stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
