@@ -7,6 +7,8 @@ Plain data in, plain data out: nothing here locks or talks to an engine; ``async
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,6 +34,20 @@ def continuation_seed(seed: int | None, segment: int) -> int | None:
 def versions_spanned(versions: np.ndarray) -> int:
     """Distinct policy versions among one response's per-token versions (1 for an empty response)."""
     return max(1, len(np.unique(versions)))
+
+
+TRACE_ENV = "DA3PO_ASYNC_TRACE"
+
+
+def trace_batch(step: int, trained: list[B.Group], released: list[B.Group]) -> None:
+    """With ``DA3PO_ASYNC_TRACE=<file>`` (``tests/test_async_faults.py``): append one JSON line per batch taken --
+    the step, the uids of its trained groups and of every group released into it (kept and filtered) -- so a test
+    accounts for each admitted group by uid across kills and resumes. Unset (always, outside tests): nothing."""
+    path = os.environ.get(TRACE_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": int(step), "trained": [g.example.uid for g in trained],
+                                "released": [g.example.uid for g in released]}) + "\n")
 
 
 def index_of(key: str) -> int:

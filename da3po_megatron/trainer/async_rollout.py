@@ -58,7 +58,13 @@ from typing import TYPE_CHECKING, Any
 
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.async_engines import EngineCalls, EngineFailure, EngineSide
-from da3po_megatron.trainer.async_partial import Partial, ProducerSnapshot, continuation_seed, versions_spanned
+from da3po_megatron.trainer.async_partial import (
+    Partial,
+    ProducerSnapshot,
+    continuation_seed,
+    trace_batch,
+    versions_spanned,
+)
 from da3po_megatron.trainer.collect import DynamicSamplingError, StepRollout, token_stats
 from da3po_megatron.trainer.faults import fault_point
 
@@ -170,6 +176,7 @@ class AsyncRollout(EngineSide):
             self.first_version += 1
             self._cv.notify_all()
         waited = time.perf_counter() - t0
+        trace_batch(step, groups, generated)
         filtered = [g for g in generated if self.filter and not 0.0 < g.p_hat < 1.0]
         stats = {"dynamic_sampling/generated_groups": float(len(generated)),
                  "dynamic_sampling/kept_groups": float(len(groups)),
