@@ -89,23 +89,61 @@ def test_history_streaks():
     assert h.streak("a") == (0, None, 0)
 
 
-def _drive(sel: SelectingPrompts, steps: int, start: int = 0) -> list[list[str]]:
-    """Take 3 prompts per step and score them by a fixed rule (even uids all correct, odd all wrong)."""
+def _score(uid: str) -> float:
+    return 1.0 if int(uid[1:]) % 2 == 0 else 0.0  # even uids all correct, odd all wrong
+
+
+def _drive(sel: SelectingPrompts, steps: int, start: int = 0, totals: dict[str, float] | None = None,
+           rounds: int = 1) -> list[list[str]]:
+    """Per step, ``rounds`` times: take 3 prompts and score them by a fixed rule (``_score``); then complete the step
+    (``drain``, as ``Run.step_completed`` does), adding its counters to ``totals``."""
     out = []
     for _ in range(start, steps):
-        exs = sel.take(3)
-        sel.observe([(ex.uid, 1.0 if int(ex.uid[1:]) % 2 == 0 else 0.0) for ex in exs])
-        out.append([ex.uid for ex in exs])
+        step: list[str] = []
+        for _ in range(rounds):
+            exs = sel.take(3)
+            sel.observe([(ex.uid, _score(ex.uid)) for ex in exs])
+            step += [ex.uid for ex in exs]
+        out.append(step)
+        for k, v in sel.drain().items():
+            if totals is not None and k.startswith("selection/skipped"):
+                totals[k] = totals.get(k, 0.0) + v
     return out
 
 
 def test_selecting_prompts_skips_and_counts_by_tail():
     sel = SelectingPrompts(_dataset().iterator(seed=1), P, seed=3)
-    _drive(sel, 20)
-    m = sel.drain()
+    m: dict[str, float] = {}
+    _drive(sel, 20, totals=m)
     assert m["selection/skipped_all_correct"] > 0 and m["selection/skipped"] == (
         m["selection/skipped_all_correct"] + m["selection/skipped_all_wrong"])
     assert sel.drain()["selection/skipped"] == 0  # drained
+
+
+def test_one_decision_per_prompt_per_step():
+    """A small prompt set goes round several times per step once most prompts are skipped: a prompt skipped in a step
+    stays skipped in it, and one generated in it with a zero-variance group is not generated again in it -- so an
+    all-wrong prompt is generated at most once per step however often the stream comes round (the first comparison's
+    32-prompt run generated one up to ~30 times per step with a per-visit draw). Mixed prompts (0 < p_hat < 1) may
+    come twice, as without selection."""
+    def score(uid: str) -> float:  # u0, u4, ...: all correct; u1, u5, ...: all wrong; the rest mixed
+        return {0: 1.0, 1: 0.0}.get(int(uid[1:]) % 4, 0.5)
+
+    sel = SelectingPrompts(_dataset(16).iterator(seed=1), P, seed=3)
+    per_step, skipped = [], 0.0
+    for _ in range(30):
+        uids: list[str] = []
+        for _ in range(7):  # 21 prompts wanted per step from 16: the stream wraps every step
+            exs = sel.take(3)
+            sel.observe([(ex.uid, score(ex.uid)) for ex in exs])
+            uids += [ex.uid for ex in exs]
+        per_step.append(uids)
+        skipped += sel.drain()["selection/skipped"]
+    for uids in per_step:
+        assert all(uids.count(u) <= 1 for u in set(uids) if score(u) in (0.0, 1.0)), uids
+    assert 0 < skipped <= 8 * 30  # counted once per prompt per step
+    late = {u for uids in per_step[15:] for u in uids}
+    assert {"u1", "u5", "u9", "u13"} <= late  # the all-wrong prompts are still generated
 
 
 def test_all_wrong_prompts_stay_in_play_where_all_correct_ones_are_retired():
@@ -160,9 +198,10 @@ def test_naive_shared_rate_retires_all_wrong_prompts_too():
     """The contrast: with one rate for both tails (naive GRESO) the all-wrong prompts are retired like easy ones."""
     def late_hard_share(params: SelectionParams) -> tuple[float, dict[str, float]]:
         sel = SelectingPrompts(_dataset().iterator(seed=1), params, seed=3)
-        seen = [u for uids in _drive(sel, 60) for u in uids]
+        totals: dict[str, float] = {}
+        seen = [u for uids in _drive(sel, 60, totals=totals) for u in uids]
         late = seen[len(seen) // 2:]
-        return sum(int(u[1:]) % 2 for u in late) / len(late), sel.drain()
+        return sum(int(u[1:]) % 2 for u in late) / len(late), totals
 
     separate, s_counts = late_hard_share(P)
     shared, n_counts = late_hard_share(SelectionParams(tails="shared", window=4))

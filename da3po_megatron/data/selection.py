@@ -7,8 +7,17 @@ Reference: GRESO, "Act Only When It Pays: Efficient Reinforcement Learning for L
 ours (the DA3PO-aware part): the two tails are separate.
 
 **History** (:class:`PromptHistory`): per prompt uid its last outcome -- p_hat, all-correct, all-wrong, the
-selection step -- the current streak ``z`` (consecutive zero-variance groups of the same tail; a group with
-0 < p_hat < 1 resets it) and the consecutive skips since it was last generated. Keyed by uid, so it spans epochs.
+training step it was generated in -- the current streak ``z`` (consecutive zero-variance groups of the same tail; a
+group with 0 < p_hat < 1 resets it) and the steps in which it came up and was skipped since it was last generated.
+Keyed by uid, so it spans epochs.
+
+**One decision per prompt per training step** (the step: completed steps, advanced by :meth:`SelectingPrompts.drain`
+when a step completes). A prompt's first visit in a step draws the rule below; a later visit in the same step (the
+stream goes round a small prompt set several times per step once most prompts are skipped) repeats that decision,
+and a prompt generated earlier in the same step whose group was zero-variance is skipped for the rest of the step
+(its outcome under these weights is known). So P(skip) below is per step, as in GRESO, where a prompt comes up once
+per step; a per-visit draw let the first comparison's 32-prompt run generate an all-wrong prompt up to ~30 times
+per step (step 40 of DAPO + selection, seed 0: 268 groups generated for 16 kept, 224 of them all-wrong).
 
 **Skip rule** (:func:`keep_probability`), for a prompt with streak ``z`` of tail ``t`` (c = all-correct,
 w = all-wrong) and ``s`` consecutive skips:
@@ -18,8 +27,8 @@ w = all-wrong) and ``s`` consecutive skips:
     P(keep) = 1                                   all-wrong streak with s >= max_skips_all_wrong (re-admitted)
     P(keep) = p_w^z,  p_w >= explore_min_all_wrong   all-wrong streak otherwise
 
-so a hard prompt is generated at least once every ``max_skips_all_wrong + 1`` times it comes up (every
-``max_skips_all_wrong + 1`` epochs at most), and with probability >= ``explore_min_all_wrong^z`` each time: an all-wrong
+so a hard prompt is generated at least once every ``max_skips_all_wrong + 1`` steps in which it comes up, and with
+probability >= ``explore_min_all_wrong^z`` in each of them: an all-wrong
 streak is where DAA's rare correct responses come from (Eq. 14 amplifies exactly those), so it is never retired,
 while an all-correct streak carries no such value and is retired geometrically. ``tails="shared"`` is the naive
 GRESO arm of the comparison: one rate for both tails, the all-correct floor, no re-admission.
@@ -151,7 +160,8 @@ class PromptHistory:
         self.rows: dict[str, list] = {}
 
     def record(self, uid: str, p_hat: float, step: int) -> None:
-        """A generated group's outcome: extends the streak of its tail, or resets it (0 < p_hat < 1)."""
+        """A generated group's outcome (``step``: the training step it was generated in): extends the streak of its
+        tail, or resets it (0 < p_hat < 1)."""
         prev = self.rows.get(uid)
         correct, wrong = p_hat >= 1.0, p_hat <= 0.0
         streak = 0
@@ -168,6 +178,13 @@ class PromptHistory:
 
     def skipped(self, uid: str) -> None:
         self.rows[uid][5] += 1
+
+    def zero_variance_at(self, uid: str, step: int) -> str | None:
+        """The tail of ``uid``'s group if it was generated in training step ``step`` and was zero-variance."""
+        row = self.rows.get(uid)
+        if row is None or row[3] != step or row[4] == 0:
+            return None
+        return CORRECT if row[1] else WRONG
 
     def state_dict(self) -> dict[str, Any]:
         return {"uids": list(self.rows), "rows": [list(r) for r in self.rows.values()]}
@@ -190,7 +207,8 @@ class SelectingPrompts:
         self.inner, self.params, self.seed = inner, params, int(seed)
         self.history, self.rates = PromptHistory(), ExplorationRates(params)
         self.memo: dict[int, bool] = {}  # stream position -> skipped (a rewound stream replays its decisions)
-        self.step = 0  # the selection step (windows observed)
+        self.step = 0  # training steps completed (drain() advances it): the unit of one decision per prompt
+        self.decided: dict[str, bool] = {}  # uid -> skipped, this step's decisions
         self.counters = _zero_counters()
         self.lock = threading.RLock()
 
@@ -208,17 +226,31 @@ class SelectingPrompts:
                 if pos in self.memo:
                     skip = self.memo[pos]
                 else:
-                    z, tail, s = self.history.streak(ex.uid)
-                    p = keep_probability(z, tail, s, self.rates.correct, self.rates.wrong, self.params)
-                    skip = uniform(self.seed, pos) >= p and run_of_skips < len(self.inner.dataset)
+                    skip = self._decide(ex.uid, pos) and run_of_skips < len(self.inner.dataset)
                     self.memo[pos] = skip
-                    if skip:
-                        self.history.skipped(ex.uid)
-                        self.counters[f"skipped_{tail}"] += 1
                 run_of_skips = run_of_skips + 1 if skip else 0
                 if not skip:
                     out.append(ex)
         return out
+
+    def _decide(self, uid: str, pos: int) -> bool:
+        """Whether to skip ``uid`` now: one decision per prompt per step (module docstring); counted once per step."""
+        known = self.history.zero_variance_at(uid, self.step)
+        if known is not None:  # generated this step, zero-variance: skipped for the rest of the step
+            if self.decided.get(uid) is not True:
+                self.decided[uid] = True
+                self.counters[f"skipped_{known}"] += 1
+            return True
+        if uid in self.decided:
+            return self.decided[uid]
+        z, tail, s = self.history.streak(uid)
+        skip = uniform(self.seed, pos) >= keep_probability(z, tail, s, self.rates.correct, self.rates.wrong,
+                                                           self.params)
+        self.decided[uid] = skip
+        if skip:
+            self.history.skipped(uid)
+            self.counters[f"skipped_{tail}"] += 1
+        return skip
 
     def state_dict(self) -> dict[str, Any]:
         with self.lock:
@@ -243,17 +275,19 @@ class SelectingPrompts:
             c = sum(p >= 1.0 for _, p in p_hats)
             w = sum(p <= 0.0 for _, p in p_hats)
             self.counters["generated_groups"] += len(p_hats)
-            if self.rates.observe(c, w, len(p_hats)):
-                self.step += 1
+            self.rates.observe(c, w, len(p_hats))
 
     def round_size(self, need: int) -> int:
         with self.lock:
             return oversample(need, self.rates.keep_ema)
 
     def drain(self) -> dict[str, float]:
-        """This step's selection metrics (counters since the last drain, the current rates); resets the counters."""
+        """This step's selection metrics (counters since the last drain -- prompts skipped, each counted once per step
+        --, the current rates); resets the counters. Called when a training step completes: the next decisions are
+        the next step's."""
         with self.lock:
             c, self.counters = self.counters, _zero_counters()
+            self.step, self.decided = self.step + 1, {}
             return {"selection/skipped_all_correct": float(c["skipped_all_correct"]),
                     "selection/skipped_all_wrong": float(c["skipped_all_wrong"]),
                     "selection/skipped": float(c["skipped_all_correct"] + c["skipped_all_wrong"]),
@@ -266,7 +300,7 @@ class SelectingPrompts:
         with self.lock:
             return {"fingerprint": self.inner.dataset.fingerprint(), "history": self.history.state_dict(),
                     "rates": self.rates.state_dict(), "memo": [[p, v] for p, v in sorted(self.memo.items())],
-                    "step": self.step, "counters": dict(self.counters)}
+                    "step": self.step, "decided": sorted(self.decided.items()), "counters": dict(self.counters)}
 
     def load_selection_state(self, s: dict[str, Any] | None) -> str:
         """Restore; returns the one line to print. Another dataset (fingerprint): a new, empty history."""
@@ -280,6 +314,7 @@ class SelectingPrompts:
             self.rates.load_state_dict(s["rates"])
             self.memo = {int(p): bool(v) for p, v in s["memo"]}
             self.step, self.counters = int(s["step"]), {k: int(v) for k, v in s["counters"].items()}
+            self.decided = {str(u): bool(v) for u, v in s.get("decided", [])}
             return f"selection: resumed the history of {len(self.history.rows)} prompts"
 
 
