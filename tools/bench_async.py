@@ -182,14 +182,21 @@ def standin_table(args: argparse.Namespace) -> int:
           f"{args.standin_train_ms:g} ms, sync {args.standin_sync_ms:g} ms, stream_steps_per_call "
           f"{args.standin_steps_per_call}, {args.steps} "
           f"steps after {args.warmup} warm-up (means per step)\n")
-    print("| engines | pause | pause s / sync (mean, max) | vs 1 engine | engine idle (outside pause) | driver-side "
-          "idle | trained tok/s | step s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| engines | pause | pause s / sync (mean, max) | vs 1 engine | drain floor s (vs 1 engine) | engine idle "
+          "(outside pause) | driver-side idle | of it: the bound held admission | trained tok/s | step s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         one = next(x for x in rows if x["partial"] == r["partial"] and x["engines"] == rows[0]["engines"])
         print(f"| {r['engines']} | {'interrupt (partial)' if r['partial'] else 'drain'} | {r['pause_s']:.3f}, "
-              f"{r['pause_s_max']:.3f} | {r['pause_s'] / max(one['pause_s'], 1e-9):.2f}x | {r['idle_frac']:.1%} | "
-              f"{r['driver_idle_frac']:.1%} | {r['trained_tok_s']:,.0f} | {r['step_s']:.2f} |")
+              f"{r['pause_s_max']:.3f} | {r['pause_s'] / max(one['pause_s'], 1e-9):.2f}x | "
+              f"{r['pause_floor_s']:.3f} ({r['pause_floor_s'] / max(one['pause_floor_s'], 1e-9):.2f}x) | "
+              f"{r['idle_frac']:.1%} | {r['driver_idle_frac']:.1%} | {r['bound_idle_frac']:.1%} | "
+              f"{r['trained_tok_s']:,.0f} | {r['step_s']:.2f} |")
+    print("\ndrain floor: the engine steps the longest group on the engines still needed when the pause was asked "
+          "for, x the engine step (a drain cannot be shorter; an interrupt does not wait for it); idle: the share of "
+          "engine time outside the pause and the sync without a call running (engine side: measured inside the "
+          "stand-ins; driver side: no call in flight, rollout/async/engine_idle_frac), and of it the time the "
+          "staleness bound held admission (rollout/async/engine_idle_bound_frac: nothing the engine may run)")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "standin": rows}, indent=1))
     return 0

@@ -72,6 +72,12 @@ class StandInStreamEngines:
         if not self.replayable and self.resync is not None:  # weights pushed by the policy ranks: sync them again
             self.resync()
 
+    def remaining_steps(self) -> int:
+        """Engine steps the longest group on any engine still needs: what a drain must wait for at the least."""
+        with self.lock:
+            runs = [list(r.values()) for r in self.running]
+        return max([g["length"] - min(g["pos"]) for r in runs for g in r] or [0])
+
     def shutdown(self) -> None:
         self.release.set()
         for p in self.pools:
@@ -178,7 +184,10 @@ def bench_standin(num_engines: int, partial: bool, *, groups_per_engine: int = 4
     stand-in trainer (``train_s`` of sleep per step, ``sync_s`` per weight sync): batch = groups_per_engine x
     engines kept groups, as many in flight. Per measured step: the pause before the sync, the engines' idle fraction
     outside the pause (engine-side: 1 - time inside stream calls / wall time, over every engine), the producer's own
-    ``rollout/async/engine_idle_frac`` (driver side: no call in flight), trained tokens per second."""
+    ``rollout/async/engine_idle_frac`` (driver side: no call in flight) and the part of it in which the staleness
+    bound held admission (``engine_idle_bound_frac``: the engine had nothing it was allowed to run), trained tokens
+    per second, and the drain's floor: the engine steps the longest group on the engines still needed when the pause
+    was asked for, x ``step_s`` (no drain can be shorter; it grows with the groups in flight, a maximum over them)."""
     import random
 
     from da3po_megatron.trainer.async_rollout import AsyncRollout
@@ -189,13 +198,14 @@ def bench_standin(num_engines: int, partial: bool, *, groups_per_engine: int = 4
     batch = groups_per_engine * num_engines
     run = standin_run(engines, lengths, batch, k, partial, batch, steps_per_call, seed)
     producer = AsyncRollout(run, 0)
-    pause_s, windows, driver_idle, tokens, wall = [], [], [], 0, 0.0
+    pause_s, floor_s, windows, driver_idle, bound_idle, tokens, wall = [], [], [], [], [], 0, 0.0
     try:
         for step in range(1, warmup + steps + 1):
             t0 = time.perf_counter()
             r = producer.take(step)
             time.sleep(train_s)  # the stand-in trainer: pi_old + the update
             t1 = time.perf_counter()
+            floor = engines.remaining_steps() * step_s
             producer.pause()
             t2 = time.perf_counter()
             time.sleep(sync_s)  # the stand-in weight sync
@@ -203,8 +213,10 @@ def bench_standin(num_engines: int, partial: bool, *, groups_per_engine: int = 4
             if step <= warmup:
                 continue
             pause_s.append(t2 - t1)
+            floor_s.append(floor)
             windows.append((t0, t1))  # this step outside the pause and the sync
             driver_idle.append(r.stats.get("rollout/async/engine_idle_frac", float("nan")))
+            bound_idle.append(r.stats.get("rollout/async/engine_idle_bound_frac", float("nan")))
             tokens += int(r.stats["rollout/kept_tokens"])
             wall += time.perf_counter() - t0
     finally:
@@ -215,5 +227,5 @@ def bench_standin(num_engines: int, partial: bool, *, groups_per_engine: int = 4
     idle = [1.0 - sum(max(0.0, min(b, y) - max(a, x)) for iv in engines.intervals for x, y in iv)
             / ((b - a) * num_engines) for a, b in windows]
     return {"engines": num_engines, "partial": partial, "pause_s": mean(pause_s), "pause_s_max": max(pause_s),
-            "idle_frac": mean(idle), "driver_idle_frac": mean(driver_idle), "trained_tok_s": tokens / wall,
-            "step_s": wall / steps}
+            "pause_floor_s": mean(floor_s), "idle_frac": mean(idle), "driver_idle_frac": mean(driver_idle),
+            "bound_idle_frac": mean(bound_idle), "trained_tok_s": tokens / wall, "step_s": wall / steps}

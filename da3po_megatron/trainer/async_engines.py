@@ -48,8 +48,9 @@ class EngineCalls:
         self.queued: list[collections.deque] = [collections.deque() for _ in range(n)]  # [ref, head since]
         now = time.perf_counter()
         self.idle_since: list[float | None] = [now] * n  # None: a call in flight
+        self.held = [False] * n  # idle because the staleness bound holds admission (mark_held), until its next call
         self.counting_since: float | None = now  # None: paused (idle time outside the pause is what is measured)
-        self.idle_s = self.active_s = self.wait_s = 0.0
+        self.idle_s = self.idle_held_s = self.active_s = self.wait_s = 0.0
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def inflight(self, e: int) -> int:
@@ -58,6 +59,16 @@ class EngineCalls:
     def busy(self) -> bool:
         return any(self.queued)
 
+    def mark_held(self, e: int) -> None:
+        """Engine ``e`` has nothing to run because the staleness bound holds admission: its idle time until its next
+        call is the bound's (by design: the producer is k versions ahead), not a round trip of the producer's."""
+        if not self.queued[e]:
+            self.held[e] = True
+
+    def _add_idle(self, e: int, seconds: float) -> None:
+        self.idle_s += seconds
+        self.idle_held_s += seconds if self.held[e] else 0.0
+
     def counting(self, on: bool) -> None:
         """Measure engine idle time (on) or not (while the producer is paused for a weight sync)."""
         now = time.perf_counter()
@@ -65,17 +76,19 @@ class EngineCalls:
             self.active_s += now - self.counting_since
             for e, t in enumerate(self.idle_since):
                 if t is not None:
-                    self.idle_s += now - max(t, self.counting_since)
+                    self._add_idle(e, now - max(t, self.counting_since))
                     self.idle_since[e] = now
         self.counting_since = now if on else None
 
     def take_seconds(self) -> dict[str, float]:
-        """Seconds since the last call: driver waits for engines, engine-idle time summed over the engines and the
-        time measured (outside pauses) -- ``engine_idle / (engines x measured)`` is the idle fraction."""
+        """Seconds since the last call: driver waits for engines, engine-idle time summed over the engines (and the
+        part of it the staleness bound held admission) and the time measured (outside pauses) -- ``engine_idle /
+        (engines x measured)`` is the idle fraction."""
         on = self.counting_since is not None
         self.counting(on)
-        out = {"generate": self.wait_s, "engine_idle": self.idle_s, "engine_measured": self.active_s}
-        self.idle_s = self.active_s = self.wait_s = 0.0
+        out = {"generate": self.wait_s, "engine_idle": self.idle_s, "engine_idle_held": self.idle_held_s,
+               "engine_measured": self.active_s}
+        self.idle_s = self.idle_held_s = self.active_s = self.wait_s = 0.0
         return out
 
     # ------------------------------------------------------------------------------------------- calls
@@ -88,8 +101,8 @@ class EngineCalls:
         now = time.perf_counter()
         if not self.queued[e]:
             if self.idle_since[e] is not None and self.counting_since is not None:
-                self.idle_s += now - max(self.idle_since[e], self.counting_since)
-            self.idle_since[e] = None
+                self._add_idle(e, now - max(self.idle_since[e], self.counting_since))
+            self.idle_since[e], self.held[e] = None, False
         self.queued[e].append([ref, now])
 
     def drop(self, e: int) -> None:
@@ -199,14 +212,15 @@ class EngineSide:
               "resubmitted from their prefixes", flush=True)
 
     def _quiesce(self) -> None:
-        """Pause, on every engine at once: collect the calls in flight, interrupt (partial rollouts) what may be
-        interrupted, drain the rest."""
+        """Pause, on every engine at once: interrupt (partial rollouts) what may be interrupted, drain the rest.
+        Nothing waits for every engine at once: an interrupt is queued on each engine behind the calls it has in
+        flight (it runs when they end; the keys they finish are ignored by the engine, as ``rollout/stream.py``
+        does), and a drain keeps each engine's calls going from its own answers -- so the pause lasts as long as the
+        slowest engine's own part (without partial rollouts: its longest running group), not a barrier plus that."""
         calls = self._calls
         calls.counting(False)
-        while calls.busy():
-            self._next()
         if self.partial:
-            with self._cv:
+            with self._cv:  # every group sent to an engine is in _running from its submission on
                 plan = {e: [self.partials[j].key for j in sorted(self._running[e])
                             if self.partials[j].span < self.max_versions] for e in range(self.n_eng)}
             for e, keys in plan.items():
@@ -222,9 +236,9 @@ class EngineSide:
                 todo = [e for e in range(self.n_eng) if self._running[e]]
             if not todo and not calls.busy():
                 return
-            for e in todo:
+            for e in todo:  # full-length calls: no later pause waits for them, and an engine never runs dry
                 while calls.inflight(e) < calls.depth:
-                    calls.start(e)
+                    calls.start(e, (), calls.steps)
             got = self._next()
             if got is None:
                 continue
@@ -243,7 +257,8 @@ class EngineSide:
             self._beat = time.monotonic()
             self.seconds["generate"] += seconds["generate"]
             self._idle[0] += seconds["engine_idle"]
-            self._idle[1] += seconds["engine_measured"]
+            self._idle[1] += seconds["engine_idle_held"]
+            self._idle[2] += seconds["engine_measured"]
             for key, seg in res.get("interrupted", {}).items():
                 j = index_of(key)
                 if j in self._running[e]:

@@ -137,7 +137,7 @@ class AsyncRollout(EngineSide):
         self.released_kept = 0  # kept groups among them (FIFO positions 0.. from the next batch's first)
         self.counters: collections.Counter = collections.Counter()  # per-take counts (rollout/async/*)
         self.seconds = {"generate": 0.0, "reward": 0.0}  # per-take producer time (time/generate, time/reward)
-        self._idle = [0.0, 0.0]  # per take: engine-idle seconds (summed over engines), seconds measured
+        self._idle = [0.0, 0.0, 0.0]  # per take: engine-idle s (summed over engines), of it held by the bound, measured
         self.prompts_exhausted = False
         if state:
             self._load(state)
@@ -171,7 +171,7 @@ class AsyncRollout(EngineSide):
             self.released_kept -= len(groups)
             counters, self.counters = self.counters, collections.Counter()
             seconds, self.seconds = self.seconds, {"generate": 0.0, "reward": 0.0}
-            (idle, measured), self._idle = self._idle, [0.0, 0.0]
+            (idle, held, measured), self._idle = self._idle, [0.0, 0.0, 0.0]
             queued, inflight = self.released_kept, len(self.partials)
             self.first_version += 1
             self._cv.notify_all()
@@ -187,6 +187,7 @@ class AsyncRollout(EngineSide):
                  "dynamic_sampling/aborted_groups": 0.0, "rollout/consumed_prompts": float(len(generated)),
                  "rollout/async/queued_groups": float(queued), "rollout/async/inflight_groups": float(inflight),
                  "rollout/async/engine_idle_frac": idle / (measured * self.n_eng) if measured else 0.0,
+                 "rollout/async/engine_idle_bound_frac": held / (measured * self.n_eng) if measured else 0.0,
                  **{f"rollout/async/{k}": float(v) for k, v in sorted(counters.items())}}
         stats.update(token_stats(groups, generated))
         weight_step = min(g.weight_step for g in groups)
@@ -369,6 +370,8 @@ class AsyncRollout(EngineSide):
             submit = self._submissions(e)
             if submit or self._running[e]:
                 plan[e] = submit
+            elif self._held:
+                self._calls.mark_held(e)
         return plan
 
     def _submissions(self, e: int) -> list[tuple]:
