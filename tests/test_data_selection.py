@@ -146,6 +146,18 @@ def test_one_decision_per_prompt_per_step():
     assert {"u1", "u5", "u9", "u13"} <= late  # the all-wrong prompts are still generated
 
 
+def test_a_whole_pass_skipped_generates_the_likeliest_prompt():
+    """Every prompt has a streak: after a full pass of skips the prompt with the largest P(keep) is generated (here
+    the one whose all-correct streak is 1 against 4), not whichever the stream holds next."""
+    sel = SelectingPrompts(_dataset().iterator(seed=1, shuffle=False), P, seed=3)
+    for i in range(8):
+        for step in range(1 if i == 5 else 4):
+            sel.history.record(f"u{i}", 1.0, -1 - step)
+    sel.rates.correct = P.explore_min
+    assert [ex.uid for ex in sel.take(1)] == ["u5"]
+    assert sel.inner.consumed == 8 + 6  # one pass skipped, then u5 in the second
+
+
 def test_all_wrong_prompts_stay_in_play_where_all_correct_ones_are_retired():
     sel = SelectingPrompts(_dataset().iterator(seed=1), P, seed=3)
     seen = [u for uids in _drive(sel, 60) for u in uids]

@@ -19,6 +19,11 @@ and a prompt generated earlier in the same step whose group was zero-variance is
 per step; a per-visit draw let the first comparison's 32-prompt run generate an all-wrong prompt up to ~30 times
 per step (step 40 of DAPO + selection, seed 0: 268 groups generated for 16 kept, 224 of them all-wrong).
 
+**When a whole pass is skipped** (every prompt of a small set has a streak, late in training), the next prompt whose
+P(keep) this step is at least the pass's largest is generated: the likeliest to be informative (the shortest
+streak), not whichever came next. With "whichever came next", DAPO + selection on 128 prompts generated 86 groups per
+step against 63 without selection (steps 41-50, seed 0), every prompt skipped by step ~20.
+
 **Skip rule** (:func:`keep_probability`), for a prompt with streak ``z`` of tail ``t`` (c = all-correct,
 w = all-wrong) and ``s`` consecutive skips:
 
@@ -208,7 +213,7 @@ class SelectingPrompts:
         self.history, self.rates = PromptHistory(), ExplorationRates(params)
         self.memo: dict[int, bool] = {}  # stream position -> skipped (a rewound stream replays its decisions)
         self.step = 0  # training steps completed (drain() advances it): the unit of one decision per prompt
-        self.decided: dict[str, bool] = {}  # uid -> skipped, this step's decisions
+        self.decided: dict[str, tuple[bool, float]] = {}  # uid -> (skipped, P(keep)): this step's decisions
         self.counters = _zero_counters()
         self.lock = threading.RLock()
 
@@ -216,7 +221,7 @@ class SelectingPrompts:
     def take(self, k: int) -> list[Any]:
         out: list[Any] = []
         with self.lock:
-            run_of_skips = 0
+            run_of_skips, best, floor = 0, 0.0, None
             while len(out) < k:
                 pos = self.inner.consumed
                 got = self.inner.take(1)
@@ -226,31 +231,40 @@ class SelectingPrompts:
                 if pos in self.memo:
                     skip = self.memo[pos]
                 else:
-                    skip = self._decide(ex.uid, pos) and run_of_skips < len(self.inner.dataset)
+                    skip, p_keep = self._decide(ex.uid, pos)
+                    if skip and floor is not None and p_keep >= floor:  # the fallback: the pass's best candidate
+                        skip = False
+                        self.decided[ex.uid] = (False, p_keep)
+                    best = max(best, p_keep) if skip else best
                     self.memo[pos] = skip
-                run_of_skips = run_of_skips + 1 if skip else 0
-                if not skip:
+                if skip:
+                    run_of_skips += 1
+                    if run_of_skips >= len(self.inner.dataset) and floor is None:
+                        floor = best  # a whole pass skipped: keep the next prompt as likely to be kept as its best
+                else:
                     out.append(ex)
+                    run_of_skips, best, floor = 0, 0.0, None
         return out
 
-    def _decide(self, uid: str, pos: int) -> bool:
-        """Whether to skip ``uid`` now: one decision per prompt per step (module docstring); counted once per step."""
+    def _decide(self, uid: str, pos: int) -> tuple[bool, float]:
+        """(skip ``uid`` now, its P(keep) this step): one decision per prompt per step (module docstring), counted
+        once per step; a prompt generated this step with a zero-variance group has P(keep) 0."""
         known = self.history.zero_variance_at(uid, self.step)
         if known is not None:  # generated this step, zero-variance: skipped for the rest of the step
-            if self.decided.get(uid) is not True:
-                self.decided[uid] = True
+            if not self.decided.get(uid, (False, 0.0))[0]:
+                self.decided[uid] = (True, 0.0)
                 self.counters[f"skipped_{known}"] += 1
-            return True
+            return True, 0.0
         if uid in self.decided:
             return self.decided[uid]
         z, tail, s = self.history.streak(uid)
-        skip = uniform(self.seed, pos) >= keep_probability(z, tail, s, self.rates.correct, self.rates.wrong,
-                                                           self.params)
-        self.decided[uid] = skip
+        p_keep = keep_probability(z, tail, s, self.rates.correct, self.rates.wrong, self.params)
+        skip = uniform(self.seed, pos) >= p_keep
+        self.decided[uid] = (skip, p_keep)
         if skip:
             self.history.skipped(uid)
             self.counters[f"skipped_{tail}"] += 1
-        return skip
+        return skip, p_keep
 
     def state_dict(self) -> dict[str, Any]:
         with self.lock:
@@ -300,7 +314,8 @@ class SelectingPrompts:
         with self.lock:
             return {"fingerprint": self.inner.dataset.fingerprint(), "history": self.history.state_dict(),
                     "rates": self.rates.state_dict(), "memo": [[p, v] for p, v in sorted(self.memo.items())],
-                    "step": self.step, "decided": sorted(self.decided.items()), "counters": dict(self.counters)}
+                    "step": self.step, "decided": [[u, v[0], v[1]] for u, v in sorted(self.decided.items())],
+                    "counters": dict(self.counters)}
 
     def load_selection_state(self, s: dict[str, Any] | None) -> str:
         """Restore; returns the one line to print. Another dataset (fingerprint): a new, empty history."""
@@ -314,7 +329,7 @@ class SelectingPrompts:
             self.rates.load_state_dict(s["rates"])
             self.memo = {int(p): bool(v) for p, v in s["memo"]}
             self.step, self.counters = int(s["step"]), {k: int(v) for k, v in s["counters"].items()}
-            self.decided = {str(u): bool(v) for u, v in s.get("decided", [])}
+            self.decided = {str(u): (bool(v), float(p)) for u, v, p in s.get("decided", [])}
             return f"selection: resumed the history of {len(self.history.rows)} prompts"
 
 
