@@ -182,6 +182,22 @@ def test_history_checkpoint_round_trip_resumes_exactly():
     assert b.selection_state()["rates"] == ref.selection_state()["rates"]
 
 
+def test_mid_step_state_round_trip_keeps_the_steps_decisions():
+    """A state taken in the middle of a step (decisions made, the step not completed) restores them: the rest of the
+    step draws what it would have (the trainer checkpoints at step ends; the replay dump and the producer may not)."""
+    a = SelectingPrompts(_dataset().iterator(seed=1), P, seed=3)
+    _drive(a, 5)
+    exs = a.take(3)
+    a.observe([(ex.uid, _score(ex.uid)) for ex in exs])
+    assert a.decided
+    it_state, sel_state = pickle.loads(pickle.dumps((a.state_dict(), a.selection_state())))
+    b = SelectingPrompts(_dataset().iterator(seed=1), P, seed=3)
+    b.load_state_dict(it_state)
+    b.load_selection_state(sel_state)
+    assert b.decided == a.decided
+    assert [ex.uid for ex in b.take(12)] == [ex.uid for ex in a.take(12)]
+
+
 def test_resume_on_another_dataset_starts_a_new_history():
     a = SelectingPrompts(_dataset().iterator(seed=1), P, seed=3)
     _drive(a, 5)
