@@ -32,7 +32,9 @@ per response, and with ``d`` the groups discarded for being late per bucket (sum
 running sample decodes one token per step, long-tailed lengths) and a stand-in trainer (``--standin-train-ms`` per
 step, ``--standin-sync-ms`` per weight sync), at staleness 2 with and without partial rollouts, with
 ``--standin-groups`` groups in flight per engine and a batch of as many: the pause seconds per sync (drain or
-interrupt) and the engines' idle fraction outside the pause and the sync, beside 1 engine, in one run.
+interrupt) beside the drain's floor (the longest running group's remaining engine steps when the pause is asked
+for), and the engines' idle fraction outside the pause and the sync with the part of it in which the staleness bound
+held admission, beside 1 engine, in one run.
 """
 
 from __future__ import annotations
@@ -193,7 +195,8 @@ def standin_table(args: argparse.Namespace) -> int:
               f"{r['idle_frac']:.1%} | {r['driver_idle_frac']:.1%} | {r['bound_idle_frac']:.1%} | "
               f"{r['trained_tok_s']:,.0f} | {r['step_s']:.2f} |")
     print("\ndrain floor: the engine steps the longest group on the engines still needed when the pause was asked "
-          "for, x the engine step (a drain cannot be shorter; an interrupt does not wait for it); idle: the share of "
+          "for, x the engine steps' mean wall time (a drain cannot be shorter; an interrupt does not wait for it); "
+          "idle: the share of "
           "engine time outside the pause and the sync without a call running (engine side: measured inside the "
           "stand-ins; driver side: no call in flight, rollout/async/engine_idle_frac), and of it the time the "
           "staleness bound held admission (rollout/async/engine_idle_bound_frac: nothing the engine may run)")

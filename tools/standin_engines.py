@@ -37,6 +37,7 @@ class StandInStreamEngines:
         self.inflight = [0] * num_engines
         self.max_inflight = [0] * num_engines
         self.busy_s = [0.0] * num_engines
+        self.step_s_sum, self.step_count = 0.0, 0  # wall time of the engine steps taken (sleep + decode; load shows)
         self.intervals: list[list[tuple[float, float]]] = [[] for _ in range(num_engines)]  # (start, end) per call
         self.dead = [False] * num_engines
         self.generation = [0] * num_engines
@@ -77,6 +78,11 @@ class StandInStreamEngines:
         with self.lock:
             runs = [list(r.values()) for r in self.running]
         return max([g["length"] - min(g["pos"]) for r in runs for g in r] or [0])
+
+    def mean_step_s(self) -> float:
+        """The mean wall time of an engine step so far (``step_s`` plus what the machine's load adds)."""
+        with self.lock:
+            return self.step_s_sum / self.step_count if self.step_count else self.step_s
 
     def shutdown(self) -> None:
         self.release.set()
@@ -125,6 +131,7 @@ class StandInStreamEngines:
                 del self.die_at[e]
                 raise EngineDeadError(e, f"stand-in engine killed during stream (call {call}, after {steps} steps)")
             steps += 1
+            t_step = time.perf_counter()
             if self.step_s:
                 time.sleep(self.step_s)
             for key in list(run):
@@ -139,6 +146,9 @@ class StandInStreamEngines:
                     finished.append((key, [Completion(g["index"], j, [1], [9] * g["seg"][j], g["prompt"],
                                                       [-1.0] * g["seg"][j], "stop", g["seg"][j])
                                            for j in range(self.n)]))
+            with self.lock:
+                self.step_s_sum += time.perf_counter() - t_step
+                self.step_count += 1
         out = {"finished": finished, "aborted": {}, "running": len(run), "decoded": 0}
         if interrupt is not None:
             out["interrupted"] = interrupted
@@ -187,7 +197,8 @@ def bench_standin(num_engines: int, partial: bool, *, groups_per_engine: int = 4
     ``rollout/async/engine_idle_frac`` (driver side: no call in flight) and the part of it in which the staleness
     bound held admission (``engine_idle_bound_frac``: the engine had nothing it was allowed to run), trained tokens
     per second, and the drain's floor: the engine steps the longest group on the engines still needed when the pause
-    was asked for, x ``step_s`` (no drain can be shorter; it grows with the groups in flight, a maximum over them)."""
+    was asked for, x the engine steps' mean wall time so far (``step_s`` plus what the machine's load adds): no drain
+    can be shorter; it grows with the groups in flight, a maximum over them."""
     import random
 
     from da3po_megatron.trainer.async_rollout import AsyncRollout
@@ -205,7 +216,7 @@ def bench_standin(num_engines: int, partial: bool, *, groups_per_engine: int = 4
             r = producer.take(step)
             time.sleep(train_s)  # the stand-in trainer: pi_old + the update
             t1 = time.perf_counter()
-            floor = engines.remaining_steps() * step_s
+            floor = engines.remaining_steps() * engines.mean_step_s()
             producer.pause()
             t2 = time.perf_counter()
             time.sleep(sync_s)  # the stand-in weight sync
