@@ -178,9 +178,9 @@ def test_colocated_engine_i_shares_policy_rank_is_one_gpu_bundle_or_is_refused()
     assert plan.engine_node == plan.rank_node == [0, 0] and plan.engine_bundles == []
     assert plan.policy_bundles == [{"CPU": 2.0, "GPU": 1.0}] * 2  # rank + engine CPUs, one GPU
     assert plan.rank_gpus == plan.engine_gpus == 0.5
-    with pytest.raises(PlacementError, match=r"rollout.colocate=true with rollout.tensor_parallel_size=2"):
-        resolve_gpus("auto", None, None, engine_tp=2, cluster_gpus=4, colocate=True)
-    with pytest.raises(PlacementError, match=r"rollout.num_engines=3 > 2 policy ranks"):
+    # engine TP > 1 colocated (spanning several ranks' bundles) is placed since issue 49: test_colocated_engine_tp.py
+    with pytest.raises(PlacementError, match=r"rollout.num_engines=3 x rollout.tensor_parallel_size=1 > 2 policy "
+                                             r"ranks"):
         plan_placement(_need(world_size=2, tp=1, num_engines=3, colocate=True), _nodes(4))
     with pytest.raises(PlacementError, match=r"colocate=true with rollout.engine_placement=other_nodes"):
         plan_placement(_need(world_size=2, tp=1, num_engines=2, colocate=True, engine_placement="other_nodes"),

@@ -115,14 +115,17 @@ class RolloutClient(WeightUpdates):
             num_gpus_per_engine: float | None = None, placement_group: Any = None,
             placement_bundle_offset: int = 0, restart_on_failure: bool = False, name_prefix: str | None = None,
             env: dict[str, str] | None = None, wait: bool = True, start_timeout_s: float | None = None,
-            engine_hosts: list[str] | None = None) -> RolloutClient:
+            engine_hosts: list[str] | None = None, placement_bundle_stride: int = 1,
+            engine_envs: list[dict[str, str]] | None = None) -> RolloutClient:
         """One Ray actor per engine. Ray must already be initialised (``ray.init``).
 
         ``num_gpus_per_engine`` defaults to ``tensor_parallel_size`` when the Ray cluster has GPUs and 0 without
         (decided from the cluster, not from this process: a driver never initialises CUDA). With a
-        ``placement_group``, engine i takes bundle ``placement_bundle_offset + i``. ``start_timeout_s``: how long
-        :meth:`wait_ready` waits for the engines' start-up before raising with the pending engines (and their
-        ``engine_hosts``, when given); None = no limit. ``restart_on_failure``: restart a
+        ``placement_group``, engine i takes bundle ``placement_bundle_offset + i x placement_bundle_stride``
+        (colocated engines of TP > 1: the first of their policy ranks' bundles); ``engine_envs[i]``: more
+        environment for engine i (its ``CUDA_VISIBLE_DEVICES``: ``placement.colocated_engine_envs``).
+        ``start_timeout_s``: how long :meth:`wait_ready` waits for the engines' start-up before raising with the
+        pending engines (and their ``engine_hosts``, when given); None = no limit. ``restart_on_failure``: restart a
         dead engine, replay the last synced weights into it and retry its prompts once. ``wait=False``: return once
         the actors are scheduled (they start in the background); :meth:`wait_ready` blocks until every engine answers.
         """
@@ -138,7 +141,8 @@ class RolloutClient(WeightUpdates):
             num_gpus_per_engine = float(config.tensor_parallel_size) if has_gpus else 0.0
         options = dict(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine,
                        placement_group=placement_group, bundle_offset=placement_bundle_offset,
-                       name_prefix=name_prefix, env=dict(env or {}))
+                       name_prefix=name_prefix, env=dict(env or {}), stride=placement_bundle_stride,
+                       engine_envs=list(engine_envs or []))
         client = cls(config, [], mode="ray", restart_on_failure=restart_on_failure, actor_options=options)
         client.start_timeout_s, client.engine_hosts = start_timeout_s, engine_hosts
         client.engines = [client._start_actor(i) for i in range(num_engines)]
@@ -174,7 +178,8 @@ class RolloutClient(WeightUpdates):
         import ray
 
         o = self._actor_options
-        env = actor_env(self.config, o["env"])
+        per_engine = o.get("engine_envs") or []
+        env = actor_env(self.config, {**o["env"], **(per_engine[index] if index < len(per_engine) else {})})
         opts: dict[str, Any] = dict(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"], max_concurrency=1,
                                     runtime_env={"env_vars": env}, max_restarts=0)
         if o["name_prefix"]:
@@ -183,7 +188,8 @@ class RolloutClient(WeightUpdates):
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=o["placement_group"], placement_group_bundle_index=o["bundle_offset"] + index)
+                placement_group=o["placement_group"],
+                placement_group_bundle_index=o["bundle_offset"] + index * o.get("stride", 1))
         actor_cls = ray.remote(VLLMEngine)
         return actor_cls.options(**opts).remote(self.config, index)
 

@@ -48,6 +48,20 @@ def start_engines_after_policy(policy: Any, prewarmed: Callable[[], Any], start_
     return start_engines()
 
 
+def engine_slots(plan: Any, policy: Any) -> dict[str, Any]:
+    """The ``RolloutClient.ray`` arguments that seat colocated engines of TP > 1 on their policy ranks' GPUs (issue
+    49): engine i in bundle i x TP of the policy's placement group, with ``CUDA_VISIBLE_DEVICES`` = the GPU ids Ray
+    gave ranks i x TP .. i x TP + TP - 1 (asked of the started policy actors: ``placement.colocated_engine_envs``).
+    ``{}`` otherwise (one bundle per engine, Ray's own GPU assignment)."""
+    if not plan.need.colocate or plan.need.engine_tp == 1:
+        return {}
+    from da3po_megatron.trainer.placement import colocated_engine_envs
+    from da3po_megatron.trainer.placement_ray import actor_location
+
+    envs = colocated_engine_envs(plan, policy.run_on_all(actor_location)) if plan.need.device == "gpu" else []
+    return {"placement_bundle_stride": plan.engine_bundle_stride, "engine_envs": envs}
+
+
 class OffloadCycle:
     """The driver's side of ``actor.offload`` (tiers in ``megatron/offload.py``): when each part of the policy leaves
     the device and comes back, against the engines' sleep and wake (NeMo-RL's order, issue 49):

@@ -17,9 +17,13 @@ Pure functions first (tested without Ray, ``tests/test_placement.py``):
   MoE layer), unless ``ray.expert_groups_across_nodes`` says otherwise. ``ray.spread_policy_nodes`` puts each block
   on a node of its own. Engines follow ``rollout.engine_placement``: ``other_nodes`` (only nodes without
   policy ranks: the paper's layout, engines on the second node), ``same_nodes`` (only nodes with policy ranks), or
-  ``any``. Colocated (``rollout.colocate``): engine i shares policy rank i's one-GPU bundle, each taking half of it
-  (Ray gives both the same GPU id), which needs engine TP = 1, at most one engine per rank and 1 GPU per rank; on
-  GPUs with the IPC weight transport also a layout it can serve (:func:`check_colocated_ipc`).
+  ``any``. Colocated (``rollout.colocate``): an engine of TP 1 shares policy rank i's one-GPU bundle, each taking
+  half of it (Ray gives both the same GPU id); an engine of TP T > 1 (issue 49) spans the bundles of ranks
+  i T .. i T + T - 1, which must lie on one node: its actor sits in bundle i T with no Ray GPU of its own, and its
+  ``CUDA_VISIBLE_DEVICES`` is set to the GPU ids Ray gave those policy ranks (:func:`colocated_engine_envs`; never
+  local indices: the engines would land on the wrong GPUs), so vLLM's mp executor runs its T workers on the GPUs of
+  the ranks they share. At most world_size / T engines, 1 GPU per rank; on GPUs with the IPC weight transport also
+  a layout it can serve (:func:`check_colocated_ipc`).
 
 Then the Ray side (:func:`cluster_nodes`, :func:`reserve`): one placement group for the policy (bundle i = rank i) and
 one for the engines (bundle i = engine i; none when colocated), each bundle pinned to its planned node with the node-id
@@ -78,6 +82,7 @@ class Resources:
     ep: int = 1  # parallel.expert_model_parallel_size, expert_tensor_parallel_size (None = TP): the node blocks
     etp: int | None = None
     expert_across_nodes: bool = False  # ray.expert_groups_across_nodes: blocks of TP ranks only
+    engine_tp: int = 1  # rollout.tensor_parallel_size: a colocated engine spans that many policy ranks' bundles
 
     @property
     def block(self) -> int:
@@ -112,8 +117,17 @@ class Plan:
 
     @property
     def engine_gpus(self) -> float:
-        return self.need.gpus_per_rank / 2 if self.need.colocate and self.need.gpus_per_rank else \
-            self.need.gpus_per_engine
+        """Ray GPUs each engine actor requests: half its rank's GPU when colocated at engine TP 1, none at TP > 1
+        (its ``CUDA_VISIBLE_DEVICES`` names its ranks' GPUs: :func:`colocated_engine_envs`)."""
+        n = self.need
+        if n.colocate and n.gpus_per_rank:
+            return n.gpus_per_rank / 2 if n.engine_tp == 1 else 0.0
+        return n.gpus_per_engine
+
+    @property
+    def engine_bundle_stride(self) -> int:
+        """Engine i sits in bundle ``i x stride`` of its placement group (colocated: rank i x engine TP's)."""
+        return self.need.engine_tp if self.need.colocate else 1
 
     def host(self, node_index: int) -> str:
         return self.nodes[node_index].host
@@ -129,7 +143,8 @@ class Plan:
             return ", ".join(parts)
 
         n = self.need
-        how = "colocated with policy ranks 0.." + str(n.num_engines - 1) if n.colocate else \
+        how = f"colocated with policy ranks 0..{n.num_engines * n.engine_tp - 1}" + (
+            f", {n.engine_tp} per engine" if n.engine_tp > 1 else "") if n.colocate else \
             f"rollout.engine_placement={n.engine_placement}"
         blocks = f"TP groups of {n.tp}" if n.block == n.tp else \
             f"blocks of {n.block} ranks (TP {n.tp}, EP {n.ep} x ETP {n.tp if n.etp is None else n.etp})"
@@ -177,10 +192,6 @@ def resolve_gpus(device: str, gpus_per_rank: float | None, gpus_per_engine: floa
         return 0.0, 0.0, "cpu"
     rank = 1.0 if gpus_per_rank is None else float(gpus_per_rank)
     if colocate:
-        if engine_tp != 1:
-            raise PlacementError(f"rollout.colocate=true with rollout.tensor_parallel_size={engine_tp}: engine i "
-                                 "shares policy rank i's one GPU, so an engine has one GPU; use "
-                                 "rollout.tensor_parallel_size=1 or rollout.colocate=false")
         if gpus_per_engine is not None and float(gpus_per_engine) != rank:
             raise PlacementError(f"ray.num_gpus_per_engine={gpus_per_engine:g} with rollout.colocate=true: a colocated "
                                  "engine shares its policy rank's one GPU (half each); leave ray.num_gpus_per_engine "
@@ -234,12 +245,13 @@ def check_colocated_ipc(need: Resources) -> None:
     from da3po_megatron.rollout.ipc_routing import check_colocated_layout
 
     try:
-        check_colocated_layout(need.world_size, need.tp, need.pp, need.num_engines, need.cp)
+        check_colocated_layout(need.world_size, need.tp, need.pp, need.num_engines, need.cp, need.engine_tp)
     except ValueError as e:
         raise PlacementError(f"rollout.colocate=true on GPUs syncs the weights through CUDA IPC "
                              f"(rollout.weight_transfer={need.weight_transfer}), which this layout cannot serve: "
-                             f"policy TP={need.tp}, PP={need.pp}, {need.num_engines} engine(s) in policy ranks 0.."
-                             f"{need.num_engines - 1}'s bundles: {e}") from None
+                             f"policy TP={need.tp}, PP={need.pp}, {need.num_engines} engine(s) of TP "
+                             f"{need.engine_tp} in policy ranks 0..{need.num_engines * need.engine_tp - 1}'s "
+                             f"bundles: {e}") from None
 
 
 def plan_placement(need: Resources, nodes: Sequence[Node]) -> Plan:
@@ -258,15 +270,17 @@ def plan_placement(need: Resources, nodes: Sequence[Node]) -> Plan:
         if need.engine_placement == "other_nodes":
             raise PlacementError("rollout.colocate=true with rollout.engine_placement=other_nodes: colocated engines "
                                  "share the policy's GPUs; set rollout.engine_placement=any or same_nodes")
-        if need.num_engines > need.world_size:
-            raise PlacementError(f"rollout.colocate=true with rollout.num_engines={need.num_engines} > "
-                                 f"{need.world_size} policy ranks: engine i shares rank i's GPU; use at most "
-                                 f"{need.world_size} engines")
+        if need.num_engines * need.engine_tp > need.world_size:
+            raise PlacementError(f"rollout.colocate=true with rollout.num_engines={need.num_engines} x "
+                                 f"rollout.tensor_parallel_size={need.engine_tp} > {need.world_size} policy ranks: "
+                                 "each engine worker shares one policy rank's GPU; use at most "
+                                 f"{need.world_size // need.engine_tp} engines")
         if need.gpus_per_rank not in (0, 1):
             raise PlacementError(f"rollout.colocate=true with ray.num_gpus_per_policy_rank={need.gpus_per_rank:g}: "
                                  "colocation shares one GPU between rank i and engine i; use 1")
         if need.device == "gpu" and need.gpus_per_engine != need.gpus_per_rank:
-            raise PlacementError("rollout.colocate=true needs engines of one GPU (rollout.tensor_parallel_size=1)")
+            raise PlacementError("rollout.colocate=true: each engine worker shares one policy rank's GPU; leave "
+                                 "ray.num_gpus_per_engine unset")
         if need.device == "gpu" and need.weight_transfer in ("auto", "ipc"):
             check_colocated_ipc(need)
     check_totals(need, nodes)
@@ -281,8 +295,8 @@ def plan_placement(need: Resources, nodes: Sequence[Node]) -> Plan:
                              f"parallel_size={need.tp}, parallel.expert_model_parallel_size={need.ep} x "
                              f"parallel.expert_tensor_parallel_size={etp}) = {block}")
     kind = "TP group" if block == need.tp else "rank block"
-    engine_cpu_of_rank = [need.cpus_per_engine if need.colocate and r < need.num_engines else 0.0
-                          for r in range(need.world_size)]
+    engine_cpu_of_rank = [need.cpus_per_engine if need.colocate and r < need.num_engines * need.engine_tp
+                          and r % need.engine_tp == 0 else 0.0 for r in range(need.world_size)]
     used_for_policy: list[int] = []
     for g in range(need.world_size // block):
         ranks = range(g * block, (g + 1) * block)
@@ -316,7 +330,15 @@ def plan_placement(need: Resources, nodes: Sequence[Node]) -> Plan:
         rank_node += [fit] * block
     engine_node: list[int] = []
     if need.colocate:
-        engine_node = rank_node[:need.num_engines]
+        for e in range(need.num_engines):
+            on = sorted({rank_node[r] for r in range(e * need.engine_tp, (e + 1) * need.engine_tp)})
+            if len(on) > 1:
+                raise PlacementError(
+                    f"colocated engine {e} (rollout.tensor_parallel_size={need.engine_tp}) would span policy ranks "
+                    f"{e * need.engine_tp}-{(e + 1) * need.engine_tp - 1} on nodes "
+                    f"{[nodes[i].host for i in on]}: an engine's workers run on one node; use an engine TP that "
+                    "divides the policy's ranks per node")
+            engine_node.append(on[0])
     else:
         policy_nodes = set(rank_node)
         allowed = [i for i in range(len(nodes)) if
@@ -362,7 +384,32 @@ def resources_for_config(cfg: Any, cluster_gpus: float) -> Resources:
                      pp=cfg.parallel.pipeline_model_parallel_size, cp=cfg.parallel.context_parallel_size,
                      weight_transfer=r.weight_transfer, ep=cfg.parallel.expert_model_parallel_size,
                      etp=cfg.parallel.expert_tensor_parallel_size,
-                     expert_across_nodes=ray_cfg.expert_groups_across_nodes)
+                     expert_across_nodes=ray_cfg.expert_groups_across_nodes, engine_tp=r.tensor_parallel_size)
+
+
+def colocated_engine_envs(plan: Plan, rank_locations: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """Per colocated engine of TP T > 1, the environment that puts its workers on its policy ranks' GPUs:
+    ``CUDA_VISIBLE_DEVICES`` = the GPU ids Ray gave ranks i T .. i T + T - 1 (``rank_locations``: each rank's
+    :func:`~da3po_megatron.trainer.placement_ray.actor_location`, in rank order), in rank order -- Ray's ids, the
+    ones Ray itself writes into a GPU actor's ``CUDA_VISIBLE_DEVICES``, never local indices (vime PR #144: engines
+    on the wrong GPUs). ``[]`` where nothing is to set (not colocated, engine TP 1, CPU actors). PlacementError when
+    a rank does not hold exactly one GPU id, the ranks of one engine are on different nodes, or share a GPU."""
+    n = plan.need
+    if not n.colocate or n.engine_tp == 1 or n.device != "gpu":
+        return []
+    envs = []
+    for e in range(n.num_engines):
+        ranks = range(e * n.engine_tp, (e + 1) * n.engine_tp)
+        locs = [rank_locations[r] for r in ranks]
+        ids = [loc.get("gpu_ids") or [] for loc in locs]
+        where = ", ".join(f"rank {r} on {loc.get('host')} GPU ids {i}" for r, loc, i in zip(ranks, locs, ids))
+        if any(len(i) != 1 for i in ids) or len({loc.get("node_id") for loc in locs}) != 1 or \
+                len({i[0] for i in ids}) != n.engine_tp:
+            raise PlacementError(f"colocated engine {e} (rollout.tensor_parallel_size={n.engine_tp}) needs the "
+                                 f"{n.engine_tp} distinct GPUs of its policy ranks on one node, one each; Ray "
+                                 f"reports {where}")
+        envs.append({"CUDA_VISIBLE_DEVICES": ",".join(i[0] for i in ids)})
+    return envs
 
 
 # The Ray side lives in placement_ray.py; its names stay importable from here (PEP 562 module __getattr__, not an

@@ -191,7 +191,9 @@ def probe_devices(res: Reservation, model_options: Any = None, timeout_s: float 
         refs["policy"] = probe.options(num_cpus=plan.need.cpus_per_rank, num_gpus=plan.rank_gpus,
                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
                                            res.policy, placement_group_bundle_index=0)).remote("policy", model_options)
-    if plan.engine_node:
+    # a colocated engine of TP > 1 takes no Ray GPU but sees its policy ranks' GPUs (placement.colocated_engine_envs):
+    # it sees what rank 0 sees (the default below), so it is not probed
+    if plan.engine_node and not (plan.need.colocate and plan.engine_gpus == 0 and plan.rank_gpus > 0):
         known["engine"] = answer_without_probe("engine", plan.nodes[plan.engine_node[0]], plan.engine_gpus)
         if known["engine"] is None:
             pg = res.engines if res.engines is not None else res.policy

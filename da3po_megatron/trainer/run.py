@@ -168,10 +168,10 @@ class Run(RunCheckpoints):
                                      num_gpus_per_engine=plan.engine_gpus,
                                      placement_group=self.reservation.engines or self.reservation.policy,
                                      restart_on_failure=cfg.rollout.restart_on_failure, wait=False,
-                                     start_timeout_s=cfg.ray.start_timeout_s,
+                                     start_timeout_s=cfg.ray.start_timeout_s, **engine_slots(plan, self.policy),
                                      engine_hosts=[plan.host(i) for i in plan.engine_node])
 
-        from da3po_megatron.trainer.colocation import engines_after_policy, start_engines_after_policy
+        from da3po_megatron.trainer.colocation import engine_slots, engines_after_policy, start_engines_after_policy
 
         # colocated on CUDA the engines size their KV cache from free device memory: they start once the policy on
         # their GPUs has finished allocating (trainer/colocation.py); otherwise both sides start side by side
