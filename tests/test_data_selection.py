@@ -158,6 +158,16 @@ def test_a_whole_pass_skipped_generates_the_likeliest_prompt():
     assert sel.inner.consumed == 8 + 6  # one pass skipped, then u5 in the second
 
 
+def test_a_prompt_is_not_taken_twice_before_its_outcome():
+    """A round that goes round the stream (most prompts skipped) does not take a prompt again before it is scored:
+    the 128-prompt comparison's DA3PO + selection round took bucket-8 prompts up to 3 times and a mixed one up to
+    18 times in one round (generated 2x the tokens per trained token of no selection)."""
+    sel = SelectingPrompts(_dataset().iterator(seed=1), P, seed=3)
+    _drive(sel, 10)
+    uids = [ex.uid for ex in sel.take(8)]  # most are skipped: the stream wraps inside this one round
+    assert len(uids) == len(set(uids)) == 8
+
+
 def test_all_wrong_prompts_stay_in_play_where_all_correct_ones_are_retired():
     sel = SelectingPrompts(_dataset().iterator(seed=1), P, seed=3)
     seen = [u for uids in _drive(sel, 60) for u in uids]
@@ -233,5 +243,5 @@ def test_naive_shared_rate_retires_all_wrong_prompts_too():
 
     separate, s_counts = late_hard_share(P)
     shared, n_counts = late_hard_share(SelectionParams(tails="shared", window=4))
-    assert n_counts["selection/skipped_all_wrong"] > 2 * s_counts["selection/skipped_all_wrong"]
+    assert n_counts["selection/skipped_all_wrong"] > 1.5 * s_counts["selection/skipped_all_wrong"]  # 222 vs 135
     assert separate > shared

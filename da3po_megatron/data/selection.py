@@ -15,7 +15,8 @@ Keyed by uid, so it spans epochs.
 when a step completes). A prompt's first visit in a step draws the rule below; a later visit in the same step (the
 stream goes round a small prompt set several times per step once most prompts are skipped) repeats that decision,
 and a prompt generated earlier in the same step whose group was zero-variance is skipped for the rest of the step
-(its outcome under these weights is known). So P(skip) below is per step, as in GRESO, where a prompt comes up once
+(its outcome under these weights is known); a prompt taken and not yet scored is not taken again (a round may go
+round the stream several times). So P(skip) below is per step, as in GRESO, where a prompt comes up once
 per step; a per-visit draw let the first comparison's 32-prompt run generate an all-wrong prompt up to ~30 times
 per step (step 40 of DAPO + selection, seed 0: 268 groups generated for 16 kept, 224 of them all-wrong).
 
@@ -214,6 +215,7 @@ class SelectingPrompts:
         self.memo: dict[int, bool] = {}  # stream position -> skipped (a rewound stream replays its decisions)
         self.step = 0  # training steps completed (drain() advances it): the unit of one decision per prompt
         self.decided: dict[str, tuple[bool, float]] = {}  # uid -> (skipped, P(keep)): this step's decisions
+        self.pending: set[str] = set()  # taken this step, not yet scored: not taken again before its outcome
         self.counters = _zero_counters()
         self.lock = threading.RLock()
 
@@ -221,7 +223,7 @@ class SelectingPrompts:
     def take(self, k: int) -> list[Any]:
         out: list[Any] = []
         with self.lock:
-            run_of_skips, best, floor = 0, 0.0, None
+            run_of_skips, best, floor = 0, -1.0, None
             while len(out) < k:
                 pos = self.inner.consumed
                 got = self.inner.take(1)
@@ -243,12 +245,15 @@ class SelectingPrompts:
                         floor = best  # a whole pass skipped: keep the next prompt as likely to be kept as its best
                 else:
                     out.append(ex)
-                    run_of_skips, best, floor = 0, 0.0, None
+                    self.pending.add(ex.uid)
+                    run_of_skips, best, floor = 0, -1.0, None
         return out
 
     def _decide(self, uid: str, pos: int) -> tuple[bool, float]:
         """(skip ``uid`` now, its P(keep) this step): one decision per prompt per step (module docstring), counted
         once per step; a prompt generated this step with a zero-variance group has P(keep) 0."""
+        if uid in self.pending:  # taken earlier in this round / step and not scored yet: below every fallback
+            return True, -1.0
         known = self.history.zero_variance_at(uid, self.step)
         if known is not None:  # generated this step, zero-variance: skipped for the rest of the step
             if not self.decided.get(uid, (False, 0.0))[0]:
@@ -286,6 +291,7 @@ class SelectingPrompts:
         with self.lock:
             for uid, p_hat in p_hats:
                 self.history.record(uid, p_hat, self.step)
+                self.pending.discard(uid)
             c = sum(p >= 1.0 for _, p in p_hats)
             w = sum(p <= 0.0 for _, p in p_hats)
             self.counters["generated_groups"] += len(p_hats)
@@ -301,7 +307,7 @@ class SelectingPrompts:
         the next step's."""
         with self.lock:
             c, self.counters = self.counters, _zero_counters()
-            self.step, self.decided = self.step + 1, {}
+            self.step, self.decided, self.pending = self.step + 1, {}, set()
             return {"selection/skipped_all_correct": float(c["skipped_all_correct"]),
                     "selection/skipped_all_wrong": float(c["skipped_all_wrong"]),
                     "selection/skipped": float(c["skipped_all_correct"] + c["skipped_all_wrong"]),
@@ -315,6 +321,7 @@ class SelectingPrompts:
             return {"fingerprint": self.inner.dataset.fingerprint(), "history": self.history.state_dict(),
                     "rates": self.rates.state_dict(), "memo": [[p, v] for p, v in sorted(self.memo.items())],
                     "step": self.step, "decided": [[u, v[0], v[1]] for u, v in sorted(self.decided.items())],
+                    "pending": sorted(self.pending),
                     "counters": dict(self.counters)}
 
     def load_selection_state(self, s: dict[str, Any] | None) -> str:
@@ -330,6 +337,7 @@ class SelectingPrompts:
             self.memo = {int(p): bool(v) for p, v in s["memo"]}
             self.step, self.counters = int(s["step"]), {k: int(v) for k, v in s["counters"].items()}
             self.decided = {str(u): (bool(v), float(p)) for u, v, p in s.get("decided", [])}
+            self.pending = {str(u) for u in s.get("pending", [])}
             return f"selection: resumed the history of {len(self.history.rows)} prompts"
 
 
