@@ -17,7 +17,7 @@ test: install  ## the whole test suite, as CI runs it
 	$(PY) -m ruff check .
 	PYTEST_WORKERS=$(PYTEST_WORKERS) bash scripts/run_tests.sh $(PY) $(PYTEST_ARGS)
 
-test-layouts: install  ## every shipped recipe's layout shrunk to tiny width but the CPU MoE one (~20-25 min on 2 cores; not in make test)
+test-layouts: install  ## every shipped recipe's layout shrunk to tiny width (~25 min on 2 cores; not in make test)
 	$(PY) -m pytest -m layouts tests/test_shipped_layouts.py $(PYTEST_ARGS)
 
 theory: install  ## the paper's Figures 1-2 (alpha+, alpha-, gamma vs p)

@@ -2,7 +2,7 @@
 # The test suite as `make test` and CI run it, in two pytest passes:
 #   1. everything except the Slurm tests, on PYTEST_WORKERS pytest-xdist workers (whole files per worker, longest
 #      files first: tests/conftest.py), so that one file's waits (process start-up, Ray, vLLM) overlap the other's work;
-#      The shipped recipes' shrunk layouts but one (`-m layouts`, tests/test_shipped_layouts.py) are left out of both
+#      The shipped recipes' shrunk layouts (`-m layouts`, tests/test_shipped_layouts.py) are left out of both
 #      passes (`make test-layouts` runs them): 2-6 minutes each on 2 cores would take the suite past its budget.
 #   2. the Slurm tests (`-m slurm`: a 3-node cluster in network namespaces, real sbatch/scancel/requeue) alone and
 #      serially, after pass 1 -- with them next to another worker, a worker died once at the end of the 3-node requeue
