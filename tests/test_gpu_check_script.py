@@ -32,11 +32,12 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     # skipped here to save process starts in CI: bench_loss_16k is bench_loss_8k's command at another size,
     # convert_verify is `da3po convert hf-to-megatron --verify`, which tests/test_convert.py runs, and the kernel
     # steps are pytest runs of kernel test files the suite runs anyway (their CUDA cases skip here)
-    r = _run(tmp_path, GPU_CHECK_SKIP="kernel_cuda,kernel_tests,bench_loss_16k,convert_verify")
+    # colocated: tools/check_colocated_gpu.py --small, run by tests/test_colocated_engine_tp.py
+    r = _run(tmp_path, GPU_CHECK_SKIP="kernel_cuda,kernel_tests,bench_loss_16k,convert_verify,colocated")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     assert _summary(tmp_path) == {"kernel_cuda": "SKIP", "kernel_tests": "SKIP", "bench_loss_8k": "PASS",
                                   "bench_loss_16k": "SKIP", "train_step": "PASS", "resume": "PASS", "te_spec": "SKIP",
-                                  "moe_step": "PASS",
+                                  "moe_step": "PASS", "colocated": "SKIP",
                                   "convert_verify": "SKIP", "ipc_sync": "PASS", "collective_cuda": "PASS"}
     assert list(_summary(tmp_path)) == [name for part in _plan()[1:] for name in list(part["steps"])[1:]]
     assert "te_spec                SKIP no CUDA" in (tmp_path / "out" / "summary.txt").read_text()
@@ -94,7 +95,8 @@ def test_the_step_budgets_add_up_to_what_the_header_recommends_within_15_minutes
         assert int(stated[2]) == plan[p]["sum"] == sum(steps.values()) < plan[p]["timeout_s"]
         print(f"command {p}: steps {plan[p]['sum']} s of timeout_s={plan[p]['timeout_s']}")
     order = list(plan[1]["steps"])
-    assert order == ["prelude", "ipc_sync", "collective_cuda", "kernel_cuda", "bench_loss_8k", "train_step", "resume"]
+    assert order == ["prelude", "ipc_sync", "collective_cuda", "kernel_cuda", "bench_loss_8k", "train_step", "resume",
+                     "colocated"]
 
 
 def test_a_failing_step_is_recorded_and_the_script_exits_non_zero(tmp_path):

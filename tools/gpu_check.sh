@@ -19,7 +19,7 @@
 # the machine stays warm between the two calls, so only one start is paid. Each step has its own limit (seconds,
 # LIMIT below); a command's limits add up to less than its timeout_s, so no step of it is cut by the device tool:
 # Command 1 (what matters most, first): prelude 60 + ipc_sync 100 + collective_cuda 60 + kernel_cuda 60 +
-#   bench_loss_8k 100 + train_step 130 + resume 60 = 570 s.
+#   bench_loss_8k 100 + train_step 130 + resume 60 + colocated 25 = 595 s.
 # Command 2 (the rest): prelude 20 + kernel_tests 40 + bench_loss_16k 35 + moe_step 35 + te_spec 20 +
 #   convert_verify 25 = 175 s.
 # (`bash tools/gpu_check.sh plan` prints the same from LIMIT; tests/test_gpu_check_script.py checks they agree. A CPU
@@ -39,10 +39,10 @@ PY=${PYTHON:-python3}
 
 # The plan: each step's limit in seconds and the command (part) it runs in. The header repeats these numbers.
 declare -A LIMIT=([prelude1]=60 [ipc_sync]=100 [collective_cuda]=60 [kernel_cuda]=60 [bench_loss_8k]=100
-                  [train_step]=130 [resume]=60
+                  [train_step]=130 [resume]=60 [colocated]=25
                   [prelude2]=20 [kernel_tests]=40 [bench_loss_16k]=35 [moe_step]=35 [te_spec]=20 [convert_verify]=25)
 # shellcheck disable=SC2034  # PART1 / PART2 are read through `declare -n` in plan
-PART1=(prelude1 ipc_sync collective_cuda kernel_cuda bench_loss_8k train_step resume)
+PART1=(prelude1 ipc_sync collective_cuda kernel_cuda bench_loss_8k train_step resume colocated)
 # shellcheck disable=SC2034
 PART2=(prelude2 kernel_tests bench_loss_16k moe_step te_spec convert_verify)
 declare -A TIMEOUT=([1]=600 [2]=180)  # the device tool's timeout_s for each command
@@ -198,9 +198,15 @@ part1() {
         # it, 2 more == 4 uninterrupted (TE's FusedAdam when TE imports, else torch's AdamW; the JSON says which).
         step resume "$out/resume.txt" "$PY" tools/check_gpu_stack.py resume
         into_train_log "$out/resume.txt"
+        # 6. Colocation on one GPU (issue 49, tools/check_colocated_gpu.py): a TP 2 policy as two processes (gloo
+        # with CUDA tensors): bytes freed per actor.offload tier and pinned GB/s, then the IPC sync's buckets
+        # exported by CUDA-IPC handle from both ranks to a receiver process that maps them and checks every byte.
+        step colocated "$out/colocated.txt" "$PY" tools/check_colocated_gpu.py "${small_args[@]}"
+        into_train_log "$out/colocated.txt"
     else
         record train_step SKIP "megatron-core not importable (run 'tools/gpu_check.sh prepare' here and carry .devwhl)"
         record resume SKIP "megatron-core not importable"
+        record colocated SKIP "megatron-core not importable"
     fi
 }
 
