@@ -32,12 +32,14 @@ from study_async_hard import paired, significant  # noqa: E402
 from da3po_megatron.studies.compare.stats import curve_at, mean_std  # noqa: E402
 
 SHARE = "batch/group_frac_bucket/"
+GEN_ACC = "gen/acc_bucket/"
 TOKENS = "gen/cumulative_tokens"
 EVAL = "eval/synthetic/"
 
 
 def _buckets(rows: list[dict]) -> list[str]:
-    return sorted({k.removeprefix(SHARE) for r in rows for k in r if k.startswith(SHARE)}, key=float)
+    """Every bucket generated (``gen/acc_bucket/<b>``) or trained: one never trained (no mixed group) counts too."""
+    return sorted({k.split("/")[-1] for r in rows for k in r if k.startswith((SHARE, GEN_ACC))}, key=float)
 
 
 def _sum(steps: list[dict], key: str) -> float:
