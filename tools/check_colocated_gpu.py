@@ -46,16 +46,22 @@ def _standin_ipc(ipc) -> None:
     """CPU only: the CUDA-IPC export / map replaced by shared memory (``reduce_tensor`` -> a pickled shared-memory
     tensor at the handle's place, ``rebuild_cuda_tensor`` -> unpickle it); the routing, packing, shipping and pick
     are the real code."""
+    from multiprocessing.reduction import ForkingPickler
+
     import torch.multiprocessing.reductions as reductions
-    from torch.multiprocessing.reductions import ForkingPickler
 
     mp.set_sharing_strategy("file_system")
     ipc.require_ipc = lambda what: None
     ipc._cuda_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.ipc_collect = lambda: None
-    reductions.reduce_tensor = lambda t: (None, (None,) * 7 + (bytes(ForkingPickler.dumps(t.clone().share_memory_())),)
-                                          + (None,) * 7)
+    keep: list[torch.Tensor] = []  # the shared copies live until this process ends (the receiver maps them later)
+
+    def export(t: torch.Tensor) -> tuple:
+        keep.append(t.clone().share_memory_())
+        return None, (None,) * 7 + (bytes(ForkingPickler.dumps(keep[-1])),) + (None,) * 7
+
+    reductions.reduce_tensor = export
     reductions.rebuild_cuda_tensor = lambda *args: pickle.loads(args[7])
 
 
