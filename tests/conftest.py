@@ -84,16 +84,15 @@ def small_tmpfs(tmp_path):
 # are built once) in collection order; long files first keeps one worker from starting a long file last while the
 # other sits idle. The two fixtures every long file needs first (the warmed-up tiny model, the SmolLM2 directory)
 # are built by one worker while the other waits for them (see ``warm_model``). Serial runs are unaffected by order.
-LONG_FILES_FIRST = (  # by the seconds of the fresh-clone run of dcfd0eb (tools/ci_time.py), longest first
-    "test_reliability_faults.py", "test_selection_resume.py", "test_async_faults.py", "test_trainer_e2e.py",
-    "test_shipped_layouts.py", "test_real_model.py", "test_moe_replay.py", "test_megatron_policy.py",
-    "test_offload.py", "test_weight_sync_collective.py", "test_replay.py", "test_moe.py", "test_compare.py",
-    "test_weight_sync_megatron.py", "test_policy_losses.py", "test_gpu_check_script.py", "test_rollout_ray.py",
-    "test_moe_checkpoint.py", "test_operations.py", "test_moe_real_shape_sync.py", "test_async_rollout.py",
-    "test_convert.py", "test_export_parity.py", "test_run_processes.py", "test_run_integrity_units.py",
-    "test_doctor.py",
-    "test_reliability_units.py", "test_sequence_parallel.py", "test_placement.py", "test_control_plane.py",
-    "test_eval_runner.py",
+LONG_FILES_FIRST = (  # by the seconds of the fresh-clone run of dcfd0eb (tools/ci_time.py) and what changed since
+    "test_reliability_faults.py", "test_trainer_e2e.py", "test_real_model.py", "test_selection_resume.py",
+    "test_async_faults.py", "test_moe_replay.py", "test_megatron_policy.py", "test_offload.py",
+    "test_weight_sync_collective.py", "test_replay.py", "test_moe.py", "test_compare.py", "test_gpu_check_script.py",
+    "test_weight_sync_megatron.py", "test_policy_losses.py", "test_rollout_ray.py", "test_moe_checkpoint.py",
+    "test_operations.py", "test_moe_real_shape_sync.py", "test_async_rollout.py", "test_ipc_layouts.py",
+    "test_convert.py", "test_export_parity.py", "test_run_processes.py", "test_colocated_engine_tp.py",
+    "test_run_integrity_units.py", "test_doctor.py", "test_reliability_units.py", "test_sequence_parallel.py",
+    "test_placement.py", "test_control_plane.py", "test_eval_runner.py",
 )
 
 
