@@ -4,9 +4,10 @@ test_trainer_e2e.py): what docs/reliability.md promises, measured. Faults are in
 
 One uninterrupted reference run is shared by every comparison. The kill sequence works on ONE run directory: a
 rollout engine dies with ``rollout.restart_on_failure=false`` (the run stops naming it), then each launch is killed
-at another phase (SIGKILL at the train step, the weight sync and in the middle of a checkpoint save -- with
-``DA3PO_FAULT_SUITE_FULL=1`` also at generation, rewards and old log-probs; SIGTERM while generating; SIGUSR1 during
-the train step), the next launch resumes from what the previous one left, a damaged latest checkpoint is fallen back
+at another phase (SIGKILL at the weight sync and in the middle of a checkpoint save -- with
+``DA3PO_FAULT_SUITE_FULL=1`` also at generation, rewards, old log-probs and the train step; SIGTERM while
+generating; SIGUSR1 during the train step), the next launch resumes from what the previous one left, a damaged
+latest checkpoint is fallen back
 from, and the last launch has a reward worker killed mid-step and an engine killed with ``restart_on_failure=true``
 (replaced, the weights replayed into it); in the end the per-step metrics equal the reference's. After every launch
 no process of it is left. (Each fault used to have a launch of its own; CI's 40-minute budget folded them here.) The
@@ -16,9 +17,9 @@ asynchronous write in flight, and every resume is from an asynchronously written
 Run integrity (issue 29) rides on the same launches: a second trainer started on the reference's run directory while
 it runs is refused at once (status 2, naming the holder), every launch after a SIGKILL takes the dead trainer's
 ``run_dir/LOCK`` over, and the finished kill-sequence directory is resumed with a changed algorithm (refused, status
-2, the fields listed) and then with ``--allow-config-change`` and a changed ``trainer.total_steps`` (a one-line notice;
-the change recorded in ``config_changes.jsonl``). A blown-up update (``optim.lr=1e3``) is refused before the weight
-sync and the run stops naming its update ratio, learning rate and gradient norm.
+2, the fields listed; a harmless change the kill sequence made is recorded in ``config_changes.jsonl``; an allowed
+defining change is recorded alike in tests/test_run_integrity_units.py). A blown-up update (``optim.lr=1e3``) is
+refused before the weight sync and the run stops naming its update ratio, learning rate and gradient norm.
 """
 
 from __future__ import annotations
@@ -176,13 +177,15 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     ckpts = run_dir / "checkpoints"
     table = []
     # SIGKILL at each phase of step 2 (step 1 is checkpointed by the first launch); each restart redoes step 2
-    # CI kills at the three phases after which something persistent changes or is being written (the train step's
-    # optimizer state, the engines' weights, the checkpoint); generation, reward and old log-probs sit in one "abandon
-    # the step" window (nothing persistent has changed yet: the SIGTERM-at-generate launch below abandons there) and
-    # are killed with DA3PO_FAULT_SUITE_FULL=1 (docs/reliability.md: all six measured)
+    # CI kills at the two phases during which something persistent is being changed or written: the weight sync
+    # (after the train step changed the optimizer state: a kill there loses both, as one at the train step does --
+    # that one is in the full suite since 2026-12-05, to keep CI in its budget) and the checkpoint. Generation, reward
+    # and old log-probs sit in one "abandon the step" window (nothing persistent has changed yet: the
+    # SIGTERM-at-generate launch below abandons there). DA3PO_FAULT_SUITE_FULL=1 kills at all six
+    # (docs/reliability.md: all six measured)
     full = os.environ.get("DA3PO_FAULT_SUITE_FULL") == "1"
     phases = ("generate", "reward", "old_logprobs", "train", "weight_sync", "checkpoint") if full else \
-        ("train", "weight_sync", "checkpoint")
+        ("weight_sync", "checkpoint")
     # the run starts; engine 0 dies while generating step 2 and restarts are off: the run stops naming the engine,
     # step 1's checkpoint intact
     p, seconds = launch(model, run_dir, "kill_engine@generate@2", "rollout.restart_on_failure=false", *ASYNC)
@@ -278,20 +281,13 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
     assert f"trainer.total_steps: {STEPS} -> {STEPS + 1}" in p.stderr.split("also changed, allowed:")[1]
     assert "resumed from" not in p.stdout and [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
     table.append(("resume with algorithm.name=dapo: refused", p.returncode, seconds))
-    # ... allowed with --allow-config-change (recorded), and a longer run: one notice line, one more step
-    p, seconds = launch(model, run_dir, "", "algorithm.name=dapo", f"trainer.total_steps={STEPS + 1}",
-                        flags=("--allow-config-change",))
-    assert p.returncode == 0, tail(p)
-    assert f"note: resume changes trainer.total_steps: {STEPS} -> {STEPS + 1}\n" in p.stdout, tail(p)
-    assert "warning: resume changes algorithm.name: 'da3po' -> 'dapo' (allowed by --allow-config-change)" in p.stdout
-    assert f"resumed from {ckpts / f'step_{STEPS:06d}'} at step {STEPS}" in p.stdout, tail(p)
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 2))
+    # the kill sequence's last launch turned engine restarts on: harmless, recorded, not refused (a resume allowed
+    # with --allow-config-change to a changed algorithm is recorded alike: test_run_integrity_units.py
+    # ::test_resume_refuses_a_changed_algorithm_and_records_an_allowed_one, on a real checkpoint file; its full
+    # launch here left CI on 2026-12-05 to keep the suite in its budget)
     rec = [json.loads(x) for x in (run_dir / "config_changes.jsonl").read_text().splitlines()]
-    # the kill sequence's last launch turned engine restarts on (harmless: recorded, not refused); then this one
-    assert [r["allow_config_change"] for r in rec] == [False, True] and rec[-1]["step"] == STEPS
+    assert [r["allow_config_change"] for r in rec] == [False]
     assert rec[0]["changes"] == [{"key": "rollout.restart_on_failure", "old": False, "new": True, "kind": "harmless"}]
-    assert {"key": "algorithm.name", "old": "da3po", "new": "dapo", "kind": "defining"} in rec[-1]["changes"]
-    table.append(("resume as dapo with --allow-config-change, total_steps + 1", p.returncode, seconds))
     print("\n".join(f"{what}: exit {rc}, {s:.1f} s" for what, rc, s in table))
     no_agents_left_after_kills()
 
