@@ -18,13 +18,15 @@ from da3po_megatron.trainer.prepare import start_local_ray
 
 
 @contextmanager
-def local_ray(num_cpus: int) -> Iterator[ModuleType]:
-    """Start Ray with ``num_cpus`` logical CPUs (what the actors of the test reserve, not the cores of the machine),
-    yield the ``ray`` module and shut Ray down on the way out, also when the test fails. Skips without Ray."""
+def local_ray(num_cpus: int, num_gpus: int = 0) -> Iterator[ModuleType]:
+    """Start Ray with ``num_cpus`` logical CPUs (what the actors of the test reserve, not the cores of the machine)
+    and ``num_gpus`` logical GPUs (Ray hands out their ids; no device behind them), yield the ``ray`` module and shut
+    Ray down on the way out, also when the test fails. Skips without Ray."""
     ray = pytest.importorskip("ray")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the driver and the actors it starts: one thread each on 2 cores
     temp = tempfile.mkdtemp(prefix="ray_test_", dir="/tmp")
-    start_local_ray(temp, num_cpus, log_to_driver=False)  # the trainer's start, with its retry
+    gpus = {"num_gpus": num_gpus} if num_gpus else {}
+    start_local_ray(temp, num_cpus, log_to_driver=False, **gpus)  # the trainer's start, with its retry
     try:
         yield ray
     finally:

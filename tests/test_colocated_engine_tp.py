@@ -58,16 +58,10 @@ def test_engine_devices_are_the_ray_gpu_ids_of_its_policy_ranks_in_rank_order_or
 
 @pytest.fixture(scope="module")
 def ray_4_logical_gpus():
-    import tempfile
+    from _ray import local_ray
 
-    ray = pytest.importorskip("ray")
-    from da3po_megatron.trainer.prepare import start_local_ray
-
-    start_local_ray(tempfile.mkdtemp(prefix="ray_test_", dir="/tmp"), 8, num_gpus=4, log_to_driver=False)
-    try:
+    with local_ray(8, num_gpus=4) as ray:
         yield ray
-    finally:
-        ray.shutdown()
 
 
 def test_tp2_engines_start_on_the_gpus_ray_gave_their_policy_ranks_on_logical_gpus(ray_4_logical_gpus, tmp_path,

@@ -189,16 +189,10 @@ def test_colocated_engine_i_shares_policy_rank_is_one_gpu_bundle_or_is_refused()
 
 @pytest.fixture(scope="module")
 def ray_with_logical_gpus():
-    import tempfile
+    from _ray import local_ray
 
-    ray = pytest.importorskip("ray")
-    from da3po_megatron.trainer.prepare import start_local_ray
-
-    start_local_ray(tempfile.mkdtemp(prefix="ray_test_", dir="/tmp"), 4, num_gpus=3, log_to_driver=False)
-    try:
+    with local_ray(4, num_gpus=3) as ray:
         yield ray
-    finally:
-        ray.shutdown()
 
 
 def test_pinned_bundles_give_distinct_gpus_colocated_pairs_one_and_the_driver_no_cuda_with_stand_in_actors(
