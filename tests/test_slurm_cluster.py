@@ -11,8 +11,8 @@ GPUs: every node advertises 2 logical GPUs (gres backed by dummy devices); a job
 Ray announces them, assigns each GPU actor its ids and CUDA_VISIBLE_DEVICES, and the actors still compute on CPU
 (torch sees no CUDA). The real trainer's actors report where they are and which GPU ids Ray gave them
 (run_dir/placement.json, written from the actors themselves): the tests assert distinct GPUs, TP groups on one node,
-engines on the other nodes, colocated pairs on one GPU, and the refusals (too many GPUs; actors without GPUs on GPU
-nodes) with status 2 in seconds.
+engines on the other nodes, colocated pairs on one GPU, colocated TP-2 engines on their ranks' GPUs (stand-in
+actors), and the refusals (too many GPUs; actors without GPUs on GPU nodes) with status 2 in seconds.
 """
 
 from __future__ import annotations
@@ -145,14 +145,27 @@ def test_local_slurm_up_is_idempotent_and_status_reports_every_node(local_slurm:
     assert sorted(hosts.stdout.split("\n")[:3]) == [f"node{n} 10.250.0.1{n}" for n in (1, 2, 3)], hosts.stdout
 
 
-def test_two_node_job_starts_ray_on_both_nodes_and_places_one_actor_per_node(local_slurm: None, tmp_path: Path) -> None:
+# the trainer's placement of colocated engines of TP 2 (issue 49): policy DP 4 over 2 nodes x 2 logical GPUs, engine i
+# on ranks 2i, 2i+1 (0.5 CPU each, 1 per engine: each node's 2 CPUs)
+COLOCATED_TP2 = ("rollout.colocate=true rollout.tensor_parallel_size=2 rollout.num_engines=2"
+                 " parallel.data_parallel_size=4 ray.num_cpus_per_policy_rank=0.5 rollout.num_cpus_per_engine=1"
+                 " rollout.engine_placement=any")
+
+
+def test_two_node_job_starts_ray_places_one_actor_per_node_and_seats_colocated_tp2_engines_on_their_ranks_gpus(
+        local_slurm: None, tmp_path: Path) -> None:
+    """The Ray bring-up probe, then in the same job scripts/local_slurm/placement_probe.py: the trainer's plan and
+    placement groups, stand-in policy ranks (NOT megatron) and the trainer's engine start-up with a stand-in engine
+    class (NOT vLLM): each colocated TP-2 engine on its ranks' node, no Ray GPU of its own, CUDA_VISIBLE_DEVICES = the
+    ids Ray gave its two ranks."""
     log = tmp_path / "probe.out"
     # A stray ~/.ray/auth_token (written by any local ray.init() on a shared home) once made the head demand a token
     # that nobody else had; the job must work regardless.
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text("0" * 64)
-    env = _train_env(tmp_path / "run", RAY_PROBE, HOME=str(home))
+    driver = f"bash -c '{RAY_PROBE} && python scripts/local_slurm/placement_probe.py {COLOCATED_TP2}'"
+    env = _train_env(tmp_path / "run", driver, HOME=str(home))
     job = _sbatch("slurm/train.sbatch", log, env, "--nodes=2", "--gpus-per-node=2")
     info = _wait_finished(job, log)
     out = _log(log)
@@ -163,6 +176,16 @@ def test_two_node_job_starts_ray_on_both_nodes_and_places_one_actor_per_node(loc
     assert re.search(r"^RAY_PROBE_OK nodes=2 hosts=node1,node2 ", out, flags=re.M), out[-4000:]
     actors = re.findall(r"^actor \d: hostname=(\S+) SLURMD_NODENAME=(\S+)", out, flags=re.M)
     assert sorted(actors) == [("node1", "node1"), ("node2", "node2")], actors
+    assert "engine 0 on node1, engine 1 on node2 (0 GPU, 1 CPU each, colocated with policy ranks 0..3, 2 per " \
+           "engine)" in out, out[-4000:]
+    row = r"^\| (policy rank \d|engine \d)\S* .*?\| (node\d) \| ([\d,-]+) \| ([\d,-]+) \|$"
+    seats = re.findall(row, out, flags=re.M)
+    ranks = {name: (node, gpu) for name, node, gpu, _ in seats if name.startswith("policy")}
+    for i in (0, 1):
+        node, ray_gpu, visible = next((n, g, v) for name, n, g, v in seats if name == f"engine {i}")
+        assert ray_gpu == "-" and node == ranks[f"policy rank {2 * i}"][0] == ranks[f"policy rank {2 * i + 1}"][0]
+        assert visible == f"{ranks[f'policy rank {2 * i}'][1]},{ranks[f'policy rank {2 * i + 1}'][1]}", seats
+    assert "COLOCATED_TP_OK engines=2 tp=2" in out, out[-4000:]
     assert "stopping Ray on node1 node2" in out
     _no_leftover_ray(job)
 
