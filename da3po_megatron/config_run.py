@@ -114,7 +114,8 @@ class DataConfig:
         "none", "Skip prompts before generation with a probability growing with their zero-variance streak "
                 "(P(keep) = p^z), all-correct and all-wrong streaks by separate rules; none = the paper's sampling.")
     selection_tails: Literal["separate", "shared"] = doc(
-        "separate", "separate: own rate, floor and re-admission for all-wrong streaks (hard prompts stay in play); "
+        "separate", "separate: own rate (<= 1/2) and back-off re-admission for all-wrong streaks (hard prompts stay "
+                    "in play); "
                     "shared: one rate for both tails (naive GRESO, for comparison).")
     selection_target_all_correct: float = doc(0.10, "Target fraction of generated groups that are all correct; p_c "
                                                     "steps down when a window exceeds it, up otherwise.")
@@ -123,9 +124,11 @@ class DataConfig:
     selection_explore_step: float = doc(0.05, "Additive step eta of the rates per window of train_batch_size "
                                               "generated groups.")
     selection_explore_min: float = doc(0.05, "Floor of p_c (and of the shared rate).")
-    selection_explore_min_all_wrong: float = doc(0.5, "Floor of p_w: an all-wrong streak of z keeps P >= this^z.")
-    selection_max_skips_all_wrong: int = doc(1, "An all-wrong prompt skipped this many times in a row is generated "
-                                                "the next time it comes up (0 = never skip all-wrong streaks).")
+    selection_explore_min_all_wrong: float = doc(0.05, "Floor of p_w (p_w <= 1/2, the back-off's rate; hard "
+                                                 "prompts stay in play by the back-off re-admission).")
+    selection_max_skips_all_wrong: int = doc(1, "Back-off base b: an all-wrong prompt with a streak of z, skipped "
+                                                "b * 2^(z-1) times in a row, is generated the next time it comes up "
+                                                "(0 = never skip all-wrong streaks).")
 
 
 @dataclass

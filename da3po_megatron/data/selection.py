@@ -30,20 +30,34 @@ w = all-wrong) and ``s`` consecutive skips:
 
     P(keep) = 1                                   if z = 0 (no history, or its last group taught something)
     P(keep) = p_c^z                               all-correct streak: aggressive, p_c >= explore_min
-    P(keep) = 1                                   all-wrong streak with s >= max_skips_all_wrong (re-admitted)
-    P(keep) = p_w^z,  p_w >= explore_min_all_wrong   all-wrong streak otherwise
+    P(keep) = 1                                   all-wrong streak with s >= b * 2^(z-1) (re-admitted: back-off)
+    P(keep) = p_w^z,  explore_min_all_wrong <= p_w <= 1/2    all-wrong streak otherwise
 
-so a hard prompt is generated at least once every ``max_skips_all_wrong + 1`` steps in which it comes up, and with
-probability >= ``explore_min_all_wrong^z`` in each of them: an all-wrong
-streak is where DAA's rare correct responses come from (Eq. 14 amplifies exactly those), so it is never retired,
-while an all-correct streak carries no such value and is retired geometrically. ``tails="shared"`` is the naive
-GRESO arm of the comparison: one rate for both tails, the all-correct floor, no re-admission.
+(b = ``max_skips_all_wrong``, default 1). An all-wrong streak is where DAA's rare correct responses come from
+(Eq. 14 amplifies exactly those), so it is never retired: after its z-th all-wrong group in a row a prompt is
+generated again within b * 2^(z-1) + 1 steps in which it comes up (exponential back-off in the streak). An
+all-correct streak carries no such value and is retired geometrically (no re-admission). Why a back-off and not a
+constant re-admission: a prompt the policy cannot solve yet (no correct response at all) would otherwise cost a
+generation every b + 1 steps for the whole run; with the back-off it costs O(log V) generations over V visits (the
+waits 1, 2, 4, ... sum to 2^g - 1 after g generations). A prompt with rare correct responses (a group holds one with
+probability q) has its streak reset by each such group, so its waits stay short (a streak of z has probability
+(1 - q)^z); a hopeless prompt that becomes solvable is found again after at most about as many visits as it has
+been all-wrong for. The cap p_w <= 1/2 is the back-off's own rate: with P(keep) <= 2^-z the expected number of
+visits to the next generation is at least ~2^(z-1) too, so the random keeps between re-admissions do not undo the
+O(log V) cost (an adapted p_w near 1 would keep every all-wrong prompt at every visit). With the re-admission
+guaranteed, p_w's floor no longer has to keep hard prompts in play: it defaults to 0.05 like p_c's. The previous rule
+(a16342e: floor 0.5, no cap, re-admission after one skip whatever the streak) made 18 % of the generated groups
+all-wrong on the second comparison regime's unlearnable 8-digit bucket, against 13 % without selection, because the
+all-wrong share stayed below its target and p_w rose (docs/results_cpu.md). ``tails="shared"`` is the naive GRESO
+arm of the comparison: one rate for both tails, the all-correct floor, no re-admission, no cap.
 
 **Adaptation** (:meth:`ExplorationRates.update`, once per window of ``window`` generated groups), with the window's
 observed all-correct / all-wrong fractions r_c, r_w and targets t_c, t_w:
 
-    p_t <- clip(p_t - eta, floor_t, 1)   if r_t > t_t    (too many zero-variance groups of tail t: skip more)
-    p_t <- clip(p_t + eta, floor_t, 1)   otherwise       (explore more)
+    p_t <- clip(p_t - eta, floor_t, cap_t)   if r_t > t_t    (too many zero-variance groups of tail t: skip more)
+    p_t <- clip(p_t + eta, floor_t, cap_t)   otherwise       (explore more)
+
+(cap_c = 1, cap_w = 1/2: the back-off's rate, above).
 
 ``shared``: one p on r_c + r_w against t_c + t_w. The same window updates the keep-rate estimate used to size each
 generation round (adaptive over-sampling): ``keep_ema <- (keep_ema + r_keep) / 2``, prompts per round =
@@ -66,6 +80,7 @@ __all__ = ["ExplorationRates", "PromptHistory", "SelectingPrompts", "SelectionPa
            "oversample", "selecting", "selection_batch_metrics", "uniform"]
 
 CORRECT, WRONG = "all_correct", "all_wrong"
+WRONG_RATE_CAP = 0.5  # p_w <= 1/2: the all-wrong back-off's doubling (module docstring)
 
 
 @dataclass(frozen=True)
@@ -78,8 +93,8 @@ class SelectionParams:
     explore_init: float = 0.5
     explore_step: float = 0.05
     explore_min: float = 0.05
-    explore_min_all_wrong: float = 0.5
-    max_skips_all_wrong: int = 1
+    explore_min_all_wrong: float = 0.05
+    max_skips_all_wrong: int = 1  # b: re-admitted after b * 2^(z-1) skips in a row (0: never skipped)
     window: int = 16
 
 
@@ -98,9 +113,9 @@ def keep_probability(streak: int, tail: str | None, skips: int, rate_correct: fl
         return rate_correct ** streak  # one rate (rate_correct holds it) for both tails, no re-admission
     if tail == CORRECT:
         return rate_correct ** streak
-    if skips >= params.max_skips_all_wrong:
+    if skips >= params.max_skips_all_wrong * 2 ** (streak - 1):  # exponential back-off in the streak
         return 1.0
-    return max(rate_wrong, params.explore_min_all_wrong) ** streak
+    return min(max(rate_wrong, params.explore_min_all_wrong), WRONG_RATE_CAP) ** streak
 
 
 def oversample(need: int, keep_rate: float, max_factor: float = 4.0) -> int:
@@ -122,7 +137,7 @@ class ExplorationRates:
         if self.correct < 0:
             self.correct = self.params.explore_init
         if self.wrong < 0:
-            self.wrong = max(self.params.explore_init, self.params.explore_min_all_wrong)
+            self.wrong = min(max(self.params.explore_init, self.params.explore_min_all_wrong), WRONG_RATE_CAP)
 
     def observe(self, all_correct: int, all_wrong: int, groups: int) -> bool:
         """Count generated groups; update the rates when a window is complete (returns whether it did)."""
@@ -144,7 +159,7 @@ class ExplorationRates:
             self.wrong = self.correct
         else:
             self.correct = _step(self.correct, eta, r_correct > p.target_all_correct, p.explore_min)
-            self.wrong = _step(self.wrong, eta, r_wrong > p.target_all_wrong, p.explore_min_all_wrong)
+            self.wrong = _step(self.wrong, eta, r_wrong > p.target_all_wrong, p.explore_min_all_wrong, WRONG_RATE_CAP)
         self.keep_ema = 0.5 * (self.keep_ema + (1.0 - r_correct - r_wrong))
 
     def state_dict(self) -> dict[str, Any]:
@@ -155,8 +170,8 @@ class ExplorationRates:
         self.window = {k: int(v) for k, v in s["window"].items()}
 
 
-def _step(rate: float, eta: float, too_many: bool, floor: float) -> float:
-    return min(1.0, max(floor, rate - eta if too_many else rate + eta))
+def _step(rate: float, eta: float, too_many: bool, floor: float, cap: float = 1.0) -> float:
+    return min(cap, max(floor, rate - eta if too_many else rate + eta))
 
 
 class PromptHistory:
