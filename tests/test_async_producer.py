@@ -129,11 +129,29 @@ def test_the_pause_drains_every_engine_at_once_standin():
 
 
 # ------------------------------------------------------------------------------------------- point 6: no idling
-def test_engines_keep_two_calls_in_flight_and_rewards_are_scored_off_the_producer_thread_standin():
-    engines = StandInStreamEngines(2, G, step_s=0.001)
+def test_engines_keep_two_calls_in_flight_and_rewards_are_scored_off_the_producer_thread_standin(monkeypatch):
+    """One engine (the case HEAD missed: it planned one call per engine answer, so a lone engine never had a second
+    call queued outside a pause and idled on every round trip): outside the pauses, most calls are queued behind
+    one the engine is running."""
+    engines = StandInStreamEngines(1, G, step_s=0.001)
     run = standin_run(engines, [((40 if i % 3 == 0 else 12), "mix") for i in range(200)], need=3, k=2, inflight=6)
     threads: set[str] = set()
     score = run.score
+    producers: list[AsyncRollout] = []
+    queued_behind = collections.Counter()  # calls outside the pause: queued behind a running one or not
+    start, init = engines.stream_start, AsyncRollout.__init__
+
+    def counting_start(e, submit, sampling, abort=None, max_steps=8, interrupt=None):
+        if producers and not producers[0]._want_pause:
+            queued_behind[engines.inflight[e] > 0] += 1
+        return start(e, submit, sampling, abort, max_steps, interrupt)
+
+    def keep(self, *a, **kw):
+        producers.append(self)
+        init(self, *a, **kw)
+
+    engines.stream_start = counting_start
+    monkeypatch.setattr(AsyncRollout, "__init__", keep)
 
     def slow_score(examples, completions):
         threads.add(threading.current_thread().name)
@@ -146,7 +164,10 @@ def test_engines_keep_two_calls_in_flight_and_rewards_are_scored_off_the_produce
     finally:
         engines.shutdown()
     assert [len(r.groups) for _, r in out] == [3] * 4
-    assert max(engines.max_inflight) == 2, f"calls in flight per engine: {engines.max_inflight}"
+    assert engines.max_inflight == [2], f"calls in flight per engine: {engines.max_inflight}"
+    print(f"calls outside the pauses: queued behind a running one {queued_behind[True]}, "
+          f"on an idle engine {queued_behind[False]}")
+    assert queued_behind[True] > 2 * queued_behind[False], dict(queued_behind)
     assert threads == {"da3po-async-scorer"}, threads
     assert all(0.0 <= r.stats["rollout/async/engine_idle_frac"] <= 1.0 for _, r in out)
 

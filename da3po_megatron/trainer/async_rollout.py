@@ -357,6 +357,8 @@ class AsyncRollout(EngineSide):
                 calls.start(e, submit)
                 if any(len(x) > 4 for x in submit):  # continuations now run: tests/test_async_faults.py
                     fault_point("partial_rollout", version + 1, self.run)
+            if plan:  # plan again before waiting: an engine just given its first call gets its second one queued
+                continue  # (a lone engine idled on every round trip otherwise: one call per answer)
             if calls.busy():
                 self._next()
 
