@@ -170,6 +170,20 @@ def test_a_whole_pass_skipped_generates_the_likeliest_prompt():
     assert sel.inner.consumed == 8 + 6  # one pass skipped, then u5 in the second
 
 
+def test_the_whole_pass_fallback_ranks_by_streak_not_by_tail():
+    """The fallback takes the shortest streak of either tail: a prompt all correct once (p_c = 0.01: P(keep) 0.01)
+    before prompts all wrong 6 times in a row (P(keep) 0.5^6 ~ 0.016, inside their back-off). Ranked by P(keep)
+    (rule 524e5ed) it took the hopeless prompts: on the second comparison regime DAPO + selection generated all 16
+    8-digit prompts in one step after skipping each of them."""
+    sel = SelectingPrompts(_dataset().iterator(seed=1, shuffle=False), P, seed=3)
+    for i in range(8):
+        for step in range(1 if i == 5 else 6):
+            sel.history.record(f"u{i}", 1.0 if i == 5 else 0.0, -1 - step)
+    sel.rates.correct, sel.rates.wrong = 0.01, 0.5
+    assert [ex.uid for ex in sel.take(1)] == ["u5"]
+    assert sel.inner.consumed == 8 + 6  # one pass skipped, then u5 in the second
+
+
 def test_a_prompt_is_not_taken_twice_before_its_outcome():
     """A round that goes round the stream (most prompts skipped) does not take a prompt again before it is scored:
     the 128-prompt comparison's DA3PO + selection round took bucket-8 prompts up to 3 times and a mixed one up to

@@ -21,9 +21,13 @@ per step; a per-visit draw let the first comparison's 32-prompt run generate an 
 per step (step 40 of DAPO + selection, seed 0: 268 groups generated for 16 kept, 224 of them all-wrong).
 
 **When a whole pass is skipped** (every prompt of a small set has a streak, late in training), the next prompt whose
-P(keep) this step is at least the pass's largest is generated: the likeliest to be informative (the shortest
-streak), not whichever came next. With "whichever came next", DAPO + selection on 128 prompts generated 86 groups per
-step against 63 without selection (steps 41-50, seed 0), every prompt skipped by step ~20.
+streak is at most the pass's shortest is generated (of either tail: ranked by 2^-z): the likeliest to be informative,
+not whichever came next. With "whichever came next", DAPO + selection on 128 prompts generated 86 groups per
+step against 63 without selection (steps 41-50, seed 0), every prompt skipped by step ~20. Ranked by P(keep)
+instead (rule 524e5ed), the fallback preferred all-wrong prompts -- their rate is capped at 1/2 where p_c sits near
+0.05 -- and generated hopeless prompts inside their back-off: on the second regime DAPO + selection generated all 16
+8-digit prompts in one step after the rule had skipped each of them (steps 24-27, 36, 42, 45 of seed 0), 299 all-wrong
+groups in 50 steps against 321 without selection. For one shared rate (the naive arm) both rankings are the same.
 
 **Skip rule** (:func:`keep_probability`), for a prompt with streak ``z`` of tail ``t`` (c = all-correct,
 w = all-wrong) and ``s`` consecutive skips:
@@ -249,20 +253,27 @@ class SelectingPrompts:
                     skip = self.memo[pos]
                 else:
                     skip, p_keep = self._decide(ex.uid, pos)
-                    if skip and floor is not None and p_keep >= floor:  # the fallback: the pass's best candidate
+                    rank = self._fallback_rank(ex.uid, p_keep)
+                    if skip and floor is not None and rank >= floor:  # the fallback: the pass's best candidate
                         skip = False
                         self.decided[ex.uid] = (False, p_keep)
-                    best = max(best, p_keep) if skip else best
+                    best = max(best, rank) if skip else best
                     self.memo[pos] = skip
                 if skip:
                     run_of_skips += 1
                     if run_of_skips >= len(self.inner.dataset) and floor is None:
-                        floor = best  # a whole pass skipped: keep the next prompt as likely to be kept as its best
+                        floor = best  # a whole pass skipped: keep the next prompt with the pass's shortest streak
                 else:
                     out.append(ex)
                     self.pending.add(ex.uid)
                     run_of_skips, best, floor = 0, -1.0, None
         return out
+
+    def _fallback_rank(self, uid: str, p_keep: float) -> float:
+        """A skipped prompt's rank for the whole-pass fallback: 2^-z, the shortest streak first whatever its tail
+        (module docstring); ``p_keep`` itself when <= 0 (generated this step with a zero-variance group: 0; taken
+        and not yet scored: -1)."""
+        return 0.5 ** self.history.streak(uid)[0] if p_keep > 0 else p_keep
 
     def _decide(self, uid: str, pos: int) -> tuple[bool, float]:
         """(skip ``uid`` now, its P(keep) this step): one decision per prompt per step (module docstring), counted
