@@ -52,7 +52,7 @@ O(log V) cost (an adapted p_w near 1 would keep every all-wrong prompt at every 
 guaranteed, p_w's floor no longer has to keep hard prompts in play: it defaults to 0.05 like p_c's. The previous rule
 (a16342e: floor 0.5, no cap, re-admission after one skip whatever the streak) made 18 % of the generated groups
 all-wrong on the second comparison regime's unlearnable 8-digit bucket, against 13 % without selection: each such
-prompt was generated in about every second step (p_w ended at 0.62; docs/results_cpu.md). ``tails="shared"`` is
+prompt was generated in about every second step (p_w ended at 0.62; docs/results_selection.md). ``tails="shared"`` is
 the naive GRESO arm of the comparison: one rate for both tails, the all-correct floor, no re-admission, no cap.
 
 **Adaptation** (:meth:`ExplorationRates.update`, once per window of ``window`` generated groups), with the window's
