@@ -5,7 +5,7 @@ test_trainer_e2e.py): what docs/reliability.md promises, measured. Faults are in
 One uninterrupted reference run is shared by every comparison. The kill sequence works on ONE run directory: a
 rollout engine dies with ``rollout.restart_on_failure=false`` (the run stops naming it), then each launch is killed
 at another phase (SIGKILL at the weight sync and in the middle of a checkpoint save -- with
-``DA3PO_FAULT_SUITE_FULL=1`` also at generation, rewards, old log-probs and the train step; SIGTERM while
+``DA3PO_FAULT_SUITE_FULL=1`` also at generation, rewards, old log-probs and the train step, and SIGTERM while
 generating; SIGUSR1 during the train step), the next launch resumes from what the previous one left, a damaged
 latest checkpoint is fallen back
 from, and the last launch has a reward worker killed mid-step and an engine killed with ``restart_on_failure=true``
@@ -204,13 +204,16 @@ def test_kills_at_every_phase_signals_and_a_damaged_checkpoint_resume_to_the_uni
         table.append((f"SIGKILL at {phase}", p.returncode, seconds))
     assert (ckpts / ".tmp-step_000002").exists()  # the save killed half-way left its temporary directory ...
 
-    # SIGTERM while generating step 2: abandoned; step 1 is already saved; exit 0
-    p, seconds = launch(model, run_dir, "term@generate@2", *ASYNC)
-    assert p.returncode == 0, tail(p)
-    assert f"run_dir lock: took over {run_dir / 'LOCK'}" in p.stdout, tail(p)  # from the last SIGKILLed launch
-    assert "received SIGTERM: abandoning the step in progress" in p.stdout
-    assert "stop requested (SIGTERM): step 1 checkpointed; exiting" in p.stdout
-    table.append(("SIGTERM at generate", p.returncode, seconds))
+    # SIGTERM while generating step 2: abandoned; step 1 is already saved; exit 0. In the full suite only since
+    # 2026-12-05 (CI budget): make test sends a real SIGTERM through Slurm and Ray's relay to the trainer in
+    # test_slurm_cluster.py::test_real_trainer_checkpoints_and_exits_0_on_scancel_term_and_on_a_plain_scancel
+    if full:
+        p, seconds = launch(model, run_dir, "term@generate@2", *ASYNC)
+        assert p.returncode == 0, tail(p)
+        assert f"run_dir lock: took over {run_dir / 'LOCK'}" in p.stdout, tail(p)  # from the last SIGKILLed launch
+        assert "received SIGTERM: abandoning the step in progress" in p.stdout
+        assert "stop requested (SIGTERM): step 1 checkpointed; exiting" in p.stdout
+        table.append(("SIGTERM at generate", p.returncode, seconds))
 
     # SIGUSR1 during the train step of step 2: the step finishes, step 2 is saved, exit 0
     p, seconds = launch(model, run_dir, "usr1@train@2", *ASYNC)

@@ -351,8 +351,8 @@ def test_real_trainer_checkpoints_and_exits_0_on_scancel_term_and_on_a_plain_sca
         log = tmp_path / f"train{len(saved_steps)}.out"
         job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=1",
                       "--gpus-per-node=2")
-        info = _wait_until(job, log, lambda j, log=log: len(re.findall(r"\] step \d+/200", _log(log))) >= 2
-                           or j["JobState"] in TERMINAL, "the trainer to finish 2 steps", timeout=600)
+        info = _wait_until(job, log, lambda j, log=log: re.search(r"\] step \d+/200", _log(log))
+                           or j["JobState"] in TERMINAL, "the trainer to finish a step", timeout=600)
         assert info["JobState"] not in TERMINAL, f"job {job} {info['JobState']}:\n{_log(log)[-4000:]}"
         if not saved_steps:  # colocated: rank 0 and engine 0 on one GPU id, from the actors themselves
             where = _placement(run_dir, _log(log))
@@ -389,7 +389,7 @@ def test_convert_and_eval_sbatch_run_on_the_local_cluster(local_slurm: None, tmp
     info = _wait_finished(job, log1, timeout=600)
     assert info["JobState"] == "COMPLETED", _log(log1)[-4000:]
     job = _sbatch("slurm/convert.sbatch", log2, env, script_args=(
-        "megatron-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "back"), "--verify"))
+        "megatron-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "back")))  # bit-exact below
     info = _wait_finished(job, log2, timeout=600)
     assert info["JobState"] == "COMPLETED", _log(log2)[-4000:]
     from safetensors.torch import load_file
