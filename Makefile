@@ -5,7 +5,7 @@ PYTEST_ARGS ?= --durations=25
 # PYTEST_WORKERS: pytest-xdist workers for everything but the Slurm tests, which then run alone; its default (2) and
 # why are in scripts/run_tests.sh. `make test PYTEST_WORKERS=0` runs the first pass serially too.
 
-.PHONY: install demo test test-layouts test-gpu-prep lint theory clean ci-time
+.PHONY: install demo test test-layouts test-long test-gpu-prep lint theory clean ci-time
 
 install:  ## create .venv if missing and install the CPU stack (idempotent)
 	bash scripts/install.sh cpu $(VENV)
@@ -19,6 +19,9 @@ test: install  ## the whole test suite, as CI runs it
 
 test-layouts: install  ## every shipped recipe's layout shrunk to tiny width (~25 min on 2 cores; not in make test)
 	$(PY) -m pytest -m layouts tests/test_shipped_layouts.py $(PYTEST_ARGS)
+
+test-long: install  ## end-to-end tests that cheaper ones in make test overlap (~3 min on 2 cores; not in make test)
+	$(PY) -m pytest -m long $(PYTEST_ARGS)
 
 test-gpu-prep: install  ## tools/gpu_check.sh run whole on CPU at tiny sizes (~90 s; not in make test): before a device session
 	$(PY) -m pytest -m gpu_prep tests/test_gpu_check_script.py $(PYTEST_ARGS)

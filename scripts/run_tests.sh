@@ -5,7 +5,9 @@
 #      The shipped recipes' shrunk layouts (`-m layouts`, tests/test_shipped_layouts.py) are left out of both
 #      passes (`make test-layouts` runs them): 2-6 minutes each on 2 cores would take the suite past its budget;
 #      so is the whole tools/gpu_check.sh run at tiny sizes (`-m gpu_prep`, `make test-gpu-prep`, before a device
-#      session; the fresh-clone CI run of 2026-12-05 took 1,821 s with it, over the 1,800 s budget).
+#      session; the fresh-clone CI run of 2026-12-05 took 1,821 s with it, over the 1,800 s budget);
+#      and the `long` tests (`make test-long`: end-to-end runs that cheaper tests in the pass overlap; a fresh-clone
+#      CI run of 2026-12-05 took ~1,870 s with them on a slow hour).
 #   2. the Slurm tests (`-m slurm`: a 3-node cluster in network namespaces, real sbatch/scancel/requeue) alone and
 #      serially, after pass 1 -- with them next to another worker, a worker died once at the end of the 3-node requeue
 #      test (not explained; no OOM kill was recorded), so they never share the machine with other tests.
@@ -30,7 +32,7 @@ durations=${DA3PO_TEST_DURATIONS_DIR:-.pytest_cache/da3po}
 start=$(date +%s)
 echo "[tests] pass 1/2: all but the Slurm tests, $workers worker(s)"
 DA3PO_TEST_DURATIONS=$durations/durations-pass1.json \
-  "$py" -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not slurm and not layouts and not gpu_prep" "$@"
+  "$py" -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not slurm and not layouts and not gpu_prep and not long" "$@"
 rc1=$?
 mid=$(date +%s)
 echo "[tests] pass 1/2 exit $rc1 after $((mid - start)) s; pass 2/2: the Slurm tests, serially"

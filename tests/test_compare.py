@@ -424,6 +424,7 @@ def test_compare_variants_puts_each_variant_beside_the_reference_at_equal_steps_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test-long (CI budget); the report and grid tests of this file stay in make test
 def test_smoke_grid_runs_through_the_real_trainer_and_skips_finished_runs_when_rerun(tmp_path, warm_model):
     out, runs = tmp_path / "rep", tmp_path / "runs"
     # GSPO in place of the smoke grid's GRPO: GRPO's real-trainer run is in test_trainer_e2e.py, GSPO's is this one

@@ -41,6 +41,7 @@ def test_smollm2_fixture_is_the_tied_llama_checkpoint(smollm2):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+@pytest.mark.long  # make test-long (CI budget); test_convert.py's tiny TP 2 x PP 2 round trip stays in make test
 def test_conversion_tp3_pp2_round_trip_is_bit_exact_and_verifies(smollm2, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ckpt, back = tmp_path / "megatron", tmp_path / "back"
