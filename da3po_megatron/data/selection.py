@@ -119,7 +119,12 @@ def keep_probability(streak: int, tail: str | None, skips: int, rate_correct: fl
         return rate_correct ** streak
     if skips >= params.max_skips_all_wrong * 2 ** (streak - 1):  # exponential back-off in the streak
         return 1.0
-    return min(max(rate_wrong, params.explore_min_all_wrong), WRONG_RATE_CAP) ** streak
+    return _wrong_rate(rate_wrong, params) ** streak
+
+
+def _wrong_rate(rate: float, params: SelectionParams) -> float:
+    """p_w within [explore_min_all_wrong, 1/2] (the back-off's rate: module docstring)."""
+    return min(max(rate, params.explore_min_all_wrong), WRONG_RATE_CAP)
 
 
 def oversample(need: int, keep_rate: float, max_factor: float = 4.0) -> int:
@@ -141,7 +146,7 @@ class ExplorationRates:
         if self.correct < 0:
             self.correct = self.params.explore_init
         if self.wrong < 0:
-            self.wrong = min(max(self.params.explore_init, self.params.explore_min_all_wrong), WRONG_RATE_CAP)
+            self.wrong = _wrong_rate(self.params.explore_init, self.params)
 
     def observe(self, all_correct: int, all_wrong: int, groups: int) -> bool:
         """Count generated groups; update the rates when a window is complete (returns whether it did)."""
