@@ -384,7 +384,7 @@ def test_every_weight_transport_is_allowed_with_expert_parallelism_and_ipc_refus
     assert choose_transport("auto", has_cuda=True, colocate=True, **hosts) == "ipc"
     assert choose_transport("ipc", has_cuda=True, colocate=True, **hosts) == "ipc"
     from da3po_megatron.config import load_config
-    from da3po_megatron.config_io import ConfigError
+    from da3po_megatron.config.io import ConfigError
 
     recipe = Path(__file__).resolve().parents[1] / "examples/qwen3_30b_a3b_da3po.yaml"
     ipc = ["model.path=/x", "rollout.weight_transfer=ipc", "rollout.colocate=true", "rollout.tensor_parallel_size=1",

@@ -182,7 +182,7 @@ def test_routes_survive_the_checkpointed_group_round_trip():
 def test_routing_replay_is_refused_where_it_cannot_work(tmp_path):
     from da3po_megatron.bridge.hf_config import gpt_arch
     from da3po_megatron.config import load_config
-    from da3po_megatron.config_io import ConfigError
+    from da3po_megatron.config.io import ConfigError
     from da3po_megatron.megatron.policy import validate_config
 
     recipe, base = ROOT / "examples/tiny_cpu_moe.yaml", ["model.path=/x", f"trainer.run_dir={tmp_path}",

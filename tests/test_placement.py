@@ -359,7 +359,7 @@ def test_colocated_ipc_layouts_are_served_at_any_policy_tp_pp_and_what_stays_ref
     on the planned layout)."""
     import time
 
-    from da3po_megatron.config_io import ConfigError
+    from da3po_megatron.config.io import ConfigError
 
     t0 = time.perf_counter()
     colo = dict(colocate=True, gpus_per_rank=1, gpus_per_engine=1, device="gpu")

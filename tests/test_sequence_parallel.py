@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from da3po_megatron.config import standalone_policy_config
-from da3po_megatron.config_io import ConfigError
+from da3po_megatron.config.io import ConfigError
 
 JOB = Path(__file__).with_name("_policy_sp.py")
 

@@ -93,7 +93,7 @@ def shrink(recipe: str) -> dict:
     if transfer == "ipc":
         subs.append("transport ipc->bytes (CUDA IPC)")
         transfer = "bytes"
-    if transfer == "auto":  # one CPU node: auto picks bytes (config_rollout.weight_transfer); named so layouts merge
+    if transfer == "auto":  # one CPU node: auto picks bytes (config.rollout.weight_transfer); named so layouts merge
         transfer = "bytes"
     colocate = bool(ro.colocate)
     if colocate:

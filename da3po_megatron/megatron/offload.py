@@ -1,6 +1,6 @@
 """Tiered trainer offload: the policy gives its device memory to the colocated engines while they generate.
 
-``actor.offload`` (``config_policy.ActorConfig``) names what a policy rank releases between its training step and its
+``actor.offload`` (``config.policy.ActorConfig``) names what a policy rank releases between its training step and its
 next forward, in tiers (each includes the ones before it):
 
 - ``grads``: megatron-core's DDP gradient buffers, freed WITHOUT a copy through its own API

@@ -82,7 +82,7 @@ class OffloadCycle:
     def __init__(self, policy: Any, tier: str, engines_sleep: bool, without_sleep: bool = False,
                  staleness: int = 0) -> None:
         self.policy, self.tier = policy, tier
-        # staleness >= 1: the engines generate while the policy trains (they never sleep; config_checks refuses it)
+        # staleness >= 1: the engines generate while the policy trains (they never sleep; config/checks.py refuses it)
         self.effective = tier != "none" and (engines_sleep or without_sleep) and staleness == 0
         self.offloaded = False
         self.calls: list[str] = []

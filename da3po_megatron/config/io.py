@@ -1,6 +1,6 @@
 """Generic loading of a typed dataclass tree: YAML files with ``defaults`` chains, dotted command-line overrides,
 values checked against the annotations with errors naming the field. The project's tree and its checks are in
-:mod:`da3po_megatron.config`; this module knows nothing of them."""
+:mod:`da3po_megatron.config` (``tree.py``, ``checks.py``); this module knows nothing of them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Config sections of the policy: model, parallel layout, MoE, optimizer, actor (re-exported by ``config.py``;
+"""Config sections of the policy: model, parallel layout, MoE, optimizer, actor (exported by ``config/__init__.py``;
 every field documented where it is defined, with its unit and paper equation)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from da3po_megatron.config_io import doc
+from da3po_megatron.config.io import doc
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""The ``rollout`` config section: generation engines, sampling, weight sync, staleness (re-exported by
-``config.py``)."""
+"""The ``rollout`` config section: generation engines, sampling, weight sync, staleness (exported by
+``config/__init__.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from da3po_megatron.config_io import doc
+from da3po_megatron.config.io import doc
 
 
 @dataclass

@@ -1,15 +1,17 @@
-"""The typed configuration tree: YAML files + dotted command-line overrides, validated with clear messages.
+"""Loading the typed configuration tree (:class:`~da3po_megatron.config.tree.Config`): YAML files + dotted
+command-line overrides, presets resolved, validated with clear messages.
 
     cfg = load_config("examples/qwen3_4b_da3po.yaml", ["trainer.total_steps=10", "daa.lambda_=2.5"])
 
-Every field is documented where it is defined (``doc(...)`` below), with its unit and the paper equation it comes from.
-Names follow Megatron for parallelism/model fields and verl/DAPO for RL fields; DA3PO's own fields live under ``daa``.
+Every field is documented where it is defined (``doc(...)`` in the section modules), with its unit and the paper
+equation it comes from. Names follow Megatron for parallelism/model fields and verl/DAPO for RL fields; DA3PO's own
+fields live under ``daa``.
 
 A YAML file may start with ``defaults: [other.yaml, ...]`` (paths relative to the file): those are loaded first and
 this file's keys override theirs, so the paper's recipes share one base. Unknown keys are errors naming the key and
-the closest valid one; values are type-checked (the generic machinery: :mod:`da3po_megatron.config_io`); ranges are
-checked in :func:`validate` with the allowed range named. Fields an algorithm's preset decides are resolved once, in
-:func:`resolve` (from ``algorithms/registry.py``).
+the closest valid one; values are type-checked (the generic machinery: :mod:`da3po_megatron.config.io`); ranges are
+checked in :func:`~da3po_megatron.config.checks.validate` with the allowed range named. Fields an algorithm's preset
+decides are resolved once, in :func:`resolve` (from ``algorithms/registry.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,68 +29,12 @@ from da3po_megatron.algorithms.registry import (
     preset_overrides,
     resolve_presets,
 )
-from da3po_megatron.config_checks import validate
-from da3po_megatron.config_io import ConfigError, build, doc, nest, parse_override, read_yaml
-from da3po_megatron.config_policy import ActorConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig
-from da3po_megatron.config_rollout import RolloutConfig
-from da3po_megatron.config_run import (
-    AlgorithmConfig,
-    DAAConfig,
-    DataConfig,
-    EvalConfig,
-    OverlongConfig,
-    ProfileConfig,
-    RayConfig,
-    RewardConfig,
-    SyntheticTaskConfig,
-    TrainerConfig,
-)
-
-__all__ = ["ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "DAAConfig", "DataConfig", "EvalConfig",
-           "ModelConfig", "MoEConfig", "OptimConfig", "OverlongConfig", "ParallelConfig", "ProfileConfig", "RayConfig",
-           "RewardConfig", "RolloutConfig", "SyntheticTaskConfig", "TrainerConfig", "algorithm_config", "describe",
-           "doc", "load_config", "resolve", "standalone_policy_config", "to_dict", "validate"]
-# The sections live in config_policy.py (model, parallel, moe, optim, actor), config_rollout.py (rollout) and
-# config_run.py (algorithm, daa, data, reward, eval, ray, trainer); this module assembles and loads them.
+from da3po_megatron.config.checks import validate
+from da3po_megatron.config.io import ConfigError, build, nest, parse_override, read_yaml
+from da3po_megatron.config.run import AlgorithmConfig
+from da3po_megatron.config.tree import Config
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    daa: DAAConfig = field(default_factory=DAAConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-    # ---- derived values
-    @property
-    def ppo_mini_batch_responses(self) -> int:
-        """Responses per optimizer step: actor.ppo_mini_batch_size prompts x rollout.n."""
-        return self.actor.ppo_mini_batch_size * self.rollout.n
-
-    @property
-    def optimizer_steps(self) -> int:
-        """Optimizer steps of the whole run, the LR schedule's horizon: trainer.total_steps x (data.train_batch_size
-        / actor.ppo_mini_batch_size) x actor.ppo_epochs."""
-        per_step = max(1, self.data.train_batch_size // max(1, self.actor.ppo_mini_batch_size))
-        return self.trainer.total_steps * per_step * self.actor.ppo_epochs
-
-    @property
-    def policy_world_size(self) -> int:
-        p = self.parallel
-        return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size * \
-            p.data_parallel_size
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -131,7 +76,7 @@ def resolve(cfg: Config) -> Config:
     find it). Called by :func:`load_config`; call it on a :class:`Config` built in code. Returns ``cfg``."""
     resolve_presets(cfg)
     p = cfg.parallel
-    if p.sequence_parallel is None:  # megatron-core's recipes: SP whenever TP > 1 (config_policy.py)
+    if p.sequence_parallel is None:  # megatron-core's recipes: SP whenever TP > 1 (config/policy.py)
         p.sequence_parallel = p.tensor_model_parallel_size > 1
     a = cfg.algorithm
     for name, args in (("policy_loss_fn", POLICY_LOSS_FN_ARGS), ("advantage_fn", ADVANTAGE_FN_ARGS)):

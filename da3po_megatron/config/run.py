@@ -1,5 +1,5 @@
 """Config sections of the algorithm and the run: algorithm presets, DAA, data, rewards, evaluation, Ray, trainer
-(re-exported by ``config.py``)."""
+(exported by ``config/__init__.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from da3po_megatron.algorithms.registry import ALGORITHMS
-from da3po_megatron.config_io import doc
+from da3po_megatron.config.io import doc
 
 
 @dataclass
@@ -78,7 +78,7 @@ class SyntheticTaskConfig:
     train_per_bucket: int = doc(512, "Training prompts per difficulty bucket.")
     eval_per_bucket: int = doc(32, "Held-out evaluation prompts per bucket (never in the training split).")
     response_tokens: list[int] = doc([], "[easy, hard]: long-tailed response lengths growing with difficulty, as in "
-                                         "math RL (benchmarks, tools/bench_async.py). Each training prompt's responses "
+                                         "math RL (benchmarks, da3po_megatron/bench/async_rl.py). Each training prompt's responses "
                                          "are capped at a length drawn once per prompt from a log-normal (sigma 0.6) "
                                          "whose median grows geometrically from easy (min_digits) to hard "
                                          "(max_digits) tokens, clipped to rollout.max_response_length; with "

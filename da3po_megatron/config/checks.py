@@ -1,5 +1,6 @@
 """The run config's range and consistency checks (:func:`validate`), kept apart from the tree they check
-(:mod:`da3po_megatron.config`, which calls them from ``load_config``). Each error names the field and its allowed range.
+(:mod:`da3po_megatron.config.tree`; :mod:`da3po_megatron.config.load` calls them from ``load_config``). Each error
+names the field and its allowed range.
 """
 
 from __future__ import annotations
@@ -7,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from da3po_megatron.config_io import ConfigError, check_finite
+from da3po_megatron.config.io import ConfigError, check_finite
 
 if TYPE_CHECKING:
-    from da3po_megatron.config import Config
+    from da3po_megatron.config.tree import Config
 
 
 def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
