@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from da3po_megatron import tiny
-from da3po_megatron.megatron.batching import PolicyBatch, build_microbatch
+from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.megatron.packing import build_microbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",

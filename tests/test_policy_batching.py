@@ -8,13 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from da3po_megatron.megatron.batching import (
-    PolicyBatch,
-    balance_across_dp,
-    build_microbatch,
-    microbatches,
-    plan_microbatches,
-)
+from da3po_megatron.megatron.batching import PolicyBatch, balance_across_dp
+from da3po_megatron.megatron.packing import build_microbatch, microbatches, plan_microbatches
 
 
 def _batch() -> PolicyBatch:

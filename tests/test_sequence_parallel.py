@@ -97,7 +97,8 @@ def test_memory_plan_divides_the_tp_replicated_activations_by_tp_with_sequence_p
 def test_rows_are_padded_to_a_multiple_of_tp_and_the_padding_scores_nothing(layout):
     import numpy as np
 
-    from da3po_megatron.megatron.batching import PolicyBatch, build_microbatch
+    from da3po_megatron.megatron.batching import PolicyBatch
+    from da3po_megatron.megatron.packing import build_microbatch
 
     prompts, responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[20, 21], [22, 23, 24], [25]]
     routes = [np.full((len(p) + len(r) - 1, 1, 2), i + 1, dtype=np.uint8) for i, (p, r) in
@@ -174,7 +175,7 @@ def test_moe_tp2_ep2_sequence_parallel_replays_the_same_routes_and_trains_like_t
     assert figures["loss_rel_vs_tp1"] < 1e-5 and figures["grad_norm_rel_vs_tp1"] < 1e-5
     assert figures["logprobs_after_3_steps_vs_tp1"] < 1e-5
     # router agreement: every (position, MoE layer) pair with an engine route counted once, summed over TP ranks
-    from _policy_selfcheck import fixed_batch
+    from da3po_megatron.testing.policy_selfcheck import fixed_batch
 
     prompts, responses = fixed_batch()
     pairs = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))  # the tiny MoE has one MoE layer

@@ -9,7 +9,8 @@ sampling for the rollout / training mismatch, ``algorithms.rollout_correction``)
 the driver computes to send each rank only its rows.
 
 Micro-batching by token budget and sequence packing (:func:`plan_microbatches`, :func:`build_microbatch`,
-:class:`MicroBatch`, :func:`microbatches`) live in :mod:`.packing` and are re-exported here.
+:class:`MicroBatch`, :func:`microbatches`) live in :mod:`.packing`, above this module (it takes a
+:class:`PolicyBatch`); import them from there.
 """
 
 from __future__ import annotations
@@ -20,13 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from da3po_megatron.megatron.packing import (  # noqa: F401  (re-exported: the micro-batch half)
-    MicroBatch,
-    build_microbatch,
-    microbatches,
-    plan_microbatches,
-)
 
 
 @dataclass(eq=False)

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from da3po_megatron.megatron.batching import MicroBatch
+from da3po_megatron.megatron.packing import MicroBatch
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Dynamic micro-batching by token budget and sequence packing: the tensors of one Megatron micro-batch.
 
-Split out of :mod:`.batching` (which keeps the batch format, :class:`~.batching.PolicyBatch` / ``Ragged``, and the
-data-parallel split, and re-exports these names):
+Split out of :mod:`.batching`, which keeps the batch format (:class:`~.batching.PolicyBatch` / ``Ragged``) and the
+data-parallel split; this module sits above it and its importers name it directly:
 
 - :func:`plan_microbatches` groups a shard into micro-batches whose work is bounded by ``max_tokens_per_microbatch``
   (first-fit decreasing bin packing, as verl's dynamic batching / NeMo-RL's sequence packing do);

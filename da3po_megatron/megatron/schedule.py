@@ -23,8 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from da3po_megatron.megatron.batching import MicroBatch, PolicyBatch, Ragged, balance_across_dp, microbatches
+from da3po_megatron.megatron.batching import PolicyBatch, Ragged, balance_across_dp
 from da3po_megatron.megatron.loss_backends import LossBackend
+from da3po_megatron.megatron.packing import MicroBatch, microbatches
 
 
 @dataclass
@@ -72,7 +73,7 @@ class ForwardSchedule:
             return slice(0, n)
         if n % self.tp:
             raise ValueError(f"a micro-batch of {n} router tokens cannot be split over {self.tp} TP ranks (rows must "
-                             "be padded to a multiple of TP: batching.build_microbatch pad_to)")
+                             "be padded to a multiple of TP: packing.build_microbatch pad_to)")
         k = n // self.tp
         return slice(self.tp_rank * k, (self.tp_rank + 1) * k)
 
