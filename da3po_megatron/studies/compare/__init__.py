@@ -41,11 +41,13 @@ correction), wall-clock-matched comparisons.
 Where each part lives (this module re-exports their public names, so ``from da3po_megatron.studies import compare``
 is the whole API): the grid, its runner and the warm-up in :mod:`~da3po_megatron.studies.compare.grid`; the held-out
 metric keys in :mod:`~da3po_megatron.studies.compare.keys`; interpolation,
-seed statistics and the significance screen in :mod:`~da3po_megatron.studies.compare.stats` (pure functions); table
-points, tables, verdict and ``report.md`` in :mod:`~da3po_megatron.studies.compare.report`; the PNG figures in
+seed statistics and the significance screen in :mod:`~da3po_megatron.studies.compare.stats` (pure functions); what
+the report reads and its table points in :mod:`~da3po_megatron.studies.compare.data`; tables, verdict and
+``report.md`` in :mod:`~da3po_megatron.studies.compare.report`; the PNG figures in
 :mod:`~da3po_megatron.studies.compare.plots`.
 """
 
+from da3po_megatron.studies.compare.data import ReportData, choose_points, prepare
 from da3po_megatron.studies.compare.grid import (
     ALGORITHMS,
     DONE_MARKER,
@@ -65,7 +67,7 @@ from da3po_megatron.studies.compare.grid import (
 )
 from da3po_megatron.studies.compare.keys import HeldOutKeys, discover
 from da3po_megatron.studies.compare.plots import plot_report
-from da3po_megatron.studies.compare.report import ReportData, build_report, choose_points, prepare, start_evals, verdict
+from da3po_megatron.studies.compare.report import build_report, start_evals, verdict
 from da3po_megatron.studies.compare.stats import (
     Comparison,
     Point,

@@ -316,3 +316,17 @@ def load_grid(specs: Sequence[RunSpec]) -> dict[str, dict[int, list[dict]]]:
                 grid.setdefault(s.method.label, {})[s.seed] = rows
     return grid
 
+
+def load_variant(spec: str) -> tuple[str, dict[int, list[dict]]]:
+    """``NAME=DIR`` -> (NAME, {seed: metrics rows}) from ``DIR/seed<k>/metrics.jsonl`` (run directories) or
+    ``DIR/seed<k>.jsonl`` (raw logs kept elsewhere, e.g. under ``--logs-dir``); the run directory wins."""
+    name, _, path = spec.partition("=")
+    if not path:
+        raise SystemExit(f"variant {spec!r}: expected NAME=DIR")
+    runs = {int(d.name.removeprefix("seed")): read_metrics(d / "metrics.jsonl")
+            for d in sorted(Path(path).glob("seed*")) if (d / "metrics.jsonl").exists()}
+    runs.update({int(f.stem.removeprefix("seed")): read_metrics(f) for f in sorted(Path(path).glob("seed*.jsonl"))
+                 if int(f.stem.removeprefix("seed")) not in runs})
+    if not runs:
+        raise SystemExit(f"variant {name}: no seed*/metrics.jsonl nor seed*.jsonl under {path}")
+    return name, runs

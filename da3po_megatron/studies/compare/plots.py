@@ -9,14 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from da3po_megatron.studies.compare.data import ReportData
 from da3po_megatron.studies.compare.stats import mean_std, seed_values, series
-
-if TYPE_CHECKING:  # the report module draws the figures: a runtime import would be circular
-    from da3po_megatron.studies.compare.report import ReportData
 
 
 def _band(ax, xs_list: Sequence[Sequence[float]], ys_list: Sequence[Sequence[float]], label: str, color: str,

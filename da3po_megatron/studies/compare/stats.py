@@ -123,3 +123,18 @@ def compare_means(a_label: str, a: Sequence[float], b_label: str, b: Sequence[fl
     else:
         outcome = "no significant difference"
     return Comparison(a_label, b_label, diff, se, na, nb, outcome)
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int]:
+    """Mean over the seeds both have of a[s] - b[s], its standard error sd/sqrt(n) (ddof 1; nan below 2 seeds), n."""
+    d = [a[s] - b[s] for s in sorted(set(a) & set(b)) if math.isfinite(a[s]) and math.isfinite(b[s])]
+    m, sd, n = mean_std(d)
+    return m, (sd / math.sqrt(n) if n >= 2 else math.nan), n
+
+
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided 95 %, n-1 dof
+
+
+def significant(m: float, se: float, n: int) -> bool:
+    """|m| beyond Student's t (two-sided 95 %, n - 1 degrees of freedom) standard errors; 2.0 from 10 seeds on."""
+    return n >= 2 and math.isfinite(se) and se > 0 and abs(m) > T95.get(n - 1, 2.0) * se
