@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("da3po_megatron.bench", "run a throughput / memory benchmark"),
     "theory": ("da3po_megatron.algorithms.theory", "print alpha+, alpha-, gamma of Theorem 3.1 for given p and G"),
     "doctor": ("da3po_megatron.doctor", "check this machine's stack and what the defaults will use here"),
-    "checkpoint": ("da3po_megatron.trainer.checkpoint", "verify run checkpoints against their manifests"),
+    "checkpoint": ("da3po_megatron.trainer.resume.checkpoint", "verify run checkpoints against their manifests"),
 }
 
 

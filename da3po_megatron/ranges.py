@@ -1,8 +1,8 @@
 """Named phase ranges for profilers: ``record_function`` (torch profiler) + NVTX on CUDA; a no-op when off.
 
 A leaf module (torch only), so the policy ranks (``megatron/policy.py``) and the trainer's loop use the same ranges;
-what turns them on and writes traces is :mod:`da3po_megatron.trainer.profiling`. Cost when off: one dict lookup and
-a shared ``nullcontext`` (``phase``) or one extra Python call (``ranged``).
+what turns them on and writes traces is :mod:`da3po_megatron.trainer.observability.profiling`. Cost when off: one dict
+lookup and a shared ``nullcontext`` (``phase``) or one extra Python call (``ranged``).
 """
 
 from __future__ import annotations

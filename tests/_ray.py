@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from da3po_megatron.trainer.prepare import start_local_ray
+from da3po_megatron.trainer.cluster.bringup import start_local_ray
 
 
 @contextmanager

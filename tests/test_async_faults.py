@@ -8,17 +8,17 @@ stop at step 2, a SIGKILL, the engine kill): most of a launch is start-up and sh
 the steps take a few seconds each, so CI time is the number of launches. The first launch's step-(s-1) checkpoint is
 the one taken with partials in flight; the engine kill rides on the resume.
 
-What "resumes exactly" can mean here (``trainer/async_rollout.py``): a checkpoint is taken while the producer is
-paused, and holds its queue (released and decided groups) and every interrupted partial rollout with its tokens,
+What "resumes exactly" can mean here (``trainer/generation/async_rollout.py``): a checkpoint is taken while the producer
+is paused, and holds its queue (released and decided groups) and every interrupted partial rollout with its tokens,
 log-probs and per-token versions; nothing runs then. After the weight update that follows, how far the engines get
 while a step trains depends on timing, so an asynchronous run (k >= 2) is not bit-reproducible and an interrupted run's
 metrics cannot be compared with an uninterrupted one's. What is checked instead: the in-flight partials are *saved
 with their versions* (not dropped), the resumed run continues them, the staleness bound holds across the resume and
 the engine restart, and every admitted prompt is accounted for exactly once *by uid* over the launches (released into
 a completed step's batch -- trained or filtered -- or still queued / decided / in flight in the final checkpoint):
-nothing lost, nothing twice. The uids of each batch come from ``DA3PO_ASYNC_TRACE`` (``trainer/async_partial.py``:
-one JSON line per batch taken; a step redone after a resume counts once, from its last line). Staleness 0 and 1
-resume bit-exactly (``test_reliability_faults.py``, ``test_trainer_e2e.py``).
+nothing lost, nothing twice. The uids of each batch come from ``DA3PO_ASYNC_TRACE``
+(``trainer/generation/async_partial.py``: one JSON line per batch taken; a step redone after a resume counts once, from
+its last line). Staleness 0 and 1 resume bit-exactly (``test_reliability_faults.py``, ``test_trainer_e2e.py``).
 
 The task makes partial rollouts certain: the coin verifier of the synthetic task's benchmark options
 (``data.synthetic.coin_p``, ``response_tokens``, ``rollout.ignore_eos``) gives every response a fixed length of
@@ -39,7 +39,7 @@ import test_reliability_faults
 import torch
 from test_reliability_faults import launch
 
-from da3po_megatron.trainer.async_partial import TRACE_ENV
+from da3po_megatron.trainer.generation.async_partial import TRACE_ENV
 
 pytestmark = pytest.mark.slow
 

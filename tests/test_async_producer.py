@@ -1,20 +1,19 @@
-"""The asynchronous producer, second round (issue 47, points 1-7; trainer/async_rollout.py, docs/async.md): no hang
-when a pause races admission, a pause on every engine at once, two calls in flight per engine and scoring off the
-producer thread, bounded waits and engine restarts with per-uid exactly-once accounting, resumes that change the
+"""The asynchronous producer, second round (issue 47, points 1-7; trainer/generation/async_rollout.py, docs/async.md):
+no hang when a pause races admission, a pause on every engine at once, two calls in flight per engine and scoring off
+the producer thread, bounded waits and engine restarts with per-uid exactly-once accounting, resumes that change the
 asynchronous settings (migrated or refused), the behaviour-correction rules, and the checkpoint snapshot.
 
 Engines here are stand-ins, said in each test's name: the scripted engine mock of ``test_async_rollout.py``
-(synchronous, in process) and ``tools/standin_engines.py`` (one worker thread per engine, as a Ray actor with
-max_concurrency 1; each engine step sleeps). Both ignore unknown interrupt keys, as ``rollout/stream.py`` does."""
+(synchronous, in process) and ``da3po_megatron/testing/standin_engines.py`` (one worker thread per engine, as a Ray
+actor with max_concurrency 1; each engine step sleeps). Both ignore unknown interrupt keys, as ``rollout/stream.py``
+does."""
 
 from __future__ import annotations
 
 import collections
-import sys
 import threading
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,12 +23,10 @@ from test_async_rollout import LONG, TASK, G, drive, mock_run
 from da3po_megatron.config import ConfigError, load_config
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.rollout.types import Completion
+from da3po_megatron.testing.standin_engines import StandInStreamEngines
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.async_rollout import AsyncRollout, EngineFailure, Partial
-from da3po_megatron.trainer.collect import StepRollout
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from standin_engines import StandInStreamEngines  # noqa: E402
+from da3po_megatron.trainer.generation.async_rollout import AsyncRollout, EngineFailure, Partial
+from da3po_megatron.trainer.generation.collect import StepRollout
 
 
 def within(seconds: float, fn):
@@ -308,7 +305,7 @@ def test_a_staleness_1_checkpoint_resumed_into_the_producer_trains_its_batch_at_
 
 def _resume_state(cfg_old, cfg_new, state):
     from da3po_megatron.config import to_dict
-    from da3po_megatron.trainer.async_resume import async_resume_problems
+    from da3po_megatron.trainer.resume.async_resume import async_resume_problems
 
     return async_resume_problems(to_dict(cfg_old), to_dict(cfg_new), state)
 
@@ -325,7 +322,7 @@ def test_a_resume_that_changes_the_async_settings_refuses_before_ray_or_migrates
     import yaml
 
     from da3po_megatron.config import to_dict
-    from da3po_megatron.trainer.config_drift import ConfigDriftError, check_resume_config
+    from da3po_megatron.trainer.resume.config_drift import ConfigDriftError, check_resume_config
 
     run = mock_run([(2, "mix")] * 2 + [(LONG, "mix")] * 2 + [(2, "mix")] * 60, need=2, k=2, partial=True,
                    max_versions=8, inflight=4)
@@ -389,7 +386,7 @@ def test_partials_keep_routes_and_the_producer_state_is_serialised_only_at_check
     assert c0.routed_experts is not None and c0.routed_experts.tolist() == final[0].routed_experts.tolist()
     assert c1.routed_experts.tolist() == np.ones((2, 1, 2), np.uint8).tolist()  # finished in its first segment
 
-    from da3po_megatron.trainer.run_checkpoints import RunCheckpoints
+    from da3po_megatron.trainer.resume.run_state import RunCheckpoints
 
     run = mock_run(TASK, need=2, k=2, inflight=4)
     producer = AsyncRollout(run, 0)
@@ -404,7 +401,7 @@ def test_partials_keep_routes_and_the_producer_state_is_serialised_only_at_check
         monkeypatch.setattr("da3po_megatron.megatron.runtime.numpy_rng_state", lambda: None, raising=False)
         state = RunCheckpoints.trainer_state(fake)
         assert not calls  # a step's end serialises nothing of the producer
-        from da3po_megatron.trainer.async_partial import plain_state
+        from da3po_megatron.trainer.generation.async_partial import plain_state
 
         assert isinstance(plain_state(state)["async_rollout"], dict) and calls  # a checkpoint does
     finally:

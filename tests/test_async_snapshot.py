@@ -19,8 +19,8 @@ import torch
 from da3po_megatron.config import ConfigError, load_config
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.async_partial import Partial, ProducerSnapshot, plain_state
-from da3po_megatron.trainer.collect import StepRollout, rollout_from_dict, rollout_to_dict
+from da3po_megatron.trainer.generation.async_partial import Partial, ProducerSnapshot, plain_state
+from da3po_megatron.trainer.generation.collect import StepRollout, rollout_from_dict, rollout_to_dict
 
 
 def ray_like_views_standin(arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -166,7 +166,7 @@ def test_a_rollout_dump_with_the_asynchronous_producer_is_refused_naming_the_fie
 def test_replay_record_without_collect_has_no_driver_state_to_dump(tmp_path):
     """Why the combination is refused: the loop with the producer calls ``Replay.record`` for a step whose
     ``Replay.collect`` never ran (trainer/loop.py: ``producer.take(step)``, then ``run.replay.record``)."""
-    from da3po_megatron.trainer.replay import Replay
+    from da3po_megatron.trainer.generation.replay import Replay
 
     cfg = load_config(None, BASE + ["rollout.staleness=1", f"rollout.dump_dir={tmp_path / 'dump'}"])
     with pytest.raises(KeyError):

@@ -1,7 +1,7 @@
 """Colocated engines with TP > 1 (issue 49, point 2): engine i spans the placement-group bundles of policy ranks
 i T .. i T + T - 1 on one node, sits in the first of them with no Ray GPU of its own, and its ``CUDA_VISIBLE_DEVICES``
-names the GPU ids Ray gave those ranks (never local indices). The plan is pure (trainer/placement.py); the seating is
-checked on a real local Ray with 4 logical GPUs (Ray assigns GPU ids without hardware), through the real
+names the GPU ids Ray gave those ranks (never local indices). The plan is pure (trainer/cluster/placement.py); the
+seating is checked on a real local Ray with 4 logical GPUs (Ray assigns GPU ids without hardware), through the real
 ``RolloutClient.ray`` actor start-up, with stand-ins for the policy ranks and for the vLLM engine actor (they report
 what Ray gave them: the real ones need CUDA)."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from da3po_megatron.trainer.placement import (
+from da3po_megatron.trainer.cluster.placement import (
     Node,
     PlacementError,
     Resources,
@@ -68,8 +68,8 @@ def test_tp2_engines_start_on_the_gpus_ray_gave_their_policy_ranks_on_logical_gp
                                                                                    monkeypatch) -> None:
     """4 logical GPUs, policy DP 4 colocated with 2 engines of TP 2: the real reservation (one placement group, four
     pinned one-GPU bundles), four stand-in policy ranks taking half a GPU in bundles 0-3, then the real
-    ``RolloutClient.ray`` start-up with :func:`~da3po_megatron.trainer.colocation.engine_slots`: engine i sits in
-    bundle 2 i with no Ray GPU, and its process starts with ``CUDA_VISIBLE_DEVICES`` = the ids Ray gave ranks 2 i and
+    ``RolloutClient.ray`` start-up with :func:`~da3po_megatron.trainer.cluster.colocation.engine_slots`: engine i sits
+    in bundle 2 i with no Ray GPU, and its process starts with ``CUDA_VISIBLE_DEVICES`` = the ids Ray gave ranks 2 i and
     2 i + 1."""
     import time
 
@@ -78,9 +78,9 @@ def test_tp2_engines_start_on_the_gpus_ray_gave_their_policy_ranks_on_logical_gp
 
     from da3po_megatron.rollout import client as client_mod
     from da3po_megatron.rollout.types import EngineConfig
-    from da3po_megatron.trainer.colocation import engine_slots
-    from da3po_megatron.trainer.placement import cluster_nodes, reserve
-    from da3po_megatron.trainer.placement_ray import actor_location
+    from da3po_megatron.trainer.cluster.colocation import engine_slots
+    from da3po_megatron.trainer.cluster.placement import cluster_nodes, reserve
+    from da3po_megatron.trainer.cluster.placement_ray import actor_location
 
     class StandInEngine:  # defined here: Ray pickles it by value (tests/ is no package)
         """Stands in for ``VLLMEngine`` in ``RolloutClient._start_actor`` (same constructor): reports where Ray put
@@ -95,7 +95,7 @@ def test_tp2_engines_start_on_the_gpus_ray_gave_their_policy_ranks_on_logical_gp
         def location(self) -> dict:
             import os
 
-            from da3po_megatron.trainer.placement_ray import actor_location
+            from da3po_megatron.trainer.cluster.placement_ray import actor_location
 
             return {**actor_location(), "env_cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 

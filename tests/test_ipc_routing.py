@@ -165,10 +165,10 @@ def test_colocated_engines_start_after_the_policy_and_wake_after_its_cache_relea
     the policy's checkpoint prewarm finished and every rank returned its cached blocks (vLLM sizes its KV cache from
     the device-wide free memory it profiles), and at each step boundary the policy releases its cache before the
     engines' weights wake and again before their KV cache does. The policy group and the engines' client are
-    recording stand-ins (no CUDA here); the ordering code is the real one (``trainer/colocation.py``,
+    recording stand-ins (no CUDA here); the ordering code is the real one (``trainer/cluster/colocation.py``,
     ``rollout/ipc.py: ipc_sync``). On 27dab78 the engines started beside the policy's build and no release ran."""
     from da3po_megatron.rollout import ipc
-    from da3po_megatron.trainer.colocation import engines_after_policy, start_engines_after_policy
+    from da3po_megatron.trainer.cluster.colocation import engines_after_policy, start_engines_after_policy
 
     log: list[tuple[str, str]] = []
 

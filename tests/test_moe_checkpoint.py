@@ -147,13 +147,13 @@ def test_a_real_moe_checkpoint_records_ep_etp_and_spec_and_loads_its_optimizer_o
 
 
 def test_resume_at_another_ep_is_refused_before_ray_naming_the_field(ep_checkpoints, tmp_path):
-    """trainer/config_drift.check_checkpoint_config (called before init_ray) reads the checkpoint's policy layout:
+    """resume/config_drift.check_checkpoint_config (called before init_ray) reads the checkpoint's policy layout:
     EP 2 -> 1 is refused naming the field; --allow-config-change goes on and says the model alone loads; the same
     layout passes. (HEAD: no layout check; the EP change was not even a config warning's 'defining' field.)"""
     import shutil
 
     from da3po_megatron.config import standalone_policy_config
-    from da3po_megatron.trainer.config_drift import ConfigDriftError, check_checkpoint_layout
+    from da3po_megatron.trainer.resume.config_drift import ConfigDriftError, check_checkpoint_layout
 
     ck = tmp_path / "checkpoints" / "step_1"
     shutil.copytree(ep_checkpoints["dir"] / "ck_ep2", ck / "policy",

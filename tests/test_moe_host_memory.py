@@ -53,7 +53,7 @@ def test_the_30b_recipes_move_routes_under_the_budget_and_r3_would_move_every_ro
 def test_engines_capture_routes_only_when_something_reads_them(tmp_path):
     """engine_config's return_routed_experts: on for the agreement sample or R3; off with agreement off, with a
     zero fraction, and for streaming engines (rollout/stream.py returns no routes: at HEAD they captured anyway)."""
-    from da3po_megatron.trainer.prepare import engine_config
+    from da3po_megatron.trainer.cluster.bringup import engine_config
 
     recipe = EXAMPLES / "tiny_cpu_moe.yaml"
 

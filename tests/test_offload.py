@@ -1,6 +1,6 @@
 """Tiered trainer offload (``actor.offload``, megatron/offload.py; issue 49 points 3-4).
 
-- The driver's order against the engines' sleep and wake (trainer/colocation.py OffloadCycle): recorded and
+- The driver's order against the engines' sleep and wake (trainer/cluster/colocation.py OffloadCycle): recorded and
   asserted with recording stand-ins for the policy group and the engines (named so), for the "ipc" path (the hooks
   inside ``ipc_sync``) and the CPU path (``actor.offload_without_sleep``, hooks around the push).
 - The real policy (megatron-core 0.16.1 on gloo, 2 ranks) trained twice from the same state, plain and with an
@@ -23,7 +23,7 @@ import pytest
 
 from da3po_megatron.megatron.offload import tier_parts
 from da3po_megatron.megatron.runtime import free_port
-from da3po_megatron.trainer.colocation import OffloadCycle
+from da3po_megatron.trainer.cluster.colocation import OffloadCycle
 
 JOB = Path(__file__).with_name("_offload_job.py")
 
@@ -206,7 +206,7 @@ def test_the_colocated_recipe_places_policy_and_engines_on_one_8_gpu_node() -> N
     """examples/qwen3_8b_da3po_colocated.yaml as written: 8 policy ranks and 8 engines on ONE 8-GPU node, engine i in
     policy rank i's GPU bundle, and the IPC routing of the first sync (ipc_routing.check_colocated_layout) serves it."""
     from da3po_megatron.config import load_config
-    from da3po_megatron.trainer.placement import Node, plan_placement, resources_for_config
+    from da3po_megatron.trainer.cluster.placement import Node, plan_placement, resources_for_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "examples/qwen3_8b_da3po_colocated.yaml",
                       ["model.path=/x"])

@@ -84,7 +84,7 @@ def test_profile_and_save_fields_are_validated_naming_the_field():
 
 
 def test_a_started_checkpoint_is_invisible_until_finished_and_latest_moves_only_after_the_write(tmp_path):
-    from da3po_megatron.trainer.checkpoint import CheckpointManager, CheckpointWriteError, verify_checkpoint
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointManager, CheckpointWriteError, verify_checkpoint
 
     m = CheckpointManager(tmp_path, keep_last=2)
 
@@ -178,7 +178,7 @@ def test_the_profiled_step_writes_perfetto_traces_naming_every_phase(ops_run):
 
 
 def test_asynchronous_saves_complete_verified_and_latest_names_only_complete_ones(ops_run):
-    from da3po_megatron.trainer.checkpoint import verify_checkpoint
+    from da3po_megatron.trainer.resume.checkpoint import verify_checkpoint
 
     ck = ops_run["dir"] / "checkpoints"
     out = ops_run["stdout"]

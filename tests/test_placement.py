@@ -1,7 +1,7 @@
-"""Placement of the policy ranks and engines (trainer/placement.py): the pure decisions (GPUs per actor, the resource
-check, TP groups on one node, engine placement, colocation) and, on a real local Ray with logical GPUs (Ray assigns
-GPU ids and CUDA_VISIBLE_DEVICES without hardware; torch sees no CUDA), the node-pinned placement groups, the device
-probe and the driver's device decisions -- with the driver's CUDA entry points made to raise.
+"""Placement of the policy ranks and engines (trainer/cluster/placement.py): the pure decisions (GPUs per actor, the
+resource check, TP groups on one node, engine placement, colocation) and, on a real local Ray with logical GPUs (Ray
+assigns GPU ids and CUDA_VISIBLE_DEVICES without hardware; torch sees no CUDA), the node-pinned placement groups, the
+device probe and the driver's device decisions -- with the driver's CUDA entry points made to raise.
 
 The multi-node proof with the real trainer (real policy ranks and vLLM engines on the local 3-node Slurm) is in
 tests/test_slurm_cluster.py."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from da3po_megatron.config import load_config
-from da3po_megatron.trainer.placement import (
+from da3po_megatron.trainer.cluster.placement import (
     Node,
     PlacementError,
     Resources,
@@ -93,7 +93,7 @@ def test_expert_groups_stay_inside_a_node_unless_told_otherwise() -> None:
     """MoE: blocks of lcm(TP, EP x ETP) consecutive ranks go whole to a node, so every TP group and every EP group
     (megatron-core's own rank generator is the reference) is on one node; a block larger than a node is refused
     naming the fields; ray.expert_groups_across_nodes=true packs TP groups only."""
-    from da3po_megatron.trainer.placement import node_block
+    from da3po_megatron.trainer.cluster.placement import node_block
 
     assert node_block(2, 1) == node_block(2, 1, 2) == 2  # dense: the TP group
     assert node_block(2, 8, 1) == 8 and node_block(4, 2, 1) == 4 and node_block(2, 2, 2) == 4
@@ -208,8 +208,8 @@ def test_pinned_bundles_give_distinct_gpus_colocated_pairs_one_and_the_driver_no
     from da3po_megatron.bridge.hf_config import gpt_arch
     from da3po_megatron.rollout.weight_sync import choose_transport
     from da3po_megatron.tiny import build_model
-    from da3po_megatron.trainer.placement import actor_location, placement_report, probe_devices, reserve
-    from da3po_megatron.trainer.prepare import engine_config, memory_preflight, plan_for_cluster
+    from da3po_megatron.trainer.cluster.bringup import engine_config, memory_preflight, plan_for_cluster
+    from da3po_megatron.trainer.cluster.placement import actor_location, placement_report, probe_devices, reserve
 
     def no_cuda(*a, **k):
         raise AssertionError("the driver touched CUDA")
@@ -276,7 +276,7 @@ def test_pinned_bundles_give_distinct_gpus_colocated_pairs_one_and_the_driver_no
 def test_a_placement_group_that_cannot_be_placed_times_out_naming_what_is_pending_where(ray_with_logical_gpus) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from da3po_megatron.trainer.placement import cluster_nodes, reserve
+    from da3po_megatron.trainer.cluster.placement import cluster_nodes, reserve
 
     ray = ray_with_logical_gpus
     hog = placement_group([{"GPU": 3}])  # another job holding every GPU
@@ -297,9 +297,9 @@ def test_zero_gpu_bundles_on_the_drivers_host_without_an_nvidia_driver_are_answe
     resources already give the answer; a GPU bundle, another node or a host with an NVIDIA driver is still probed."""
     import dataclasses
 
-    from da3po_megatron.trainer import placement as P
-    from da3po_megatron.trainer import placement_ray as PR  # the Ray side: the probe and the driver-file check
-    from da3po_megatron.trainer.prepare import plan_for_cluster
+    from da3po_megatron.trainer.cluster import placement as P
+    from da3po_megatron.trainer.cluster import placement_ray as PR  # the Ray side: the probe and the driver-file check
+    from da3po_megatron.trainer.cluster.bringup import plan_for_cluster
 
     cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", ["model.path=/x", "ray.device=cpu"])
     plan = plan_for_cluster(cfg)
@@ -329,7 +329,7 @@ def test_a_reservation_that_fails_half_way_leaves_no_placement_group_behind(ray_
     group stayed until the driver exited."""
     from ray.util import placement_group_table
 
-    from da3po_megatron.trainer.placement import cluster_nodes, reserve
+    from da3po_megatron.trainer.cluster.placement import cluster_nodes, reserve
 
     plan = plan_placement(_need(world_size=1, tp=1, num_engines=1, gpus_per_rank=0, gpus_per_engine=0,
                                 device="cpu"), cluster_nodes())
@@ -343,7 +343,7 @@ def test_a_reservation_that_fails_half_way_leaves_no_placement_group_behind(ray_
 
 
 def test_engine_memory_and_sleep_mode_follow_what_the_engine_sees() -> None:
-    from da3po_megatron.trainer.prepare import engine_config
+    from da3po_megatron.trainer.cluster.bringup import engine_config
 
     cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", ["model.path=/x", "rollout.colocate=true"])
     gpu, cpu = engine_config(cfg, engine_cuda=True), engine_config(cfg, engine_cuda=False)

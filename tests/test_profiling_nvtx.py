@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from da3po_megatron.config import ProfileConfig
-from da3po_megatron.trainer import profiling
+from da3po_megatron.trainer.observability import profiling
 
 
 class StandInPolicyGroup:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from da3po_megatron.trainer.metrics import is_wall_clock
+from da3po_megatron.trainer.observability.metrics import is_wall_clock
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
@@ -78,7 +78,7 @@ def finish(proc: subprocess.Popen, tag: str, t0: float, timeout: int = 400
     out, err = proc.communicate(timeout=timeout)
     p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     seconds = time.monotonic() - t0
-    left = leftover(tag, wait_s=30)  # after a SIGKILL too: the reaper stops the Ray agents (trainer/reaper.py)
+    left = leftover(tag, wait_s=30)  # after a SIGKILL too: the reaper stops the Ray agents (trainer/cluster/reaper.py)
     assert not left, f"processes of the run left behind after '{proc.args}': {left}"
     if p.returncode == -9:
         KILLED.append((tag, time.monotonic()))

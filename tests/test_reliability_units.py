@@ -22,7 +22,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 
 # ---------------------------------------------------------------------------------------------------- stop signals
 def test_stop_signals_first_requests_a_checkpoint_second_sigint_exits_now(tmp_path):
-    from da3po_megatron.trainer.signals import StepAbandoned, StopSignals
+    from da3po_megatron.trainer.cluster.signals import StepAbandoned, StopSignals
 
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
@@ -107,7 +107,7 @@ def _state(step: int) -> dict:
 
 
 def test_checkpoint_manifest_verify_and_fallback_to_the_newest_intact(tmp_path, capsys):
-    from da3po_megatron.trainer.checkpoint import CheckpointManager, main, verify_checkpoint
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointManager, main, verify_checkpoint
 
     m = CheckpointManager(tmp_path, keep_last=3)
     for step in (2, 4, 6):
@@ -162,7 +162,7 @@ def test_trainer_state_loads_with_weights_only_and_old_pickles_need_the_opt_in(t
 
 
 def test_disk_full_during_a_save_says_so_and_keeps_the_previous_checkpoint(small_tmpfs):
-    from da3po_megatron.trainer.checkpoint import CheckpointManager, CheckpointWriteError, verify_checkpoint
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointManager, CheckpointWriteError, verify_checkpoint
 
     m = CheckpointManager(small_tmpfs, keep_last=3)
     m.save(1, _fake_policy(600_000), _state(1))
@@ -279,7 +279,7 @@ def test_local_ray_start_retries_a_start_up_timeout_and_kills_what_it_started_wi
     import psutil
     import ray
 
-    from da3po_megatron.trainer import prepare
+    from da3po_megatron.trainer.cluster import bringup as prepare
 
     calls: list[dict] = []
     started: list[subprocess.Popen] = []

@@ -1,5 +1,5 @@
-"""Rollout dump and replay without Ray (issue 48; trainer/replay.py): the manifest refuses a replay that does not
-match its dump, naming each difference, before anything starts; ``rollout.dump_every`` / ``dump_keep`` bound the
+"""Rollout dump and replay without Ray (issue 48; trainer/generation/replay.py): the manifest refuses a replay that does
+not match its dump, naming each difference, before anything starts; ``rollout.dump_every`` / ``dump_keep`` bound the
 disk; step files are written atomically; the compare metric. The end-to-end dump -> train_only / compare runs are in
 tests/test_replay.py."""
 
@@ -18,9 +18,9 @@ from da3po_megatron.config import load_config
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.rollout.types import Completion
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer import replay as R
-from da3po_megatron.trainer.collect import StepRollout
-from da3po_megatron.trainer.prepare import load_train_data
+from da3po_megatron.trainer.cluster.bringup import load_train_data
+from da3po_megatron.trainer.generation import replay as R
+from da3po_megatron.trainer.generation.collect import StepRollout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,9 +1,9 @@
-"""trainer/rescore.py's pure functions (issue 47 point 8): the filter / DAA decision flips between a stale and a
-current p_hat, their per-bucket counts, and the kept / dropped sample."""
+"""trainer/generation/rescore.py's pure functions (issue 47 point 8): the filter / DAA decision flips between a stale
+and a current p_hat, their per-bucket counts, and the kept / dropped sample."""
 
 from types import SimpleNamespace
 
-from da3po_megatron.trainer.rescore import decision_flips, flip_counts, pick_groups
+from da3po_megatron.trainer.generation.rescore import decision_flips, flip_counts, pick_groups
 
 
 def test_decision_flips_compare_the_filter_and_daa_decisions_of_two_p_hats():
@@ -32,14 +32,10 @@ def test_pick_groups_draws_up_to_m_of_each_kind_reproducibly():
 
 
 def test_the_study_pairs_policies_by_seed():
-    import importlib.util
     import math
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "study_async_hard.py"
-    spec = importlib.util.spec_from_file_location("study_async_hard", path)
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    from da3po_megatron.studies.compare import stats as study
+
     m, se, n = study.paired({0: 0.5, 1: 0.7, 2: 0.6, 9: 1.0}, {0: 0.4, 1: 0.5, 2: 0.6})  # seed 9 has no pair
     assert n == 3 and math.isclose(m, 0.1) and math.isclose(se, 0.1 / math.sqrt(3))  # sd of (0.1, 0.2, 0) = 0.1
     assert math.isnan(study.paired({0: 1.0}, {0: 0.0})[1])  # one seed: no standard error

@@ -1,6 +1,6 @@
-"""Run integrity without the heavy stack: the run-directory lock (trainer/lock.py) between real processes, the config
-drift check on resume (trainer/config_drift.py) against a real checkpoint file, and the update-guard's driver side
-(trainer/updates.py). The same on the real trainer: tests/test_reliability_faults.py."""
+"""Run integrity without the heavy stack: the run-directory lock (trainer/resume/lock.py) between real processes, the
+config drift check on resume (trainer/resume/config_drift.py) against a real checkpoint file, and the update-guard's
+driver side (trainer/updates.py). The same on the real trainer: tests/test_reliability_faults.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from da3po_megatron.config import load_config, to_dict
 ROOT = Path(__file__).resolve().parents[1]
 HOLD = """
 import sys, time
-from da3po_megatron.trainer.lock import RunDirLock
+from da3po_megatron.trainer.resume.lock import RunDirLock
 lock = RunDirLock(sys.argv[1], lease_s=float(sys.argv[2])).acquire()
 print("held", flush=True)
 time.sleep(float(sys.argv[3]))
@@ -34,7 +34,7 @@ def _holder(run_dir: Path, lease: float, sleep: float) -> subprocess.Popen:
 
 
 def test_a_second_holder_is_refused_naming_the_first_and_a_dead_one_is_taken_over(tmp_path):
-    from da3po_megatron.trainer.lock import RunDirLock, RunDirLocked
+    from da3po_megatron.trainer.resume.lock import RunDirLock, RunDirLocked
 
     first = _holder(tmp_path, lease=60, sleep=60)
     try:
@@ -57,7 +57,7 @@ def test_a_second_holder_is_refused_naming_the_first_and_a_dead_one_is_taken_ove
 
 
 def test_a_stale_heartbeat_is_taken_over_and_the_loser_notices(tmp_path):
-    from da3po_megatron.trainer.lock import RunDirLock
+    from da3po_megatron.trainer.resume.lock import RunDirLock
 
     lost: list[str] = []
     old = RunDirLock(tmp_path, lease_s=600, on_lost=lost.append).acquire()
@@ -74,7 +74,7 @@ def test_a_stale_heartbeat_is_taken_over_and_the_loser_notices(tmp_path):
 
 
 def test_force_unlock_takes_a_live_lock(tmp_path):
-    from da3po_megatron.trainer.lock import RunDirLock
+    from da3po_megatron.trainer.resume.lock import RunDirLock
 
     first = _holder(tmp_path, lease=60, sleep=60)
     try:
@@ -87,7 +87,7 @@ def test_force_unlock_takes_a_live_lock(tmp_path):
 
 
 def test_a_requeued_start_of_the_same_slurm_job_waits_for_the_earlier_one(tmp_path, monkeypatch):
-    from da3po_megatron.trainer.lock import RunDirLock
+    from da3po_megatron.trainer.resume.lock import RunDirLock
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     first = _holder(tmp_path, lease=60, sleep=2)  # inherits SLURM_JOB_ID: the earlier start, in its grace period
@@ -111,7 +111,7 @@ def _checkpoint(run_dir: Path, overrides: list[str]) -> None:
 
 
 def test_resume_refuses_a_changed_algorithm_and_records_an_allowed_one(tmp_path):
-    from da3po_megatron.trainer.config_drift import ConfigDriftError, check_resume_config
+    from da3po_megatron.trainer.resume.config_drift import ConfigDriftError, check_resume_config
 
     _checkpoint(tmp_path, [])
     changed = load_config(EXAMPLE, [f"trainer.run_dir={tmp_path}", "algorithm.name=dapo", "daa.lambda_=3.0",
@@ -134,7 +134,7 @@ def test_resume_refuses_a_changed_algorithm_and_records_an_allowed_one(tmp_path)
 
 
 def test_resume_passes_harmless_changes_with_a_one_line_notice_and_says_a_new_lr_has_no_effect(tmp_path):
-    from da3po_megatron.trainer.config_drift import check_resume_config
+    from da3po_megatron.trainer.resume.config_drift import check_resume_config
 
     _checkpoint(tmp_path, [])
     lines: list[str] = []
@@ -164,7 +164,7 @@ def test_refused_updates_are_named_with_ratio_lr_and_grad_norm_and_stop_after_th
 
 
 def test_the_heartbeat_is_rewritten_every_sixth_of_the_lease(tmp_path):
-    from da3po_megatron.trainer.lock import RunDirLock
+    from da3po_megatron.trainer.resume.lock import RunDirLock
 
     lock = RunDirLock(tmp_path, lease_s=0.6).acquire()
     first = json.loads((tmp_path / "LOCK").read_text())
@@ -182,8 +182,8 @@ def test_the_heartbeat_is_rewritten_every_sixth_of_the_lease(tmp_path):
 # version without it -- 27dab78 -- has no record, which is the point of the first test).
 def _finished_run(run_dir: Path, overrides: tuple[str, ...] = (), steps: tuple[int, ...] = (4, 6),
                   step_overrides: dict[int, tuple[str, ...]] | None = None) -> Path:
-    from da3po_megatron.trainer import config_drift
-    from da3po_megatron.trainer.checkpoint import CheckpointManager
+    from da3po_megatron.trainer.resume import config_drift
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointManager
 
     cfg = load_config(EXAMPLE, [f"trainer.run_dir={run_dir}", "trainer.total_steps=6", *overrides])
     ckpts = CheckpointManager(run_dir, keep_last=5)
@@ -210,7 +210,7 @@ def _steps(path: Path) -> list[int]:
 def test_a_damaged_latest_checkpoint_does_not_skip_the_config_check_on_resume(tmp_path, capsys):
     """Point 1 (issue 35): truncating step 6's trainer_state.pt used to make the resume note that it 'could not read
     the config' and train DAPO steps after DA3PO ones in one run directory."""
-    from da3po_megatron.trainer.config_drift import ConfigDriftError, check_resume_config
+    from da3po_megatron.trainer.resume.config_drift import ConfigDriftError, check_resume_config
 
     run_dir = _finished_run(tmp_path / "run")
     state = run_dir / "checkpoints/step_000006/trainer_state.pt"
@@ -232,8 +232,8 @@ def test_a_fallback_checkpoint_is_checked_against_its_own_recorded_config(tmp_pa
     """Point 1: the checkpoint finally loaded (after verification fell back past a damaged one) is checked against
     the config it records: here step 6 was trained as DAPO after an allowed change (the run record says DAPO), step 4
     as DA3PO; with step 6 damaged, a DAPO resume would continue DA3PO's step 4 as DAPO."""
-    from da3po_megatron.trainer.checkpoint import CheckpointManager
-    from da3po_megatron.trainer.config_drift import (
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointManager
+    from da3po_megatron.trainer.resume.config_drift import (
         ConfigDriftError,
         check_checkpoint_config,
         check_resume_config,
@@ -272,7 +272,7 @@ def test_a_fallback_checkpoint_is_checked_against_its_own_recorded_config(tmp_pa
 
 
 def test_the_run_record_is_written_atomically_once_and_loads_back_as_the_same_config(tmp_path):
-    from da3po_megatron.trainer.config_drift import adopt_checkpoint_record, read_run_record, write_run_record
+    from da3po_megatron.trainer.resume.config_drift import adopt_checkpoint_record, read_run_record, write_run_record
 
     cfg = load_config(EXAMPLE, [f"trainer.run_dir={tmp_path}", "daa.lambda_=2.5"])
     path = write_run_record(cfg)
@@ -308,7 +308,7 @@ def test_a_fresh_start_in_a_used_run_dir_moves_the_previous_run_aside_instead_of
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
     assert not (run_dir / "LOCK").exists()
     # the next plain launch finds nothing to resume: the old step 6 cannot be continued after the fresh run's rows
-    from da3po_megatron.trainer.checkpoint import CheckpointManager
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointManager
 
     assert CheckpointManager(run_dir).latest() is None
 
@@ -318,7 +318,7 @@ def test_metrics_rows_a_resume_drops_are_kept_in_metrics_dropped(tmp_path):
     metrics.jsonl for metrics.dropped.jsonl; a restart from step 0 keeps none of them in metrics.jsonl."""
     import io
 
-    from da3po_megatron.trainer.metrics import MetricsLogger
+    from da3po_megatron.trainer.observability.metrics import MetricsLogger
 
     run_dir = _finished_run(tmp_path / "run")
     out = io.StringIO()
@@ -336,7 +336,7 @@ def test_metrics_rows_a_resume_drops_are_kept_in_metrics_dropped(tmp_path):
 
 FORCE = """
 import sys, time
-from da3po_megatron.trainer.lock import RunDirLock
+from da3po_megatron.trainer.resume.lock import RunDirLock
 RunDirLock(sys.argv[1], lease_s=60, log=lambda m: None).acquire(force=True)
 print("held", flush=True)
 time.sleep(60)
@@ -346,8 +346,8 @@ time.sleep(60)
 def test_a_trainer_whose_lock_was_force_unlocked_stops_before_its_next_write(tmp_path):
     """Point 4: the first trainer learns of the takeover at its next write (not up to lease/6 later at a heartbeat),
     writes nothing -- no checkpoint saved, none pruned -- and the message names --force-unlock and the new holder."""
-    from da3po_megatron.trainer.checkpoint import CheckpointManager
-    from da3po_megatron.trainer.lock import RunDirLock, RunDirLockLost, guard
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointManager
+    from da3po_megatron.trainer.resume.lock import RunDirLock, RunDirLockLost, guard
 
     run_dir = _finished_run(tmp_path / "run", steps=(1, 2, 3))
     lost: list[str] = []
@@ -389,7 +389,7 @@ def test_save_every_and_a_bad_override_value_are_named(tmp_path):
 def test_a_full_disk_under_torch_save_is_named_enospc_with_the_path_and_the_free_space(small_tmpfs):
     """Point 4: torch.save on a full disk raises "unexpected pos ..." / "file write failed", not ENOSPC (what a
     policy rank's save reported); the error still says the disk is full, where, and how much is free."""
-    from da3po_megatron.trainer.checkpoint import CheckpointManager, CheckpointWriteError
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointManager, CheckpointWriteError
 
     def policy(p: Path) -> None:
         p.mkdir()
@@ -411,8 +411,8 @@ def test_a_dynamic_sampling_failure_checkpoints_the_last_completed_step_first_wi
     from contextlib import nullcontext
 
     from da3po_megatron.algorithms import DynamicSamplingBuffer
+    from da3po_megatron.trainer.cluster.signals import StopSignals
     from da3po_megatron.trainer.loop import DynamicSamplingError, run_steps
-    from da3po_megatron.trainer.signals import StopSignals
 
     cfg = load_config(EXAMPLE, [f"trainer.run_dir={tmp_path}", "trainer.save_every=10"])
     cfg.algorithm.max_generation_rounds = 0  # (validated >= 1 at load) no round: the batch stays empty

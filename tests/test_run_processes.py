@@ -1,7 +1,7 @@
 """The processes of a run end with it: an in-process caller of ``main()`` whose start-up failed after the actors
 started is left with nothing open, and a SIGKILLed driver's processes -- its Ray head's agents, and a process that
 left its tree before any scan (megatron-core's forked asynchronous-save writer) -- are stopped by the reaper
-(trainer/reaper.py). Split from tests/test_run_integrity_units.py."""
+(trainer/cluster/reaper.py). Split from tests/test_run_integrity_units.py."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_a_restore_that_fails_after_the_actors_started_closes_them_and_an_in_pro
 
 DRIVER = """
 import subprocess, sys, time
-from da3po_megatron.trainer.reaper import start_reaper
+from da3po_megatron.trainer.cluster.reaper import start_reaper
 start_reaper(interval_s=0.2)
 child = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 time.sleep(1.0)  # the grandchild started (a raylet's agents); the reaper's first scans
@@ -180,7 +180,7 @@ def test_the_drivers_processes_end_within_seconds_of_a_kill_9_of_the_driver(tmp_
 
 ORPHAN_DRIVER = """
 import subprocess, sys, time
-from da3po_megatron.trainer.reaper import start_reaper
+from da3po_megatron.trainer.cluster.reaper import start_reaper
 start_reaper(interval_s=0.2)
 time.sleep(0.5)
 # a child that forks a writer and leaves it at once (a double fork: init's child, never a descendant of this driver),
@@ -194,7 +194,7 @@ time.sleep(600)
 def test_a_process_that_left_the_drivers_tree_before_any_scan_is_killed_by_its_inherited_tag(tmp_path):
     """The CI failure of 2026-12-05 (`ray::PolicyWorker.save` left 30 s after a SIGKILL at a checkpoint): a process
     the run started but that is no longer the driver's descendant, and was never seen by a scan, is found by the
-    ``DA3PO_REAPER_TAG`` in its environment (trainer/reaper.py) and killed. Without the tag it lives on."""
+    ``DA3PO_REAPER_TAG`` in its environment (trainer/cluster/reaper.py) and killed. Without the tag it lives on."""
     import signal
 
     drv = subprocess.Popen([sys.executable, "-c", ORPHAN_DRIVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

@@ -8,7 +8,7 @@ import torch
 from da3po_megatron.algorithms import DynamicSamplingBuffer, apply_daa, group_advantages
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.checkpoint import CheckpointManager
+from da3po_megatron.trainer.resume.checkpoint import CheckpointManager
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """trainer.keep_best_metric: the best checkpoint by an eval metric is kept besides the last K, never pruned, and
-survives a restart (trainer/best.py with the real CheckpointManager on the file system; the policy's own save is a
-small stand-in file, which is what CheckpointManager treats opaquely)."""
+survives a restart (trainer/resume/best.py with the real CheckpointManager on the file system; the policy's own save is
+a small stand-in file, which is what CheckpointManager treats opaquely)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from da3po_megatron.config import ConfigError, load_config
-from da3po_megatron.trainer.best import BestCheckpoint, save_checkpoint
-from da3po_megatron.trainer.checkpoint import CheckpointManager
+from da3po_megatron.trainer.resume.best import BestCheckpoint, save_checkpoint
+from da3po_megatron.trainer.resume.checkpoint import CheckpointManager
 
 METRIC = "eval/avg/avg@k"
 

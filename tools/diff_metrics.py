@@ -20,9 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from da3po_megatron.trainer.metrics import is_wall_clock  # noqa: E402
+from da3po_megatron.trainer.observability.metrics import is_wall_clock
 
 
 def load(path: Path) -> dict[int, dict[str, Any]]:

@@ -10,7 +10,7 @@ replica 0) writes them, streamed, into safetensors shards of its own (``ShardedS
 directory's config, generation config and tokenizer files are copied beside them, and every tensor the mapping
 expects is checked to be there. The directory is written inside the checkpoint's temporary directory
 (``.tmp-step_N/hf/``), so the checkpoint's manifest covers it and the same atomic rename publishes it with the
-Megatron checkpoint (``trainer/checkpoint.py``); ``latest`` never names a step whose HF weights are half written.
+Megatron checkpoint (``trainer/resume/checkpoint.py``); ``latest`` never names a step whose HF weights are half written.
 
 dtype: as ``da3po convert megatron-to-hf`` with ``--dtype auto``: the dtype the HF config declares (``dtype`` /
 ``torch_dtype``), else the policy's. The result loads with ``transformers.AutoModelForCausalLM.from_pretrained`` and

@@ -92,7 +92,7 @@ def validate(cfg: Config) -> None:
     _check(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, ">= 1")
     _check(r.staleness >= 0, "rollout.staleness", r.staleness, ">= 0")
     _check(r.max_versions_per_response >= 1, "rollout.max_versions_per_response", r.max_versions_per_response, ">= 1")
-    if r.staleness >= 2 or r.partial_rollouts:  # the asynchronous producer (trainer/async_rollout.py)
+    if r.staleness >= 2 or r.partial_rollouts:  # the asynchronous producer (trainer/generation/async_rollout.py)
         what = "rollout.partial_rollouts=true" if r.partial_rollouts else f"rollout.staleness={r.staleness}"
         _check(r.mode == "streaming", "rollout.mode", r.mode, f"'streaming' with {what} (the producer streams)")
         _check(r.stream_order == "submission", "rollout.stream_order", r.stream_order,
@@ -143,13 +143,13 @@ def validate(cfg: Config) -> None:
     _check(r.dump_every >= 1, "rollout.dump_every", r.dump_every, ">= 1")
     _check(r.dump_keep >= 0, "rollout.dump_keep", r.dump_keep, ">= 0 (0 = keep all)")
     _check(0 <= r.replay_match_threshold <= 1, "rollout.replay_match_threshold", r.replay_match_threshold, "[0, 1]")
-    if r.dump_dir and (r.staleness >= 2 or r.partial_rollouts):  # trainer/replay.py records collect()'s driver state
+    if r.dump_dir and (r.staleness >= 2 or r.partial_rollouts):  # generation/replay.py records collect()'s driver state
         raise ConfigError(
             f"rollout.dump_dir = {r.dump_dir!r} with rollout.staleness = {r.staleness} and rollout.partial_rollouts = "
             f"{r.partial_rollouts}: the rollout dump needs the per-step collection (rollout.staleness 0 or 1, "
             "rollout.partial_rollouts=false); the asynchronous producer generates beside the loop, has no per-step "
             "driver state to record, and its dump could not be replayed (rollout.replay_dir refuses it too)")
-    if r.replay_dir:  # trainer/replay.py: recorded batches, consumed in order
+    if r.replay_dir:  # trainer/generation/replay.py: recorded batches, consumed in order
         _check(not (r.dump_dir and Path(r.dump_dir).resolve() == Path(r.replay_dir).resolve()), "rollout.dump_dir",
                r.dump_dir, "a directory other than rollout.replay_dir")
         _check(r.staleness < 2 and not r.partial_rollouts, "rollout.staleness", r.staleness, "0 or 1 with "

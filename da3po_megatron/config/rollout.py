@@ -46,11 +46,11 @@ class RolloutConfig:
                                             "level (the first step's, floored by dtype: rollout/consistency.py "
                                             "DriftMonitor). 0 = no alert; the ratio is logged either way.")
     colocate: bool = doc(False, "Engines share GPUs with the policy (CUDA IPC sync + sleep/wake) instead of separate: "
-                                "engine i and policy rank i take half of one GPU each (trainer/placement.py).")
+                                "engine i and policy rank i take half of one GPU each (trainer/cluster/placement.py).")
     engine_placement: Literal["any", "same_nodes", "other_nodes"] = doc(
         "any", "Nodes the engines may use: 'other_nodes' = only nodes without policy ranks (the paper's layout: "
                "policy on one 8-GPU node, engines on the second), 'same_nodes' = only nodes with policy ranks, 'any'. "
-               "Enforced by node-pinned placement-group bundles (trainer/placement.py).")
+               "Enforced by node-pinned placement-group bundles (trainer/cluster/placement.py).")
     num_cpus_per_engine: float = doc(1, "Ray resources per engine actor.")
     restart_on_failure: bool = doc(False, "Restart an engine that died (else the step fails with a clear error).")
     mode: Literal["rounds", "streaming"] = doc("rounds", "Dynamic sampling: 'rounds' (the paper's; whole rounds until "
@@ -63,7 +63,7 @@ class RolloutConfig:
                             "k. 0: the paper's synchronous loop; 1: step t+1 generated while t trains (exactly "
                             "reproducible); >= 2 (or partial_rollouts): the engines generate continuously beside the "
                             "loop and admission of new prompts waits when the bound could break (pacing: nothing is "
-                            "discarded for being late; trainer/async_rollout.py, docs/async.md).")
+                            "discarded for being late; trainer/generation/async_rollout.py, docs/async.md).")
     partial_rollouts: bool = doc(False, "At a weight update, interrupt the running requests (tokens kept) and continue "
                                         "them under the new weights from prompt + tokens so far, instead of letting "
                                         "them finish before the sync. Every token records the version that sampled it "
@@ -88,7 +88,8 @@ class RolloutConfig:
                                          "GSPO's sequence ratio (which has no per-token TIS), i.e. ignore that tokens "
                                          "were sampled by up to k older policies. docs/async.md 'Correction'.")
     ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")
-    # Debugging at scale: dump a run's rollouts, replay them without (or against) the engines (trainer/replay.py)
+    # Debugging at scale: dump a run's rollouts, replay them without (or against) the engines
+    # (trainer/generation/replay.py)
     dump_dir: str = doc("", "Write each step's rollout (kept and generated groups, rewards, seeds), its policy batch "
                             "after advantages and the driver state the collection left, atomically, to "
                             "dump_dir/step_NNNNNN.pt, with dump_dir/manifest.json (config, model, tokenizer and data "

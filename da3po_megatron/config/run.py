@@ -78,7 +78,7 @@ class SyntheticTaskConfig:
     train_per_bucket: int = doc(512, "Training prompts per difficulty bucket.")
     eval_per_bucket: int = doc(32, "Held-out evaluation prompts per bucket (never in the training split).")
     response_tokens: list[int] = doc([], "[easy, hard]: long-tailed response lengths growing with difficulty, as in "
-                                         "math RL (benchmarks, da3po_megatron/bench/async_rl.py). Each training prompt's responses "
+                                         "math RL (benchmarks, da3po bench async). Each training prompt's responses "
                                          "are capped at a length drawn once per prompt from a log-normal (sigma 0.6) "
                                          "whose median grows geometrically from easy (min_digits) to hard "
                                          "(max_digits) tokens, clipped to rollout.max_response_length; with "
@@ -155,7 +155,8 @@ class EvalConfig:
                                  "responses for up to this many kept and this many dropped groups of the step and "
                                  "log how often the filter's (0 < p_hat < 1) and DAA's (p_hat < daa.tau) decisions "
                                  "made with the old p_hat differ under the new weights (rescore/*, per bucket; "
-                                 "trainer/rescore.py). Not trained on, not counted in gen/cumulative_samples.")
+                                 "trainer/generation/rescore.py). Not trained on, not counted in "
+                                 "gen/cumulative_samples.")
 
 
 @dataclass
@@ -165,7 +166,7 @@ class RayConfig:
     device: Literal["auto", "gpu", "cpu"] = doc(
         "auto", "What the actors compute on: 'auto' = GPUs when the Ray cluster has any, else CPU; 'gpu' refuses a "
                 "cluster without GPUs; 'cpu' gives every actor 0 GPUs (the only way to run on CPU on a cluster with "
-                "GPUs: a 0-GPU actor there would see every GPU of its node). trainer/placement.py.")
+                "GPUs: a 0-GPU actor there would see every GPU of its node). trainer/cluster/placement.py.")
     num_gpus_per_policy_rank: float | None = doc(None, "Ray GPUs per policy actor. None = 1 when the actors use GPUs "
                                                        "(ray.device), 0 on CPU; 0 on a GPU cluster is refused.")
     num_gpus_per_engine: float | None = doc(None, "Ray GPUs per vLLM engine. None = rollout.tensor_parallel_size when "
@@ -177,8 +178,8 @@ class RayConfig:
                                                   "false: the policy is placed in blocks of lcm(TP, EP x ETP) "
                                                   "consecutive ranks per node, so the dispatcher's all-to-alls stay "
                                                   "inside a node, and a layout whose block does not fit a node is "
-                                                  "refused; true: blocks of TP ranks only (trainer/placement.py, "
-                                                  "docs/moe.md).")
+                                                  "refused; true: blocks of TP ranks only "
+                                                  "(trainer/cluster/placement.py, docs/moe.md).")
     placement_timeout_s: float = doc(300.0, "Seconds to wait for the placement groups (resources reserved on their "
                                             "nodes) before failing with what is pending where.")
     start_timeout_s: float = doc(1800.0, "Seconds to wait for the policy ranks' and engines' start-up (process "
@@ -235,8 +236,9 @@ class TrainerConfig:
              "computed before it is applied; unitless, logged as train/update_ratio) exceeds this; 0 = measure only. "
              "Default: far above healthy RL steps and far below a blown-up update (measured: docs/reliability.md).")
     lock_lease_s: float = doc(
-        120.0, "Seconds without a heartbeat after which another trainer may take run_dir/LOCK over (trainer/lock.py; "
-               "a dead trainer on the same host is taken over at once). Heartbeat every lease/6.")
+        120.0, "Seconds without a heartbeat after which another trainer may take run_dir/LOCK over "
+               "(trainer/resume/lock.py; a dead trainer on the same host is taken over at once). Heartbeat every "
+               "lease/6.")
     tensorboard: bool = doc(True, "Write TensorBoard events to run_dir/tb (JSONL metrics are always written).")
     wandb_project: str = doc("", "Weights & Biases project ('' = off).")
     experiment_name: str = doc("", "Run name in logs ('' = basename of run_dir).")

@@ -5,9 +5,9 @@ in lock-step: Megatron's collectives need every rank) and rank 0's result is ret
 the rendezvous address (its node's IP as Ray sees it and a free port) and every actor joins the torch.distributed
 world with it (NCCL on GPU, gloo on CPU). Resources per actor: ``num_cpus`` / ``num_gpus``; optionally a placement
 group, packed (ranks fill nodes in order, so Megatron's TP groups -- consecutive ranks -- stay within a node) or
-spread over nodes, or one made by the trainer (``trainer/placement.py``: every bundle pinned to its planned node, rank
-i on bundle i). Waiting for the ranks' start-up has a timeout whose error names the pending ranks and their nodes.
-This follows the one-actor-per-rank "worker group" of verl and NeMo-RL, written here for
+spread over nodes, or one made by the trainer (``trainer/cluster/placement.py``: every bundle pinned to its planned
+node, rank i on bundle i). Waiting for the ranks' start-up has a timeout whose error names the pending ranks and their
+nodes. This follows the one-actor-per-rank "worker group" of verl and NeMo-RL, written here for
 Megatron's :class:`PolicyWorker`.
 
 Failures: when a rank's actor dies or raises, the world is broken (the other ranks would wait in a collective): the
@@ -136,7 +136,7 @@ class PolicyGroup:
                     num_gpus_per_rank: float | None = None, rank_hosts: list[str] | None = None) -> PolicyGroup:
         """Build from the run config, with its ``ray`` section's resources and timeouts (``wait``: see
         :meth:`wait_ready`). ``placement_group`` / ``num_gpus_per_rank`` / ``rank_hosts``: the trainer's plan
-        (``trainer/placement.py``); without a placement group, ``ray.spread_policy_nodes`` spreads the ranks
+        (``trainer/cluster/placement.py``); without a placement group, ``ray.spread_policy_nodes`` spreads the ranks
         (STRICT_SPREAD) and ``ray.num_gpus_per_policy_rank`` (None = auto) is their GPU request."""
         return cls(cfg, arch, cfg.policy_world_size,
                    num_cpus_per_rank=cfg.ray.num_cpus_per_policy_rank,
@@ -212,8 +212,8 @@ class PolicyGroup:
     @classmethod
     def attach(cls, cfg: Config, actors: list[Any], infos: list[dict[str, Any]]) -> PolicyGroup:
         """A group around actors that already exist and are initialised (``infos``: each rank's ``init`` / ``info``
-        answer, with its ``dp_rank``): what ``tools/bench_control_plane.py`` and ``tests/test_control_plane.py``
-        use to drive stand-in ranks through this dispatch code."""
+        answer, with its ``dp_rank``): what ``da3po_megatron/bench/control_plane.py`` and
+        ``tests/test_control_plane.py`` use to drive stand-in ranks through this dispatch code."""
         g = object.__new__(cls)
         g.cfg, g.arch, g.world_size, g.actors, g.infos = cfg, None, len(actors), list(actors), list(infos)
         g._pg, g._own_pg, g.start_timeout_s, g.rank_hosts = None, False, float(cfg.ray.start_timeout_s), None

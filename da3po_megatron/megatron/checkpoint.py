@@ -455,7 +455,7 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
     ``dp_reshardable`` reshards), else the model only, with a warning naming the fields; True = required
     (ValueError naming them at another layout); False = model only. RNG states are restored when the whole layout
     is unchanged. After a model-only load the optimizer's fp32 main weights are refreshed from the model. (A
-    trainer resume refuses such a change before Ray starts: ``trainer/config_drift.check_checkpoint_layout``.)
+    trainer resume refuses such a change before Ray starts: ``trainer/resume/config_drift.check_checkpoint_layout``.)
     """
     from megatron.core import dist_checkpointing
 

@@ -37,7 +37,7 @@ routing map / probabilities (``3 E`` per token, fp32). The estimate assumes bala
 ``moe_imbalance`` (default 1.5: the most tokens one rank's experts receive, relative to balanced).
 
 Calibration: the per-term constants above were checked against the measured peak RSS of single-rank train steps
-(``tools/measure_policy_memory.py``; numbers and error in docs/real_model.md). Left out: the engine's KV cache (its own
+(``tools/measure/policy_memory.py``; numbers and error in docs/real_model.md). Left out: the engine's KV cache (its own
 budget, ``rollout.kv_cache_memory_bytes``), the allocator's fragmentation beyond what the measurements absorbed, CUDA
 context and NCCL buffers (``runtime_overhead_bytes``) and context parallelism. Sequence parallelism divides the
 TP-replicated activations by TP (``sequence_parallel`` of :func:`estimate_policy_memory`).
@@ -247,8 +247,8 @@ def estimate_policy_memory(
 def estimate_for_config(cfg: Any, arch: GPTArch, max_tokens_per_microbatch: int | None = None,
                         device: str | None = None, te: bool | None = None) -> MemoryEstimate:
     """:func:`estimate_policy_memory` for a run config (``da3po_megatron.config.Config``). ``device`` / ``te``:
-    what a policy rank sees (the trainer asks one, ``trainer/placement.py: probe_devices``); None = this process's
-    view (standalone tools and tests; the trainer's driver always passes them and never touches CUDA)."""
+    what a policy rank sees (the trainer asks one, ``trainer/cluster/placement.py: probe_devices``); None = this
+    process's view (standalone tools and tests; the trainer's driver always passes them and never touches CUDA)."""
     if device is None:
         import torch
 
@@ -319,7 +319,7 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
     Returns the (possibly lowered) micro-batch token budget.
 
     ``device`` / ``available`` / ``where`` / ``te``: what one policy rank sees (its device, free memory and layer
-    spec: the trainer asks one, ``trainer/placement.py: probe_devices``); None = this process's own view.
+    spec: the trainer asks one, ``trainer/cluster/placement.py: probe_devices``); None = this process's own view.
     ``local_ranks``: policy ranks sharing one node's host memory on CPU (None: all of them with a local Ray, else 1).
     """
     mode = getattr(cfg.actor, "memory_check", "refuse")

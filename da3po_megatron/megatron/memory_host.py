@@ -16,7 +16,7 @@ Two things the device-memory plan (:mod:`.memory`) does not see:
   memory), and holds it until the write completes. On CPU nothing is copied before the fork, but the next step's
   updates duplicate every page they write (copy-on-write) while the writer runs: up to the same bytes.
   :func:`check_async_save_memory` counts it per node (every policy rank of the node, ``MemoryEstimate.async_staging``)
-  against the node's host memory, which the placement probe reports (``trainer/placement._probe``:
+  against the node's host memory, which the placement probe reports (``trainer/cluster/placement._probe``:
   ``psutil.virtual_memory`` where the rank will run) and, when it does not fit, falls back to synchronous saves with
   a message (``trainer.async_save=false``; a save that blocks the step is slower, not wrong: refusing the run for it
   would be worse). Qwen3-30B-A3B at TP 4 x PP 2 x EP 4: ~53 GB per rank, ~420 GB for a node of 8 ranks.

@@ -135,7 +135,7 @@ def executor_backend(config: EngineConfig) -> str | None:
     else "mp" for ``tensor_parallel_size`` > 1 (None -- vLLM's "uni" -- for one worker).
 
     Why not vLLM's default: the trainer places each engine actor in a placement-group bundle holding all of its
-    GPUs, ``{CPU, GPU: tensor_parallel_size}`` (``trainer/placement.py``). vLLM 0.32 hands the actor's current
+    GPUs, ``{CPU, GPU: tensor_parallel_size}`` (``trainer/cluster/placement.py``). vLLM 0.32 hands the actor's current
     placement group to its ``ParallelConfig`` (``vllm/engine/arg_utils.py:2331-2337``, ``is_in_ray_actor`` ->
     ``ray.util.get_current_placement_group()``) and, with a world size > 1 and no backend given, picks "ray" whenever
     there is one (``vllm/config/parallel.py:1035-1076``: "We use multiprocessing by default if world_size fits on the
@@ -424,7 +424,7 @@ class VLLMEngine(StreamingMixin):
             raise RolloutError(f"engine {self.engine_index}: wake_up needs EngineConfig.enable_sleep_mode=True")
         self.llm.wake_up(tags)
 
-    # ---------------------------------------------------------------- profiling (trainer/profiling.py)
+    # ---------------------------------------------------------------- profiling (trainer/observability/profiling.py)
     def start_profile(self, prefix: str, engines: list[int]) -> bool:
         """Start vLLM's own profiler when this engine is among ``engines``: ``LLM.start_profile(prefix)`` (vllm 0.32
         ``entrypoints/llm.py`` 801-824; the engine needs a torch ``profiler_config``, given by

@@ -110,7 +110,7 @@ class IpcReceiverMixin:
 def release_cached_memory(_worker: Any = None) -> dict:
     """On a policy rank (``PolicyGroup.run_on_all``): return the caching allocator's unused blocks to the device
     (``torch.cuda.empty_cache``) so a colocated engine can map them -- before the engines start
-    (``trainer/colocation.py``) and before they wake from sleep (:func:`ipc_sync`). Without it only the memory
+    (``trainer/cluster/colocation.py``) and before they wake from sleep (:func:`ipc_sync`). Without it only the memory
     estimate bounds what the policy keeps cached (peak plus fragmentation), and a level-2 wake-up, which re-maps the
     engine's weights and KV cache, may run out of device memory. Returns the reserved bytes before and after (0 / 0
     without CUDA: nothing to release)."""
@@ -349,7 +349,7 @@ def ipc_sync(policy_group: Any, client: Any, bucket_mb: float = 512, dtype: torc
     """Colocated step boundary: route, wake weights, IPC buckets of every stage to every engine, finish, wake the
     KV cache. A layout the routing refuses raises ValueError before any engine is touched. ``before_wake`` /
     ``before_kv_wake``: the policy's ``actor.offload`` steps (gradients + optimizer state before the weights wake,
-    parameters before the KV cache wakes: ``trainer/colocation.py`` OffloadCycle)."""
+    parameters before the KV cache wakes: ``trainer/cluster/colocation.py`` OffloadCycle)."""
     from da3po_megatron.rollout.ipc_routing import plan_ipc_routes
 
     require_ipc("ipc_sync")

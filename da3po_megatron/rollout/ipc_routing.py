@@ -104,8 +104,8 @@ def colocated_layout(world_size: int, tp: int, pp: int, num_engines: int, cp: in
                      engine_tp: int = 1) -> tuple[list[RankPlace], list[list[str]]]:
     """The layout a colocated run will have, predicted before any actor starts: policy rank ``r`` in placement-group
     bundle ``r`` with Megatron's rank order (tp-cp-ep-dp-pp, TP fastest: ``megatron/runtime.py``), worker ``w`` of
-    engine ``i`` in rank ``i x engine_tp + w``'s one-GPU bundle (``trainer/placement.py``). GPUs are named by bundle
-    ("bundle r") in place of the UUIDs the actors report at the first sync."""
+    engine ``i`` in rank ``i x engine_tp + w``'s one-GPU bundle (``trainer/cluster/placement.py``). GPUs are named by
+    bundle ("bundle r") in place of the UUIDs the actors report at the first sync."""
     if world_size % (tp * cp * pp):
         raise ValueError(f"policy world size {world_size} is not a multiple of TP x CP x PP = {tp} x {cp} x {pp}")
     dp = world_size // (tp * cp * pp)

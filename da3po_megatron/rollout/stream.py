@@ -1,6 +1,6 @@
 """Per-request streaming with abort on one engine: the ``stream`` / ``stream_abort_all`` methods of
 :class:`~da3po_megatron.rollout.engine.VLLMEngine` (mixed in), used by streaming dynamic sampling
-(``rollout.mode=streaming``, driven by ``trainer/collect.py`` and ``trainer/async_rollout.py``).
+(``rollout.mode=streaming``, driven by ``trainer/generation/collect.py`` and ``trainer/generation/async_rollout.py``).
 
 It runs vLLM's own request-level engine loop (``LLMEngine.add_request`` / ``step`` / ``abort_request``, what
 ``LLM.generate`` runs inside) for a bounded number of engine steps per call, so the driver adds and aborts requests
@@ -11,11 +11,11 @@ sequence of calls it receives. The asynchrony lives across engines (one Ray acto
 engines. Each sample of a group is its own request with seed ``seed_for(prompt) + j``, the seed vLLM's ``n`` fan-out
 gives sample j, so a group samples what ``generate`` samples.
 
-Partial rollouts (``rollout.partial_rollouts``, driven by ``trainer/async_rollout.py``): ``interrupt`` aborts groups
-*keeping* what they decoded (tokens, log-probs, which samples finished), and a submission may carry a continuation
-(``cont``: per sample the response so far, whether it is already finished, and the seed of its next segment): each
-unfinished sample becomes a request from prompt + its prefix with ``max_tokens`` reduced by the prefix's length. The
-engine returns segments; the driver stitches them and records which policy version produced each token.
+Partial rollouts (``rollout.partial_rollouts``, driven by ``trainer/generation/async_rollout.py``): ``interrupt`` aborts
+groups *keeping* what they decoded (tokens, log-probs, which samples finished), and a submission may carry a
+continuation (``cont``: per sample the response so far, whether it is already finished, and the seed of its next
+segment): each unfinished sample becomes a request from prompt + its prefix with ``max_tokens`` reduced by the prefix's
+length. The engine returns segments; the driver stitches them and records which policy version produced each token.
 """
 
 from __future__ import annotations

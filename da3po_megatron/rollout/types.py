@@ -203,8 +203,8 @@ class Completion:
     versions: np.ndarray | None = None
     """The policy version (the trainer step whose weights the engine held) that sampled each response token, int32;
     set by the driver when it assembles a response from segments generated under several versions (partial rollouts,
-    ``trainer/async_rollout.py``); None = every token from the one version its group records (``Group.weight_step``).
-    ``logprobs[t]`` is the behaviour log-prob of token t under version ``versions[t]``."""
+    ``trainer/generation/async_rollout.py``); None = every token from the one version its group records
+    (``Group.weight_step``). ``logprobs[t]`` is the behaviour log-prob of token t under version ``versions[t]``."""
 
     def __post_init__(self) -> None:
         for name, dtype in self.PER_TOKEN.items():

@@ -94,7 +94,7 @@ def policy_hf_stream(worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
     return export_policy(worker)
 
 
-@ranged("weight_sync")  # a named range in a profiled step's rank trace (trainer/profiling.py); no-op otherwise
+@ranged("weight_sync")  # a named range in a profiled step's rank trace (trainer/observability/profiling.py); else no-op
 def push_policy_weights(worker: Any, client: RolloutClient, bucket_mb: float = 256,
                         dtype: torch.dtype | None = None, session: bool = False, strict: bool = True) -> dict:
     """Collective on every policy rank: inside a ``client.begin/finish_weight_update`` bracket on the driver, or

@@ -61,7 +61,8 @@ class Group:
     routed_experts: list[np.ndarray | None] | None = None  # MoE: per response the engine's routes (Completion's),
     # None for a response whose routes the engine dropped (moe.router_agreement_fraction), or None for the group
     token_versions: list[np.ndarray] | None = None  # partial rollouts: per response the version of each token (int32);
-    # None = every token from weight_step (trainer/async_rollout.py; weight_step is then the version it started under)
+    # None = every token from weight_step (trainer/generation/async_rollout.py; weight_step is then the version it
+    # started under)
     seed: int | None = None  # the engine request seed of response 0 (response j: seed + j); rounds only (replay.py)
 
     def __post_init__(self) -> None:
@@ -296,7 +297,7 @@ def group_stats(groups: Sequence[Group], max_response_length: int, prefix: str) 
     for b, vals in sorted(by_bucket.items(), key=lambda kv: str(kv[0])):
         out[f"{prefix}/acc_bucket/{b}"] = sum(vals) / len(vals)
         # the share of the groups from this bucket (the batch/ one: what the policy trains on, e.g. how many hard
-        # prompts an asynchronous run keeps against the synchronous one; issue 37, tools/bench_async.py)
+        # prompts an asynchronous run keeps against the synchronous one; issue 37, da3po_megatron/bench/async_rl.py)
         out[f"{prefix}/group_frac_bucket/{b}"] = sum(g.bucket == b for g in groups) / len(groups)
     return out
 

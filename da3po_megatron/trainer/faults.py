@@ -4,8 +4,8 @@
 ``STEP``; unset (always, outside tests) every call here is a dictionary lookup that finds nothing. Phases: the loop's
 ``generate``, ``reward``, ``old_logprobs``, ``train``, ``weight_sync``, and ``checkpoint`` (inside a save, after the
 policy part is written and before the trainer state, manifest and ``COMPLETE``), and ``partial_rollout`` (the
-asynchronous producer of ``trainer/async_rollout.py`` has just sent interrupted partial rollouts back to an engine to
-continue under the weights of step STEP - 1, i.e. while step STEP's batches are generated). Actions:
+asynchronous producer of ``trainer/generation/async_rollout.py`` has just sent interrupted partial rollouts back to an
+engine to continue under the weights of step STEP - 1, i.e. while step STEP's batches are generated). Actions:
 
 - ``kill`` / ``term`` / ``usr1`` / ``int``: SIGKILL / SIGTERM / SIGUSR1 / SIGINT to the driver itself;
 - ``kill_engine``: SIGKILL the process of rollout engine 0 (its Ray actor);

@@ -13,8 +13,8 @@
         log metrics; checkpoint; evaluate
 
 Everything heavy lives elsewhere (``trainer/run.py`` builds and checkpoints the parts, ``trainer/batch.py`` holds the
-batch math, ``trainer/collect.py`` one step's collection -- the paper's generation rounds or streaming with abort --
-and ``trainer/async_rollout.py`` the generation beside the loop); this file is only the schedule.
+batch math, ``trainer/generation/collect.py`` one step's collection -- the paper's generation rounds or streaming with
+abort -- and ``trainer/generation/async_rollout.py`` the generation beside the loop); this file is only the schedule.
 ``rollout.staleness=1`` prefetches the next step's batch while this step trains; ``rollout.staleness >= 2`` or
 ``rollout.partial_rollouts`` take batches from the asynchronous producer, paused around each weight sync.
 GRPO / DAPO / GSPO differ only through the config's preset: no filtering (GRPO/GSPO), the loss aggregation and ratio
@@ -28,9 +28,15 @@ import time
 from da3po_megatron.config import Config
 from da3po_megatron.ranges import phase as named_range
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.async_rollout import AsyncRollout, EngineFailure, Prefetch, ProducerStalled, uses_producer
-from da3po_megatron.trainer.collect import DynamicSamplingError, PhaseTimer, collect
-from da3po_megatron.trainer.rescore import rescore
+from da3po_megatron.trainer.generation.async_rollout import (
+    AsyncRollout,
+    EngineFailure,
+    Prefetch,
+    ProducerStalled,
+    uses_producer,
+)
+from da3po_megatron.trainer.generation.collect import DynamicSamplingError, PhaseTimer, collect
+from da3po_megatron.trainer.generation.rescore import rescore
 from da3po_megatron.trainer.run import Run
 
 __all__ = ["DynamicSamplingError", "PhaseTimer", "collect", "run_steps", "train"]  # (the error: tests, main.py)
@@ -49,11 +55,11 @@ def after_previous_step(run: Run, previous: dict[str, float]) -> str:
 
 def train(cfg: Config, allow_config_change: bool = False) -> Run:
     """Run (or resume) training as configured; returns the finished :class:`Run` (closed). ``allow_config_change``:
-    ``--allow-config-change`` (``trainer/config_drift.py``).
+    ``--allow-config-change`` (``trainer/resume/config_drift.py``).
 
-    A stop request (SIGTERM / SIGUSR1 / SIGINT / ``run_dir/PREEMPT``, see ``trainer/signals.py``) abandons the step
-    in progress while it is in phases 1-3 (a resumed run redoes it exactly), or lets it finish from phase 4 on; then
-    the last completed step is checkpointed and the run ends."""
+    A stop request (SIGTERM / SIGUSR1 / SIGINT / ``run_dir/PREEMPT``, see ``trainer/cluster/signals.py``) abandons the
+    step in progress while it is in phases 1-3 (a resumed run redoes it exactly), or lets it finish from phase 4 on;
+    then the last completed step is checkpointed and the run ends."""
     run = Run(cfg, allow_config_change)
     try:
         try:
@@ -113,7 +119,7 @@ def run_steps(run: Run) -> None:
             # 3. pi_old: recomputed by the policy (default) or the engines' sampled-token log-probs; the tokens the
             #    current weights sampled (per-token versions) measure the sync.
             batch = B.policy_batch(groups)
-            run.replay.record(step, rollout, batch)  # rollout.dump_dir: the step's rollout + batch (trainer/replay.py)
+            run.replay.record(step, rollout, batch)  # rollout.dump_dir: the step's rollout + batch (generation/replay)
             with timer("old_logprobs"):
                 batch, mismatch = run.old_logprobs(batch, versions=B.token_versions(groups),
                                                    routes=B.route_sample(groups))

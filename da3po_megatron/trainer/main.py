@@ -5,15 +5,15 @@ config field with its documentation; ``--print-config`` shows the effective conf
 decides filled in) and exits. Explicit values that override the preset are reported on stderr, e.g.
 ``note: algorithm.clip_ratio_high=0.3 overrides the gspo preset (0.0004)``. The console shows our progress lines;
 third-party logs (Transformer-Engine/Apex fallbacks, vLLM start-up, Ray workers) go to ``run_dir/logs/`` unless
-``--verbose`` (``trainer/console.py``).
+``--verbose`` (``trainer/observability/console.py``).
 
-Run integrity (docs/reliability.md): the trainer holds ``run_dir/LOCK`` while it runs (``trainer/lock.py``; a second
-trainer on the same directory exits with status 2 naming the holder; ``--force-unlock`` takes a lock whose holder you
-know is gone), and a resume compares the config with the run record ``run_dir/config.yaml`` and with the checkpoint
-it loads (``trainer/config_drift.py``; changes to what defines the run are refused with status 2 unless
+Run integrity (docs/reliability.md): the trainer holds ``run_dir/LOCK`` while it runs (``trainer/resume/lock.py``; a
+second trainer on the same directory exits with status 2 naming the holder; ``--force-unlock`` takes a lock whose holder
+you know is gone), and a resume compares the config with the run record ``run_dir/config.yaml`` and with the checkpoint
+it loads (``trainer/resume/config_drift.py``; changes to what defines the run are refused with status 2 unless
 ``--allow-config-change``, recorded in ``run_dir/config_changes.jsonl``). ``trainer.resume=false`` in a directory
-that holds a run moves that run aside to ``run_dir/previous-<time>/`` (``trainer/history.py``): no launch deletes a
-run's checkpoints or metrics.
+that holds a run moves that run aside to ``run_dir/previous-<time>/`` (``trainer/resume/history.py``): no launch deletes
+a run's checkpoints or metrics.
 
 ``main`` returns the exit status and never exits the process: a failed start-up closes what it opened (actors,
 placement groups, reward pool; the lock here), so an in-process caller ends promptly.
@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
-    from da3po_megatron.trainer.config_drift import ConfigDriftError, check_resume_config
-    from da3po_megatron.trainer.history import move_previous_run_aside
-    from da3po_megatron.trainer.lock import RunDirLock, RunDirLocked
+    from da3po_megatron.trainer.resume.config_drift import ConfigDriftError, check_resume_config
+    from da3po_megatron.trainer.resume.history import move_previous_run_aside
+    from da3po_megatron.trainer.resume.lock import RunDirLock, RunDirLocked
 
     lock = RunDirLock(cfg.trainer.run_dir, lease_s=cfg.trainer.lock_lease_s)
     try:  # before anything of the run is read or written
@@ -88,13 +88,13 @@ def _train(cfg, args: argparse.Namespace) -> int:
     from da3po_megatron.data.datasets import BadRowError
     from da3po_megatron.megatron.memory import MemoryBudgetError
     from da3po_megatron.rewards import RewardPoolError
-    from da3po_megatron.trainer.async_rollout import EngineFailure, ProducerStalled
-    from da3po_megatron.trainer.checkpoint import CheckpointWriteError, NoIntactCheckpointError
-    from da3po_megatron.trainer.config_drift import ConfigDriftError
-    from da3po_megatron.trainer.console import configure
+    from da3po_megatron.trainer.cluster.placement import PlacementError
+    from da3po_megatron.trainer.generation.async_rollout import EngineFailure, ProducerStalled
     from da3po_megatron.trainer.inputs import InputError
     from da3po_megatron.trainer.loop import DynamicSamplingError, train
-    from da3po_megatron.trainer.placement import PlacementError
+    from da3po_megatron.trainer.observability.console import configure
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointWriteError, NoIntactCheckpointError
+    from da3po_megatron.trainer.resume.config_drift import ConfigDriftError
     from da3po_megatron.trainer.updates import UpdateSizeError
 
     log_dir = configure(cfg.trainer.run_dir, verbose=args.verbose or os.environ.get("DA3PO_VERBOSE") == "1")

@@ -5,7 +5,7 @@ dynamic-sampling buffer, driver RNG, cumulative counters, the policy's checkpoin
 
 - the policy: ``world = TP x PP x CP x DP`` Ray actors (``megatron.actor_group.PolicyGroup``), one per rank;
 - the engines: ``rollout.num_engines`` vLLM Ray actors (``rollout.RolloutClient.ray``);
-- where they run: ``trainer/placement.py`` checks the resources against the Ray cluster before any actor starts
+- where they run: ``trainer/cluster/placement.py`` checks the resources against the Ray cluster before any actor starts
   (exit 2 naming the numbers), reserves node-pinned placement groups (TP groups on one node, engines per
   ``rollout.engine_placement``, or colocated with ranks 0..N-1) and asks one rank's and one engine's bundle what
   device they see -- the KV cache, memory preflight, collective backend and transport follow from that, never from
@@ -13,8 +13,8 @@ dynamic-sampling buffer, driver RNG, cumulative counters, the policy's checkpoin
 - the reward pool: processes of the driver.
 
 Stop requests: SIGTERM / SIGUSR1 / SIGINT, or a file ``run_dir/PREEMPT`` (what ``slurm/train.sbatch`` creates before
-the job is killed), make the loop checkpoint the last completed step and exit 0 (``trainer/signals.py``: the handlers
-are installed after ``ray.init``); the requeued job resumes from ``latest``.
+the job is killed), make the loop checkpoint the last completed step and exit 0 (``trainer/cluster/signals.py``: the
+handlers are installed after ``ray.init``); the requeued job resumes from ``latest``.
 """
 
 from __future__ import annotations
@@ -37,11 +37,7 @@ from da3po_megatron.data.selection import selecting, selection_batch_metrics
 from da3po_megatron.data.templates import render_prompt
 from da3po_megatron.megatron.batching import PolicyBatch, Ragged
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.best import BestCheckpoint
-from da3po_megatron.trainer.checkpoint import CheckpointManager
-from da3po_megatron.trainer.faults import poisoned, skipped
-from da3po_megatron.trainer.metrics import MetricsLogger
-from da3po_megatron.trainer.prepare import (  # noqa: F401
+from da3po_megatron.trainer.cluster.bringup import (  # noqa: F401
     _hostname,
     _pin,
     engine_config,
@@ -51,10 +47,14 @@ from da3po_megatron.trainer.prepare import (  # noqa: F401
     plan_for_cluster,
     preflight,
 )
-from da3po_megatron.trainer.profiling import with_engine_profiler
-from da3po_megatron.trainer.replay import NoEngines, Replay, engineless
-from da3po_megatron.trainer.run_checkpoints import RunCheckpoints
-from da3po_megatron.trainer.signals import StopSignals
+from da3po_megatron.trainer.cluster.signals import StopSignals
+from da3po_megatron.trainer.faults import poisoned, skipped
+from da3po_megatron.trainer.generation.replay import NoEngines, Replay, engineless
+from da3po_megatron.trainer.observability.metrics import MetricsLogger
+from da3po_megatron.trainer.observability.profiling import with_engine_profiler
+from da3po_megatron.trainer.resume.best import BestCheckpoint
+from da3po_megatron.trainer.resume.checkpoint import CheckpointManager
+from da3po_megatron.trainer.resume.run_state import RunCheckpoints
 
 
 def fresh_drift(drift: Any, step: int, rollout_lp: Any, policy_lp: Any, mismatch: dict[str, float], fresh: bool,
@@ -83,7 +83,7 @@ class Run(RunCheckpoints):
         already opened -- actors, placement groups, transport, reward pool -- before the error propagates, so an
         in-process caller of ``trainer.main.main()`` returns with nothing of the run left (issue 35, point 3).
         ``allow_config_change``: ``--allow-config-change`` (the checkpoint finally loaded is checked too,
-        ``trainer/config_drift.py``)."""
+        ``trainer/resume/config_drift.py``)."""
         try:
             self._start(cfg, allow_config_change)
         except BaseException:
@@ -107,7 +107,7 @@ class Run(RunCheckpoints):
         self.step = 0
         self.engine_weight_step = 0  # the policy step whose weights the engines hold (tags every generated group)
         self.pending: list[Any] = []  # staleness 1: the next step's batch, generated during this step (checkpointed)
-        self.async_rollout: Any = None  # staleness >= 2 / partial rollouts: the producer (trainer/async_rollout.py)
+        self.async_rollout: Any = None  # staleness >= 2 / partial rollouts: the producer (generation/async_rollout.py)
         self.async_state: dict[str, Any] | None = None  # its state from the checkpoint resumed from
         self.totals = {"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
                        "reward_errors": 0, "skipped_updates": 0, "consecutive_skipped_updates": 0}
@@ -134,8 +134,8 @@ class Run(RunCheckpoints):
         self.best = BestCheckpoint(self.ckpt.root, t.keep_best_metric, t.keep_best_mode) if t.keep_best_metric else None
         self.ckpt.protect = self.best.protected if self.best else self.ckpt.protect
         latest = self.ckpt.latest() if t.resume else None  # verified (a damaged one: the previous) before any actor
-        from da3po_megatron.trainer.config_drift import check_checkpoint_config, write_run_record
-        from da3po_megatron.trainer.lock import guard
+        from da3po_megatron.trainer.resume.config_drift import check_checkpoint_config, write_run_record
+        from da3po_megatron.trainer.resume.lock import guard
 
         if latest is not None:  # the checkpoint finally chosen (maybe a fallback) against its own recorded config
             check_checkpoint_config(cfg, latest, allow=allow_config_change)
@@ -146,7 +146,7 @@ class Run(RunCheckpoints):
         init_ray(cfg)
         self.stop.install()  # after ray.init, which replaces the SIGTERM handler with one that exits at once
         t0 = time.perf_counter()
-        from da3po_megatron.trainer.placement import actor_location, placement_report, probe_devices, reserve
+        from da3po_megatron.trainer.cluster.placement import actor_location, placement_report, probe_devices, reserve
 
         plan = plan_for_cluster(cfg)  # PlacementError (exit 2) in seconds when the cluster cannot hold the run
         print(plan.describe(), flush=True)
@@ -171,10 +171,14 @@ class Run(RunCheckpoints):
                                      start_timeout_s=cfg.ray.start_timeout_s, **engine_slots(plan, self.policy),
                                      engine_hosts=[plan.host(i) for i in plan.engine_node])
 
-        from da3po_megatron.trainer.colocation import engine_slots, engines_after_policy, start_engines_after_policy
+        from da3po_megatron.trainer.cluster.colocation import (
+            engine_slots,
+            engines_after_policy,
+            start_engines_after_policy,
+        )
 
         # colocated on CUDA the engines size their KV cache from free device memory: they start once the policy on
-        # their GPUs has finished allocating (trainer/colocation.py); otherwise both sides start side by side
+        # their GPUs has finished allocating (trainer/cluster/colocation.py); otherwise both sides start side by side
         after_policy = engines_after_policy(cfg.rollout.colocate, self.devices["engine"]["cuda"])
         if not after_policy:
             self.rollout = start_engines()
@@ -209,11 +213,11 @@ class Run(RunCheckpoints):
             engine_hosts=engine_hosts)
         self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
         self._transport: Any = None
-        from da3po_megatron.trainer.colocation import OffloadCycle  # actor.offload around generation
+        from da3po_megatron.trainer.cluster.colocation import OffloadCycle  # actor.offload around generation
         self.offload = OffloadCycle(self.policy, cfg.actor.offload, self.weight_transfer == "ipc",
                                     cfg.actor.offload_without_sleep, cfg.rollout.staleness)
         self.rollout.resync = self.sync_weights  # an engine restarted after a sync gets the weights again
-        from da3po_megatron.trainer.profiling import StepProfiler
+        from da3po_megatron.trainer.observability.profiling import StepProfiler
 
         self.profiler = StepProfiler(cfg.trainer.profile, self.run_dir, self.policy, self.rollout)
         print(f"weight transfer: {self.weight_transfer} (rollout.weight_transfer={cfg.rollout.weight_transfer})",
@@ -382,7 +386,7 @@ class Run(RunCheckpoints):
         """Policy -> every engine (``rollout.weight_transfer``) inside the ``actor.offload`` cycle (colocation.py)."""
         if self.weight_transfer == "none" or skipped("weight_sync", self.step + 1):  # train_only replay; fault tests
             return {}
-        from da3po_megatron.trainer.colocation import push_weights
+        from da3po_megatron.trainer.cluster.colocation import push_weights
 
         return self.offload.around_sync(lambda *hooks: push_weights(self, *hooks), inside=self.weight_transfer == "ipc")
 

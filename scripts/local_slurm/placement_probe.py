@@ -1,14 +1,15 @@
 """Where a recipe's policy ranks and engines would run on the Ray cluster of this job, and which GPU ids Ray gives
-them: the trainer's own placement (trainer/placement.py: the plan, the node-pinned placement groups) with stand-in
-actors (NOT the policy or vLLM: no model is built) that only report ``ray.get_gpu_ids()``, ``CUDA_VISIBLE_DEVICES``
-and their node, so the paper's 2 x 8-GPU layout can be shown on the local Slurm with logical GPUs (docs/slurm.md):
+them: the trainer's own placement (trainer/cluster/placement.py: the plan, the node-pinned placement groups) with
+stand-in actors (NOT the policy or vLLM: no model is built) that only report ``ray.get_gpu_ids()``,
+``CUDA_VISIBLE_DEVICES`` and their node, so the paper's 2 x 8-GPU layout can be shown on the local Slurm with logical
+GPUs (docs/slurm.md):
 
     FAKE_GPUS=8 NODE_CPUS=16 scripts/local_slurm.sh up
     CONFIG=examples/qwen3_4b_da3po.yaml DA3PO_DRIVER="python scripts/local_slurm/placement_probe.py" \\
         sbatch --nodes=2 --gpus-per-node=8 slurm/train.sbatch
 
 The stand-in policy ranks sit in the plan's bundles with the plan's GPU request. The engines start through the
-trainer's own start-up, ``RolloutClient.ray`` with ``trainer/colocation.engine_slots`` (as ``trainer/run.py``
+trainer's own start-up, ``RolloutClient.ray`` with ``trainer/cluster/colocation.engine_slots`` (as ``trainer/run.py``
 calls it), with the ``VLLMEngine`` class swapped for a stand-in: so a colocated engine of TP > 1 (issue 49) sits in
 the first of its policy ranks' bundles with no Ray GPU, and its process starts with ``CUDA_VISIBLE_DEVICES`` = the
 ids Ray gave those ranks (``placement.colocated_engine_envs``), which is what vLLM's executor hands its workers.
@@ -38,7 +39,7 @@ class StandInEngine:
         return {"ok": True}
 
     def location(self) -> dict:
-        from da3po_megatron.trainer.placement_ray import actor_location
+        from da3po_megatron.trainer.cluster.placement_ray import actor_location
 
         return actor_location()
 
@@ -67,9 +68,9 @@ def main(argv: list[str]) -> int:
 
     from da3po_megatron.config import load_config
     from da3po_megatron.rollout import client as client_mod
-    from da3po_megatron.trainer.colocation import engine_slots
-    from da3po_megatron.trainer.placement import PlacementError, actor_location, reserve
-    from da3po_megatron.trainer.prepare import engine_config, plan_for_cluster
+    from da3po_megatron.trainer.cluster.bringup import engine_config, plan_for_cluster
+    from da3po_megatron.trainer.cluster.colocation import engine_slots
+    from da3po_megatron.trainer.cluster.placement import PlacementError, actor_location, reserve
 
     cfg = load_config(os.environ["CONFIG"], ["model.path=/unused", *argv])
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level="ERROR", log_to_driver=False)

@@ -1,6 +1,7 @@
 """Collecting one step's batch: generation + rewards + dynamic sampling, in the paper's rounds or streamed with abort.
 
-Both pipelines (``trainer/loop.py`` step 1, and the prefetch / asynchronous producer of ``trainer/async_rollout.py``)
+Both pipelines (``trainer/loop.py`` step 1, and the prefetch / asynchronous producer of
+``trainer/generation/async_rollout.py``)
 import what they share from here -- :class:`StepRollout`, :class:`DynamicSamplingError`, :class:`PhaseTimer`,
 :func:`token_stats` -- so the loop, the async machinery and ``trainer/run.py`` (which checkpoints queued batches) form
 no import circle (issue 37, point 6).
@@ -24,7 +25,7 @@ What the streaming batch is a sample of (``rollout.stream_order``):
   batches depend only on the calls it receives, and the prompt stream is rewound to just after the last admitted
   prompt (prompts generated beyond it are drawn again next step, never skipped unseen).
 - ``completion``: the first kept groups to *finish*. Lower latency, but short responses finish first, so the batch
-  over-represents them (measured in ``tools/bench_rl_step.py`` / docs/throughput.md); with several engines it also
+  over-represents them (measured in ``da3po bench rl-step`` / docs/throughput.md); with several engines it also
   depends on timing. Every submitted prompt counts as consumed.
 """
 
@@ -67,7 +68,7 @@ class PhaseTimer:
     def __call__(self, name: str) -> Iterator[None]:
         fault_point(name, self.step, self.run)
         t0 = time.perf_counter()
-        with named_range(name):  # a named profiler range (trainer/profiling.py); a shared no-op outside profiled steps
+        with named_range(name):  # a named profiler range (observability/profiling.py); a no-op outside profiled steps
             yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
@@ -270,8 +271,8 @@ def stream_batch(run: Run, step: int) -> StepRollout:
 
 def collect(run: Run, step: int) -> StepRollout:
     """The batch of ``step``: generation + rewards + dynamic sampling, in rounds or streamed -- or, with
-    ``rollout.replay_dir``, the recorded one (``trainer/replay.py``, which also keeps what ``rollout.dump_dir``
-    needs)."""
+    ``rollout.replay_dir``, the recorded one (``trainer/generation/replay.py``, which also keeps what
+    ``rollout.dump_dir`` needs)."""
     replay = getattr(run, "replay", None)
     return replay.collect(run, step, lambda: _collect(run, step)) if replay is not None else _collect(run, step)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from da3po_megatron.trainer.checkpoint import CheckpointManager
+    from da3po_megatron.trainer.resume.checkpoint import CheckpointManager
 
 BEST_FILE = "best.json"
 

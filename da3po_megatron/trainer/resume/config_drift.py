@@ -232,7 +232,9 @@ def _check(cfg: Config, old: dict[str, Any], name: str, step: int, allow: bool, 
     changes = config_changes(old, to_dict(cfg))
     if not changes:
         return []
-    from da3po_megatron.trainer.async_resume import refuse_async_changes  # the generation state: migrated or refused
+    from da3po_megatron.trainer.resume.async_resume import (
+        refuse_async_changes,  # the generation state: migrated or refused
+    )
 
     refuse_async_changes(to_dict(cfg), old, changes, Path(cfg.trainer.run_dir) / "checkpoints" / name, log)
     defining = [c for c in changes if c["kind"] == "defining"]

@@ -1,5 +1,5 @@
-"""The asynchronous producer's state (``trainer/async_rollout.py``; docs/async.md): one admitted group as it runs,
-is interrupted and continues (:class:`Partial`), the continuation seeds, and the checkpoint snapshot of the whole
+"""The asynchronous producer's state (``trainer/generation/async_rollout.py``; docs/async.md): one admitted group as it
+runs, is interrupted and continues (:class:`Partial`), the continuation seeds, and the checkpoint snapshot of the whole
 producer (:class:`ProducerSnapshot`) -- split from ``async_rollout.py``, which holds the thread and its engines.
 
 Plain data in, plain data out: nothing here locks or talks to an engine; ``async_rollout.py`` calls it under its lock.
@@ -167,7 +167,7 @@ class Partial:
 @dataclass
 class ProducerSnapshot:
     """The producer's state at a step's end (taken while paused, O(groups) references, no copy of a token array):
-    serialised by :meth:`to_dict` only when a checkpoint is written (``trainer/run_checkpoints.py``), not every
+    serialised by :meth:`to_dict` only when a checkpoint is written (``trainer/resume/run_state.py``), not every
     step. ``first_version`` is the version the next batch trains at (a resume checks the bound against it)."""
 
     next_j: int

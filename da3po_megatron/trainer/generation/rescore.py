@@ -12,7 +12,7 @@ made with the old p_hat differ from the ones the new p_hat gives, per difficulty
 The re-generated samples are not trained on and not counted in ``gen/cumulative_samples``. Even at staleness 0 the
 rates are not 0: p_hat from G samples is a noisy estimate, and the new weights are one update newer than the ones
 that generated the group. The synchronous run's rates are therefore the floor a staleness setting is compared with
-(``tools/study_async_hard.py``).
+(``tools/studies/async_hard.py``).
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@
 of ``tools/plot_curves.py`` and of the algorithm comparison. On resume the rows after the checkpoint's step (steps the
 resumed run redoes, or the record of a failed step) leave the file, so a resumed run's log equals an uninterrupted
 one; they are appended to ``run_dir/metrics.dropped.jsonl`` (each with ``"dropped_at"``), never deleted. A fresh
-start (``trainer.resume=false``) in a used directory moves the previous run aside first (``trainer/history.py``), so
-rows of two runs never meet in one file.
+start (``trainer.resume=false``) in a used directory moves the previous run aside first (``trainer/resume/history.py``),
+so rows of two runs never meet in one file.
 
-``before_write`` (``trainer/lock.py``'s guard) runs before every row: a trainer whose run-directory lock was taken
-over stops before it writes.
+``before_write`` (``trainer/resume/lock.py``'s guard) runs before every row: a trainer whose run-directory lock was
+taken over stops before it writes.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ import torch
 
 from da3po_megatron.config import to_dict
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.async_partial import plain_state
-from da3po_megatron.trainer.best import save_checkpoint
-from da3po_megatron.trainer.collect import rollout_from_dict, rollout_to_dict
 from da3po_megatron.trainer.faults import fault_point
+from da3po_megatron.trainer.generation.async_partial import plain_state
+from da3po_megatron.trainer.generation.collect import rollout_from_dict, rollout_to_dict
+from da3po_megatron.trainer.resume.best import save_checkpoint
 
 
 class RunCheckpoints:
@@ -70,7 +70,7 @@ class RunCheckpoints:
 
     def save_checkpoint(self, best_value: float | None = None) -> Path | None:
         """Checkpoint the last completed step (nothing to do when it is already saved); with ``best_value`` also
-        record it as the best checkpoint (trainer/best.py). ``trainer.save_hf_every``: HF weights into ``hf/`` of
+        record it as the best checkpoint (trainer/resume/best.py). ``trainer.save_hf_every``: HF weights into ``hf/`` of
         the same checkpoint. ``trainer.async_save``: the policy's shards are written in the background and this
         returns None; :meth:`poll_checkpoint` completes the checkpoint (``latest`` moves then). At most one save is
         in flight: an earlier one is completed first."""

@@ -5,7 +5,7 @@ its size and CRC-32) and a ``COMPLETE`` marker, renamed into place, and only the
 (write-then-``os.replace``, atomic on POSIX). A run killed at any moment therefore leaves either the previous complete
 checkpoint as ``latest`` or the new one, never a half-written one, and a restart with the same command resumes from
 it. Old checkpoints are deleted only after a newer one is complete (the last ``trainer.keep_last`` are kept), and never
-those named by ``protect()`` (the best checkpoint, :mod:`da3po_megatron.trainer.best`).
+those named by ``protect()`` (the best checkpoint, :mod:`da3po_megatron.trainer.resume.best`).
 
 Integrity: ``COMPLETE`` says the save finished, the manifest says what it wrote. Resume verifies the checkpoint it is
 about to load (sizes and checksums: it reads every file once); a damaged one -- a truncated shard, a file changed or
@@ -129,7 +129,7 @@ class CheckpointManager:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.protect = protect  # names of step directories that pruning keeps, besides the last keep_last
-        self.before_write: Callable[[], Any] = lambda: None  # before a save or prune (trainer/lock.py's guard)
+        self.before_write: Callable[[], Any] = lambda: None  # before a save or prune (trainer/resume/lock.py's guard)
         self.in_flight: Path | None = None  # the temporary directory of a started, unfinished checkpoint
 
     def latest(self, verify: bool = True, log: Callable[[str], Any] = print) -> Path | None:

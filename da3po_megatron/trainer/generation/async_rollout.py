@@ -1,8 +1,8 @@
 """Generation beside the loop: the one-step-off prefetch (``rollout.staleness=1``) and the asynchronous producer
 (``rollout.staleness >= 2`` or ``rollout.partial_rollouts``), issues 37 and 47. ``trainer/loop.py`` only calls
 :meth:`AsyncRollout.take` / :meth:`~AsyncRollout.pause` / :meth:`~AsyncRollout.resume`; docs/async.md is the guide.
-The producer's engine side is ``trainer/async_engines.py``, its per-group state and checkpoint snapshot
-``trainer/async_partial.py``.
+The producer's engine side is ``trainer/generation/async_engines.py``, its per-group state and checkpoint snapshot
+``trainer/generation/async_partial.py``.
 
 **Prefetch** (``rollout.staleness=1``; verl's one-step-off-policy recipe, AReaL's staleness bound 1): the batch of step
 t+1 is collected in a driver thread -- the engines generate, the reward pool scores -- while the policy computes pi_old
@@ -57,16 +57,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.async_engines import EngineCalls, EngineFailure, EngineSide
-from da3po_megatron.trainer.async_partial import (
+from da3po_megatron.trainer.faults import fault_point
+from da3po_megatron.trainer.generation.async_engines import EngineCalls, EngineFailure, EngineSide
+from da3po_megatron.trainer.generation.async_partial import (
     Partial,
     ProducerSnapshot,
     continuation_seed,
     trace_batch,
     versions_spanned,
 )
-from da3po_megatron.trainer.collect import DynamicSamplingError, StepRollout, token_stats
-from da3po_megatron.trainer.faults import fault_point
+from da3po_megatron.trainer.generation.collect import DynamicSamplingError, StepRollout, token_stats
 
 if TYPE_CHECKING:
     from da3po_megatron.config import Config

@@ -1,6 +1,6 @@
 """Building a run's parts before the :class:`~da3po_megatron.trainer.run.Run` exists: Ray start-up, the placement
-(resources checked and reserved before any actor starts, ``trainer/placement.py``), the engine config, the training
-data (read and checked before any actor starts) and the parallel-size / memory preflight.
+(resources checked and reserved before any actor starts, ``trainer/cluster/placement.py``), the engine config, the
+training data (read and checked before any actor starts) and the parallel-size / memory preflight.
 
 Device decisions (the engines' KV-cache budget and sleep mode, the policy's memory budget) come from what one engine /
 one policy rank sees (``placement.probe_devices``); this process, the driver, never initialises CUDA."""
@@ -18,7 +18,7 @@ from da3po_megatron.data.datasets import PromptDataset, ReadStats, load_prompts
 from da3po_megatron.megatron.arch import GPTArch
 from da3po_megatron.megatron.memory_host import route_fraction
 from da3po_megatron.rollout.types import EngineConfig
-from da3po_megatron.trainer.console import ray_init_kwargs
+from da3po_megatron.trainer.observability.console import ray_init_kwargs
 
 
 def _pin(_worker: Any, spec: str) -> list[int]:
@@ -100,10 +100,10 @@ def init_ray(cfg: Config) -> None:
         # no prestarted workers: every actor of the run has its own runtime env (env vars), so Ray starts a worker
         # for it anyway and the num_cpus idle ones it prestarts for the first driver (each importing ray) only take
         # CPU from the actors' start-up -- 3 processes on the tiny 2-core launch (Ray's prestart_worker_first_driver)
-        from da3po_megatron.trainer.reaper import start_reaper
+        from da3po_megatron.trainer.cluster.reaper import start_reaper
 
-        # the Ray processes this driver starts end with it, even after a kill -9 (trainer/reaper.py); started first,
-        # so that they inherit its tag
+        # the Ray processes this driver starts end with it, even after a kill -9 (trainer/cluster/reaper.py); started
+        # first, so that they inherit its tag
         start_reaper()
         start_local_ray(None, max(os.cpu_count() or 1, math.ceil(need) + 1),
                         _system_config={"prestart_worker_first_driver": False}, **ray_init_kwargs())
@@ -112,13 +112,13 @@ def init_ray(cfg: Config) -> None:
 
 
 def plan_for_cluster(cfg: Config) -> Any:
-    """The run's :class:`~da3po_megatron.trainer.placement.Plan` on the connected Ray cluster, checked in seconds
-    before any actor starts (PlacementError, exit 2, naming the numbers and the setting to change). A ``train_only``
-    replay (``trainer/replay.py``) plans no engine: nothing is reserved for one."""
+    """The run's :class:`~da3po_megatron.trainer.cluster.placement.Plan` on the connected Ray cluster, checked in
+    seconds before any actor starts (PlacementError, exit 2, naming the numbers and the setting to change). A
+    ``train_only`` replay (``trainer/generation/replay.py``) plans no engine: nothing is reserved for one."""
     from dataclasses import replace
 
-    from da3po_megatron.trainer.placement import cluster_nodes, plan_placement, resources_for_config
-    from da3po_megatron.trainer.replay import engineless
+    from da3po_megatron.trainer.cluster.placement import cluster_nodes, plan_placement, resources_for_config
+    from da3po_megatron.trainer.generation.replay import engineless
 
     if engineless(cfg):
         cfg = replace(cfg, rollout=replace(cfg.rollout, num_engines=0, colocate=False))

@@ -3,7 +3,8 @@
 **Dump** (``rollout.dump_dir``). After each step's collection (generation + rewards + dynamic sampling) and its
 advantages, the step is written atomically (a private file, fsync, ``os.replace``) to ``dump_dir/step_NNNNNN.pt``:
 
-- ``rollout``: the step's :class:`~da3po_megatron.trainer.collect.StepRollout` as ``rollout_to_dict`` holds it -- the
+- ``rollout``: the step's :class:`~da3po_megatron.trainer.generation.collect.StepRollout` as ``rollout_to_dict`` holds
+it -- the
   kept and every generated group with token ids, rollout log-probs, per-token versions, MoE routes, rewards, the
   request seed of each group (``Group.seed``) and the dynamic-sampling counters;
 - ``batch``: the policy batch after advantages (Eq. 3 + DAA, Eq. 14), as the policy received it;
@@ -12,11 +13,11 @@ advantages, the step is written atomically (a private file, fsync, ``os.replace`
   counters and the driver's RNG states.
 
 ``dump_dir/manifest.json`` says what produced the dump: the resolved config, the config identity (the run record's
-defining fields, ``trainer/config_drift.py``), the model's and the tokenizer's identity (sha256 of ``config.json``
-and of each tokenizer file; each weight file's name, size and safetensors header -- names, dtypes, shapes, offsets;
-the values themselves are not hashed, which would read the whole model), the data (the iterator's fingerprint of the
-prompts in order, their number, seed and shuffle), the seeds and the format version. ``rollout.dump_every`` writes
-every k-th step only; ``rollout.dump_keep`` keeps the newest k step files (0 = all).
+defining fields, ``trainer/resume/config_drift.py``), the model's and the tokenizer's identity (sha256 of
+``config.json`` and of each tokenizer file; each weight file's name, size and safetensors header -- names, dtypes,
+shapes, offsets; the values themselves are not hashed, which would read the whole model), the data (the iterator's
+fingerprint of the prompts in order, their number, seed and shuffle), the seeds and the format version.
+``rollout.dump_every`` writes every k-th step only; ``rollout.dump_keep`` keeps the newest k step files (0 = all).
 
 **Replay** (``rollout.replay_dir``), checked before Ray starts (:func:`check_replay`; a manifest that does not match
 the run is refused with exit 2, naming each difference; the parallel layout, micro-batching and paths may differ, so
@@ -25,7 +26,7 @@ collecting one, and restores the recorded driver state, so everything after it -
 the checkpoint, the metrics -- is the original step's:
 
 - ``train_only``: no engine is planned, reserved or started (:class:`NoEngines` stands in; placement is planned with
-  none, ``trainer/prepare.py``); weight sync and engine idling do nothing; periodic evaluation is skipped.
+  none, ``trainer/cluster/bringup.py``); weight sync and engine idling do nothing; periodic evaluation is skipped.
 - ``compare``: the engines start as usual and, every step, regenerate the recorded groups with the recorded seeds
   (the same prompts in the same calls, so the same requests) under the weights the policy synced to them. Their
   tokens and log-probs are compared with the recording (:func:`compare_completions`: ``replay/token_match_ratio``,
@@ -55,14 +56,14 @@ import torch
 
 from da3po_megatron.config import Config, to_dict
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.collect import StepRollout, rollout_from_dict, rollout_to_dict
+from da3po_megatron.trainer.generation.collect import StepRollout, rollout_from_dict, rollout_to_dict
 from da3po_megatron.trainer.inputs import InputError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d{6,})\.pt$")
 # fields that may differ between the dumping run and the replay: where things are, and the layout (replay across
-# layouts is a use of it: tools/replay_layouts.py); checked against config_drift's defining fields otherwise
+# layouts is a use of it: tools/studies/replay_layouts.py); checked against config_drift's defining fields otherwise
 FREE = ("model.path", "data.train_files", "trainer.run_dir", "parallel.", "rollout.dump_", "rollout.replay_")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja")
@@ -142,7 +143,7 @@ def manifest_differences(dumped: dict[str, Any], here: dict[str, Any]) -> tuple[
     """(refused, warned): what differs between the dump's manifest and this run's, one line each. Refused: the
     format, the model and tokenizer identity, the data, and the config's defining fields (``config_drift.DEFINING``)
     but for :data:`FREE`; warned: other config fields that change what a step computes (``kind == 'changed'``)."""
-    from da3po_megatron.trainer.config_drift import config_changes
+    from da3po_megatron.trainer.resume.config_drift import config_changes
 
     refused: list[str] = []
     if dumped.get("format") != here["format"]:

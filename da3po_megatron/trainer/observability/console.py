@@ -25,7 +25,7 @@ from typing import IO, Any
 
 LOG_DIR_ENV = "DA3PO_LOG_DIR"
 VERBOSE_ENV = "DA3PO_VERBOSE"
-HOOK = "da3po_megatron.trainer.console.redirect_worker_output"
+HOOK = "da3po_megatron.trainer.observability.console.redirect_worker_output"
 # Our own loggers stay on the console; every other logger writes to driver.log only (unless --verbose).
 OWN_LOGGERS = ("da3po_megatron",)
 

@@ -1,10 +1,10 @@
-"""The asynchronous producer's engine side (``trainer/async_rollout.py``; docs/async.md): the ``stream`` calls in flight
-per engine, waits with a timeout that names the engine, and the restart of a dead or hung engine.
+"""The asynchronous producer's engine side (``trainer/generation/async_rollout.py``; docs/async.md): the ``stream``
+calls in flight per engine, waits with a timeout that names the engine, and the restart of a dead or hung engine.
 
-- **Two calls in flight per engine** (as the synchronous streaming path keeps them, ``trainer/collect.py``): while
-  the driver handles one call's result the engine already runs the next, so it never idles on a round trip. A call
+- **Two calls in flight per engine** (as the synchronous streaming path keeps them, ``trainer/generation/collect.py``):
+  while the driver handles one call's result the engine already runs the next, so it never idles on a round trip. A call
   queued behind another runs ``stream_steps_per_call // 4`` steps (at least 1), so a pause waits for little more
-  than the call running (``tools/bench_async.py --standin``).
+  than the call running (``da3po_megatron/bench/async_rl.py --standin``).
 - **Every wait is bounded** by ``rollout.producer_timeout_s``: a call that has not answered that long after it
   became the engine's head call raises :class:`EngineFailure` naming the engine (Ray: ``ray.wait(..., timeout=)``;
   the in-process test engines: ``concurrent.futures.wait``). A dead engine (Ray actor lost: ``EngineDeadError``) is
@@ -26,7 +26,7 @@ import concurrent.futures
 import time
 from typing import Any
 
-from da3po_megatron.trainer.async_partial import index_of
+from da3po_megatron.trainer.generation.async_partial import index_of
 
 
 class EngineFailure(RuntimeError):
@@ -175,9 +175,9 @@ class EngineCalls:
 
 
 class EngineSide:
-    """The producer thread's engine-facing steps, a mixin of :class:`~da3po_megatron.trainer.async_rollout.AsyncRollout`
-    (its fields and its locking discipline, stated there): answers, failures, and the pause's collect / interrupt /
-    drain on every engine at once."""
+    """The producer thread's engine-facing steps, a mixin of
+    :class:`~da3po_megatron.trainer.generation.async_rollout.AsyncRollout` (its fields and its locking discipline,
+    stated there): answers, failures, and the pause's collect / interrupt / drain on every engine at once."""
 
     _calls: EngineCalls
     _cv: Any

@@ -390,8 +390,8 @@ def resources_for_config(cfg: Any, cluster_gpus: float) -> Resources:
 def colocated_engine_envs(plan: Plan, rank_locations: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     """Per colocated engine of TP T > 1, the environment that puts its workers on its policy ranks' GPUs:
     ``CUDA_VISIBLE_DEVICES`` = the GPU ids Ray gave ranks i T .. i T + T - 1 (``rank_locations``: each rank's
-    :func:`~da3po_megatron.trainer.placement_ray.actor_location`, in rank order), in rank order -- Ray's ids, the
-    ones Ray itself writes into a GPU actor's ``CUDA_VISIBLE_DEVICES``, never local indices (vime PR #144: engines
+    :func:`~da3po_megatron.trainer.cluster.placement_ray.actor_location`, in rank order), in rank order -- Ray's ids,
+    the ones Ray itself writes into a GPU actor's ``CUDA_VISIBLE_DEVICES``, never local indices (vime PR #144: engines
     on the wrong GPUs). ``[]`` where nothing is to set (not colocated, engine TP 1, CPU actors). PlacementError when
     a rank does not hold exactly one GPU id, the ranks of one engine are on different nodes, or share a GPU."""
     n = plan.need
@@ -420,7 +420,7 @@ _RAY_SIDE = frozenset({"NVIDIA_DEVICE_FILES", "Reservation", "actor_location", "
 
 def __getattr__(name: str) -> Any:
     if name in _RAY_SIDE:
-        from da3po_megatron.trainer import placement_ray
+        from da3po_megatron.trainer.cluster import placement_ray
 
         return getattr(placement_ray, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Colocated start-up on CUDA: the engines start only once the policy on the same GPUs has finished allocating.
 
-Why. A colocated engine shares its GPU with policy rank i (``trainer/placement.py``) and sizes its KV cache from
+Why. A colocated engine shares its GPU with policy rank i (``trainer/cluster/placement.py``) and sizes its KV cache from
 what its memory profile sees on the whole device. vLLM 0.32 charges every byte of device-wide free memory that
 disappears between its start and the end of its profile run to its own non-KV memory (``total_consumed =
 before_create.free_memory - after_profile.free_memory``, ``vllm/utils/mem_utils.py:309-321``) and takes the KV cache
@@ -55,8 +55,8 @@ def engine_slots(plan: Any, policy: Any) -> dict[str, Any]:
     ``{}`` otherwise (one bundle per engine, Ray's own GPU assignment)."""
     if not plan.need.colocate or plan.need.engine_tp == 1:
         return {}
-    from da3po_megatron.trainer.placement import colocated_engine_envs
-    from da3po_megatron.trainer.placement_ray import actor_location
+    from da3po_megatron.trainer.cluster.placement import colocated_engine_envs
+    from da3po_megatron.trainer.cluster.placement_ray import actor_location
 
     envs = colocated_engine_envs(plan, policy.run_on_all(actor_location)) if plan.need.device == "gpu" else []
     return {"placement_bundle_stride": plan.engine_bundle_stride, "engine_envs": envs}

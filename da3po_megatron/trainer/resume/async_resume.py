@@ -105,7 +105,7 @@ def refuse_async_changes(new: dict[str, Any], old: dict[str, Any], changes: list
     raise ``ConfigDriftError`` naming the fields if :func:`async_resume_problems` finds any (``--allow-config-change``
     does not override it: the state would be dropped); else say what is migrated."""
     from da3po_megatron.megatron.checkpoint import safe_load
-    from da3po_megatron.trainer.config_drift import ConfigDriftError
+    from da3po_megatron.trainer.resume.config_drift import ConfigDriftError
 
     touched = [c for c in changes if c["key"] in FIELDS]
     if not touched:
