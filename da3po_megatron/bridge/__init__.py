@@ -2,15 +2,19 @@
 
 The HF config is read in one place (:mod:`.hf_config`: ``load_hf_config``, the supported families, ``gpt_arch``: the
 config as a :class:`da3po_megatron.megatron.arch.GPTArch`, the only description of a model the Megatron side takes).
-One parameter mapping (:mod:`.mapping`), one way in (:func:`load_hf_weights`, :func:`load_policy_hf`: a rank reads
-only its TP / PP slices of the HF files) and one way out (:mod:`.export`: a stream of ``(hf_name, tensor)``, one
-gathered tensor at a time), used alike by the checkpoint converter (:mod:`.convert`, ``--verify`` included) and by the
-in-memory weight sync to vLLM (:mod:`da3po_megatron.rollout.weight_sync`). See ``docs/conversion.md``.
+One parameter mapping (:mod:`.mapping`), one way in (:func:`.megatron_io.load_hf_weights`,
+:func:`.export.load_policy_hf`: a rank reads only its TP / PP slices of the HF files) and one way out (:mod:`.export`:
+a stream of ``(hf_name, tensor)``, one gathered tensor at a time), used alike by the checkpoint converter
+(:mod:`.convert`, ``--verify`` included) and by the in-memory weight sync to vLLM
+(:mod:`da3po_megatron.rollout.weight_sync`). See ``docs/conversion.md``.
 
 Dependency direction: bridge -> megatron, one way: the bridge imports :mod:`da3po_megatron.megatron`, never the
 reverse. The policy knows a ``GPTArch``, never an HF config or HF names: it holds a Megatron ``GPTModel`` stage, and
 whoever needs HF weights in or out of it (the trainer, the converter, the weight sync, tests) calls the bridge on each
 policy rank (``PolicyWorker.execute`` / ``PolicyGroup.run_on_all``).
+
+This face names the pure mapping only; the Megatron-side helpers (:mod:`.export`, :mod:`.megatron_io`) import
+megatron-core, so their importers name those modules.
 """
 
 from da3po_megatron.bridge.hf_config import gpt_arch, load_hf_config
@@ -24,18 +28,6 @@ from da3po_megatron.bridge.mapping import (
     tp_shard_of_full,
 )
 
-_LAZY = {  # the Megatron-side helpers import megatron-core lazily
-    "export_checkpoint": "export",
-    "export_model": "export",
-    "export_policy": "export",
-    "export_policy_state": "export",
-    "load_policy_hf": "export",
-    "to_hf": "export",
-    "iter_checkpoint": "megatron_io",
-    "iter_model": "megatron_io",
-    "load_hf_weights": "megatron_io",
-}
-
 __all__ = [
     "full_from_tp_shards",
     "gpt_arch",
@@ -46,13 +38,5 @@ __all__ = [
     "megatron_to_hf",
     "rules",
     "tp_shard_of_full",
-    *_LAZY,
 ]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"da3po_megatron.bridge.{_LAZY[name]}"), name)
-    raise AttributeError(name)
