@@ -28,6 +28,23 @@ def test_no_module_forwards_names_through_a_module_level_getattr():
                        "from the module that defines them instead: " + ", ".join(shims))
 
 
+# The floors of DESIGN.md's dependency direction: what each bottom room may import of the project (besides itself).
+FLOORS = {
+    "algorithms": (),  # pure torch math
+    "kernels": (),
+    "config": ("algorithms",),  # the presets; validation imports nothing above config
+}
+
+
+@pytest.mark.parametrize("room", list(FLOORS))
+def test_the_bottom_rooms_import_nothing_above_them(room):
+    allowed = tuple(f"da3po_megatron.{r}" for r in (room, *FLOORS[room]))
+    graph = import_graph(PACKAGE)
+    up = [f"{m} -> {d}" for m in sorted(graph) if m.startswith(f"da3po_megatron.{room}")
+          for d in sorted(graph[m]) if not any(d == a or d.startswith(a + ".") for a in allowed)]
+    assert not up, f"da3po_megatron/{room}/ imports above itself: " + ", ".join(up)
+
+
 def _package(root: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         path = root / "pkg" / name
