@@ -67,6 +67,12 @@ observed all-correct / all-wrong fractions r_c, r_w and targets t_c, t_w:
 generation round (adaptive over-sampling): ``keep_ema <- (keep_ema + r_keep) / 2``, prompts per round =
 ceil(need / max(keep_ema, 0.25)).
 
+**The posterior rule** (``data.selection=posterior``, :mod:`.selection_posterior`; issue 59) replaces the skip
+probability above by a per-prompt Beta posterior over the pass rate, decayed toward its bucket's running mean (MoPPS):
+P(keep) = max(1 - P(next group of G zero-variance), floor), the back-off of all-wrong streaks as above, and never
+skipped below DAA's tau while a correct response is likely enough; the fallback ranks by P(informative). Everything
+else here (one decision per step, the memo, the rates' keep estimate) is shared.
+
 The skip draw is a pure function of (seed, the prompt stream's position): a resumed run draws what an uninterrupted
 one would, and a rewound stream (streaming mode) replays the memoised decisions. Left out: GRESO's per-step
 time budget; selection by anything but the prompt's own history.
@@ -79,6 +85,8 @@ import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from da3po_megatron.data.selection_posterior import PassRatePosteriors, PosteriorParams
 
 __all__ = ["ExplorationRates", "PromptHistory", "SelectingPrompts", "SelectionParams", "keep_probability",
            "oversample", "selecting", "selection_batch_metrics", "uniform"]
@@ -100,6 +108,7 @@ class SelectionParams:
     explore_min_all_wrong: float = 0.05
     max_skips_all_wrong: int = 1  # b: re-admitted after b * 2^(z-1) skips in a row (0: never skipped)
     window: int = 16
+    posterior: PosteriorParams | None = None  # data.selection=posterior: that rule's constants (else the streak rule)
 
 
 def uniform(seed: int, position: int) -> float:
@@ -207,7 +216,8 @@ class PromptHistory:
         return row[4], CORRECT if row[1] else WRONG, row[5]
 
     def skipped(self, uid: str) -> None:
-        self.rows[uid][5] += 1
+        if uid in self.rows:  # the posterior rule may skip a prompt never generated (no streak to back off)
+            self.rows[uid][5] += 1
 
     def zero_variance_at(self, uid: str, step: int) -> str | None:
         """The tail of ``uid``'s group if it was generated in training step ``step`` and was zero-variance."""
@@ -236,6 +246,7 @@ class SelectingPrompts:
     def __init__(self, inner: Any, params: SelectionParams, seed: int) -> None:
         self.inner, self.params, self.seed = inner, params, int(seed)
         self.history, self.rates = PromptHistory(), ExplorationRates(params)
+        self.posterior = PassRatePosteriors(params.posterior) if params.posterior else None
         self.memo: dict[int, bool] = {}  # stream position -> skipped (a rewound stream replays its decisions)
         self.step = 0  # training steps completed (drain() advances it): the unit of one decision per prompt
         self.decided: dict[str, tuple[bool, float]] = {}  # uid -> (skipped, P(keep)): this step's decisions
@@ -254,6 +265,8 @@ class SelectingPrompts:
                 if not got:
                     break
                 ex = got[0]
+                if self.posterior is not None:
+                    self.posterior.note(ex.uid, ex.meta.get("bucket"))
                 if pos in self.memo:
                     skip = self.memo[pos]
                 else:
@@ -276,9 +289,14 @@ class SelectingPrompts:
 
     def _fallback_rank(self, uid: str, p_keep: float) -> float:
         """A skipped prompt's rank for the whole-pass fallback: 2^-z, the shortest streak first whatever its tail
-        (module docstring); ``p_keep`` itself when <= 0 (generated this step with a zero-variance group: 0; taken
-        and not yet scored: -1)."""
-        return 0.5 ** self.history.streak(uid)[0] if p_keep > 0 else p_keep
+        (module docstring), P(informative) under the posterior rule; ``p_keep`` itself when <= 0 (generated this step
+        with a zero-variance group: 0; taken and not yet scored: -1)."""
+        if p_keep <= 0:
+            return p_keep
+        if self.posterior is not None:
+            _, p_c, p_w = self.posterior.keep(uid, self.step, 1.0)
+            return 1.0 - p_c - p_w
+        return 0.5 ** self.history.streak(uid)[0]
 
     def _decide(self, uid: str, pos: int) -> tuple[bool, float]:
         """(skip ``uid`` now, its P(keep) this step): one decision per prompt per step (module docstring), counted
@@ -294,7 +312,12 @@ class SelectingPrompts:
         if uid in self.decided:
             return self.decided[uid]
         z, tail, s = self.history.streak(uid)
-        p_keep = keep_probability(z, tail, s, self.rates.correct, self.rates.wrong, self.params)
+        if self.posterior is not None:  # the tau guard's threshold: the window's keep rate, at most 1/2
+            p_keep, p_c, p_w = self.posterior.keep(uid, self.step, min(self.rates.keep_ema, 0.5),
+                                                   z if tail == WRONG else 0, s)
+            tail = tail or (WRONG if p_w > p_c else CORRECT)  # a skip without a streak counts by its likelier tail
+        else:
+            p_keep = keep_probability(z, tail, s, self.rates.correct, self.rates.wrong, self.params)
         skip = uniform(self.seed, pos) >= p_keep
         self.decided[uid] = (skip, p_keep)
         if skip:
@@ -323,6 +346,8 @@ class SelectingPrompts:
             for uid, p_hat in p_hats:
                 self.history.record(uid, p_hat, self.step)
                 self.pending.discard(uid)
+                if self.posterior is not None:
+                    self.posterior.observe(uid, p_hat, self.step)
             c = sum(p >= 1.0 for _, p in p_hats)
             w = sum(p <= 0.0 for _, p in p_hats)
             self.counters["generated_groups"] += len(p_hats)
@@ -352,8 +377,8 @@ class SelectingPrompts:
             return {"fingerprint": self.inner.dataset.fingerprint(), "history": self.history.state_dict(),
                     "rates": self.rates.state_dict(), "memo": [[p, v] for p, v in sorted(self.memo.items())],
                     "step": self.step, "decided": [[u, v[0], v[1]] for u, v in sorted(self.decided.items())],
-                    "pending": sorted(self.pending),
-                    "counters": dict(self.counters)}
+                    "pending": sorted(self.pending), "counters": dict(self.counters),
+                    "posterior": self.posterior.state_dict() if self.posterior is not None else None}
 
     def load_selection_state(self, s: dict[str, Any] | None) -> str:
         """Restore; returns the one line to print. Another dataset (fingerprint): a new, empty history."""
@@ -369,6 +394,8 @@ class SelectingPrompts:
             self.step, self.counters = int(s["step"]), {k: int(v) for k, v in s["counters"].items()}
             self.decided = {str(u): (bool(v), float(p)) for u, v, p in s.get("decided", [])}
             self.pending = {str(u) for u in s.get("pending", [])}
+            if self.posterior is not None and s.get("posterior"):  # a streak-rule checkpoint: a new posterior
+                self.posterior.load_state_dict(s["posterior"])
             return f"selection: resumed the history of {len(self.history.rows)} prompts"
 
 
@@ -387,15 +414,22 @@ def selection_batch_metrics(batch_buckets: list[Any], generated_groups: int, gen
     return out
 
 
-def selecting(inner: Any, data: Any, seed: int) -> Any:
-    """The run's prompt stream: ``inner`` itself with ``data.selection=none``, else a :class:`SelectingPrompts`."""
+def selecting(inner: Any, data: Any, seed: int, group_size: int = 0, tau: float = 0.5) -> Any:
+    """The run's prompt stream: ``inner`` itself with ``data.selection=none``, else a :class:`SelectingPrompts`.
+    ``group_size`` (``rollout.n``; 0: learnt from the p_hats) and ``tau`` (``daa.tau``) serve the posterior rule."""
     if data.selection == "none":
         return inner
+    posterior = None
+    if data.selection == "posterior":
+        posterior = PosteriorParams(prior_strength=data.selection_prior_strength, decay=data.selection_decay, tau=tau,
+                                    floor_correct=data.selection_explore_min,
+                                    floor_wrong=data.selection_explore_min_all_wrong,
+                                    max_skips_all_wrong=data.selection_max_skips_all_wrong, group_size=group_size)
     params = SelectionParams(tails=data.selection_tails, target_all_correct=data.selection_target_all_correct,
                              target_all_wrong=data.selection_target_all_wrong,
                              explore_init=data.selection_explore_init, explore_step=data.selection_explore_step,
                              explore_min=data.selection_explore_min,
                              explore_min_all_wrong=data.selection_explore_min_all_wrong,
                              max_skips_all_wrong=data.selection_max_skips_all_wrong,
-                             window=data.train_batch_size)
+                             window=data.train_batch_size, posterior=posterior)
     return SelectingPrompts(inner, params, seed)
