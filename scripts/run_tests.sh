@@ -4,7 +4,7 @@
 #      files first: tests/conftest.py), so that one file's waits (process start-up, Ray, vLLM) overlap the other's work;
 #      The shipped recipes' shrunk layouts (`-m layouts`, tests/test_shipped_layouts.py) are left out of both
 #      passes (`make test-layouts` runs them): 2-6 minutes each on 2 cores would take the suite past its budget;
-#      so is the whole tools/gpu_check.sh run at tiny sizes (`-m gpu_prep`, `make test-gpu-prep`, before a device
+#      so is the whole tools/gpu/gpu_check.sh run at tiny sizes (`-m gpu_prep`, `make test-gpu-prep`, before a device
 #      session; the fresh-clone CI run of 2026-12-05 took 1,821 s with it, over the 1,800 s budget);
 #      and the `long` tests (`make test-long`: end-to-end runs that cheaper tests in the pass overlap; a fresh-clone
 #      CI run of 2026-12-05 took ~1,870 s with them on a slow hour).
@@ -25,7 +25,7 @@ trap 'rm -rf "$shared"' EXIT
 export DA3PO_TEST_SHARED_DIR=$shared OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # tests/_hermetic.py: the suite must leave the checkout as it found it -- strict: also its tracked and untracked
 # files (a plain `pytest` run leaves those out, since the developer may be editing them). Per-test durations of
-# each pass go to .pytest_cache/da3po/ for tools/ci_time.py.
+# each pass go to .pytest_cache/da3po/ for tools/dev/ci_time.py.
 export DA3PO_TEST_STRICT_CHECKOUT=${DA3PO_TEST_STRICT_CHECKOUT:-1}
 durations=${DA3PO_TEST_DURATIONS_DIR:-.pytest_cache/da3po}
 

@@ -1,8 +1,8 @@
 """torchrun job of tests/test_operations.py: megatron-core's asynchronous dist-checkpoint save on CPU / gloo.
 
-Each rank builds the small policy (tests/_policy_job.py), trains one step, schedules an asynchronous save of it,
-trains ANOTHER step while the save may still be writing (so the live weights move on), finalizes the save, and
-then checks that the checkpoint holds the weights of the step it was scheduled at: its HF export equals the live
+Each rank builds the small policy (da3po_megatron/testing/policy_job.py), trains one step, schedules an asynchronous
+save of it, trains ANOTHER step while the save may still be writing (so the live weights move on), finalizes the save,
+and then checks that the checkpoint holds the weights of the step it was scheduled at: its HF export equals the live
 model's export taken at scheduling time, bit for bit. Rank 0 writes the facts to ``$OUT``."""
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _policy_job import ADVANTAGES, small_policy  # noqa: E402
-from _policy_selfcheck import fixed_batch  # noqa: E402
 
 from da3po_megatron.bridge.export import export_checkpoint, export_policy_state  # noqa: E402
 from da3po_megatron.megatron.batching import PolicyBatch  # noqa: E402
 from da3po_megatron.megatron.checkpoint import async_save_in_flight  # noqa: E402
+from da3po_megatron.testing.policy_job import ADVANTAGES, small_policy  # noqa: E402
+from da3po_megatron.testing.policy_selfcheck import fixed_batch  # noqa: E402
 
 
 def batch(w) -> PolicyBatch:

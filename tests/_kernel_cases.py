@@ -1,4 +1,4 @@
-"""Random inputs and comparison helpers for the DAA-loss tests and `tools/bench_loss.py` (torch only).
+"""Random inputs and comparison helpers for the DAA-loss tests and `da3po_megatron/bench/loss.py` (torch only).
 
 `random_case` builds logits with a realistic spread, targets (optionally some outside the vocabulary, as padding ids
 are), and old log-probs placed relative to the current log-probs so that a chosen clip regime is exercised:

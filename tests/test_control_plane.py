@@ -1,4 +1,4 @@
-"""The control plane at a tiny size: ``tools/bench_control_plane.py``'s step of the real driver code (client,
+"""The control plane at a tiny size: ``da3po_megatron/bench/control_plane.py``'s step of the real driver code (client,
 reward pool, groups, dynamic sampling, advantages with DAA, the policy batch, ``PolicyGroup`` dispatch, metrics, the
 driver's checkpoint state) against stand-in engines and ranks (real Ray actors that do no model compute -- hence
 "stand_in" in the test's name). What it protects (issue 36): each data-parallel rank receives only its share of the
@@ -7,8 +7,6 @@ of one DP rank share one object, and only rank 0 answers with the log-probs."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_control_plane", ROOT / "tools" / "bench_control_plane.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from da3po_megatron.bench import control_plane
+
+    return control_plane
 
 
 def test_a_share_holds_only_its_rows_and_is_indexed_by_batch_row():

@@ -1,4 +1,4 @@
-"""tools/gpu_check.sh -- the one prepared run for a session lent a GPU machine -- works end to end, here at tiny sizes.
+"""tools/gpu/gpu_check.sh -- the one prepared run for a session lent a GPU machine -- works end to end, at tiny sizes.
 
 A device session has minutes, not hours: a typo found there costs the whole budget. This runs the script on CPU with
 `GPU_CHECK_SMALL=1` (same steps, tiny shapes; the kernel-test step is skipped here because the suite runs those tests
@@ -21,7 +21,7 @@ def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     e.update(env)
     e.pop("MASTER_PORT", None)
     e.pop("MASTER_ADDR", None)
-    return subprocess.run(["bash", "tools/gpu_check.sh", "run"], cwd=REPO, env=e, capture_output=True, text=True,
+    return subprocess.run(["bash", "tools/gpu/gpu_check.sh", "run"], cwd=REPO, env=e, capture_output=True, text=True,
                           timeout=900)
 
 
@@ -35,7 +35,7 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
     # skipped here to save process starts in CI: bench_loss_16k is bench_loss_8k's command at another size,
     # convert_verify is `da3po convert hf-to-megatron --verify`, which tests/test_convert.py runs, and the kernel
     # steps are pytest runs of kernel test files the suite runs anyway (their CUDA cases skip here)
-    # colocated: tools/check_colocated_gpu.py --small (44 s on 2 cores) is not run by the suite: run it by hand
+    # colocated: tools/gpu/check_colocated_gpu.py --small (44 s on 2 cores) is not run by the suite: run it by hand
     # (docs/colocation.md); its placement half is tests/test_colocated_engine_tp.py, its bucket half test_ipc_layouts
     r = _run(tmp_path, GPU_CHECK_SKIP="kernel_cuda,kernel_tests,bench_loss_16k,convert_verify,colocated")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
@@ -60,8 +60,9 @@ def test_gpu_check_runs_every_step_at_tiny_sizes_and_leaves_at_most_8_files(tmp_
 
 
 def _plan() -> list[dict]:
-    """``tools/gpu_check.sh plan``: per command its timeout_s, the sum and each step's limit; then start and budget."""
-    out = subprocess.run(["bash", "tools/gpu_check.sh", "plan"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    """``tools/gpu/gpu_check.sh plan``: per command its timeout_s, the sum and each step's limit; then start, budget."""
+    out = subprocess.run(["bash", "tools/gpu/gpu_check.sh", "plan"], cwd=REPO, capture_output=True, text=True,
+                         timeout=30)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     parts = [None]
@@ -81,7 +82,7 @@ def test_the_step_budgets_add_up_to_what_the_header_recommends_within_15_minutes
     the two timeouts is the 15 minutes of device time, and command 1 runs the weight-sync checks first, then the fused
     kernel, the train step and the resume. On 27dab78 the limits added up to ~1,520 s against its own 420 s (and the
     600 s command limit), the weight-sync steps last."""
-    text = (REPO / "tools" / "gpu_check.sh").read_text()
+    text = (REPO / "tools" / "gpu" / "gpu_check.sh").read_text()
     header = " ".join(line.lstrip("# ") for line in text.split("set -uo pipefail")[0].splitlines())
     plan = _plan()
     run_line = r'gpu_check\.sh run (\d)", carry=\[".devwhl"\], timeout_s=(\d+)'

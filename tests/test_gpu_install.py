@@ -1,10 +1,11 @@
 """The GPU install resolves, from PyPI's metadata alone, to versions that agree with what upstream declares.
 
 No GPU and no multi-GB download: uv resolves setup.py's COMMON + GPU + TEST lists for CPython 3.12 on x86_64 Linux
-(tools/gpu_lock.py: uv reads each wheel's METADATA, and transformer-engine-torch's requirements come from its sdist's
-PKG-INFO). What must agree is read from the resolved packages' own METADATA on PyPI (PEP 658 ``.metadata`` files):
-torch, torchvision, torchaudio, flashinfer and transformers against vllm 0.32.0's Requires-Dist; transformer-engine
-against megatron-core 0.16.1's tested range (its extra "dev"); triton and the CUDA toolkit against torch's.
+(tools/dev/gpu_lock.py: uv reads each wheel's METADATA, and transformer-engine-torch's requirements come from its
+sdist's PKG-INFO). What must agree is read from the resolved packages' own METADATA on PyPI (PEP 658 ``.metadata``
+files): torch, torchvision, torchaudio, flashinfer and transformers against vllm 0.32.0's Requires-Dist;
+transformer-engine against megatron-core 0.16.1's tested range (its extra "dev"); triton and the CUDA toolkit against
+torch's.
 
 These tests need the package index (CI reaches PyPI). Without it they FAIL with a message that says so: an install
 that was not checked is not a pass.
@@ -24,7 +25,7 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("gpu_lock", ROOT / "tools" / "gpu_lock.py")
+_spec = importlib.util.spec_from_file_location("gpu_lock", ROOT / "tools" / "dev" / "gpu_lock.py")
 gpu_lock = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_lock)
 
@@ -80,14 +81,14 @@ def test_gpu_requirements_resolve_to_versions_upstream_agrees_with() -> None:
 
 def test_gpu_lock_is_current_and_installs_from_wheels() -> None:
     """requirements/gpu-py312.lock is what setup.py's requirements resolve to when constrained by it (same names,
-    same versions: regenerate with `python tools/gpu_lock.py` otherwise), it agrees with upstream, and everything in
+    same versions: regenerate with `python tools/dev/gpu_lock.py` otherwise), it agrees with upstream, and everything in
     it but transformer-engine-torch (compiled by scripts/install.sh gpu) has a wheel for the target."""
-    assert gpu_lock.LOCK.is_file(), f"{gpu_lock.LOCK} missing: generate it with `python tools/gpu_lock.py`"
+    assert gpu_lock.LOCK.is_file(), f"{gpu_lock.LOCK} missing: generate it with `python tools/dev/gpu_lock.py`"
     locked = gpu_lock.lock_versions(gpu_lock.LOCK.read_text())
     packages, _ = _resolve(constraints=gpu_lock.LOCK)
     got = {n: p["version"] for n, p in packages.items()}
-    assert got == locked, (f"{gpu_lock.LOCK.name} is not current (regenerate: python tools/gpu_lock.py); differs in "
-                           f"{sorted(set(got.items()) ^ set(locked.items()))}")
+    assert got == locked, (f"{gpu_lock.LOCK.name} is not current (regenerate: python tools/dev/gpu_lock.py); "
+                           f"differs in {sorted(set(got.items()) ^ set(locked.items()))}")
     bad = _disagreements(locked)
     assert not bad, f"{gpu_lock.LOCK.name} disagrees with upstream:\n  " + "\n  ".join(bad)
     no_wheel = sorted(n for n, p in packages.items() if not p.get("wheels"))

@@ -268,12 +268,12 @@ def test_update_guard_allocates_nothing_the_size_of_a_parameter_buffer():
 
 
 def test_te_spec_check_compares_float32_policies_against_its_1e_3_tolerance():
-    """tools/check_gpu_stack.py te-spec (gpu_check.sh step te_spec) says float32 and holds the two layer specs'
+    """tools/gpu/check_gpu_stack.py te-spec (gpu_check.sh step te_spec) says float32 and holds the two layer specs'
     log-probs to 1e-3; the run config's default params_dtype is bfloat16, where they differ far more. On 27dab78 the
     check built both policies with the default (bf16)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("check_gpu_stack", ROOT / "tools" / "check_gpu_stack.py")
+    spec = importlib.util.spec_from_file_location("check_gpu_stack", ROOT / "tools" / "gpu" / "check_gpu_stack.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     for te in (True, False):

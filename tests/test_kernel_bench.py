@@ -1,4 +1,4 @@
-"""tools/bench_loss.py runs end to end on tiny CPU sizes and prints one table with every requested path."""
+"""da3po_megatron/bench/loss.py runs end to end on tiny CPU sizes and prints one table with every requested path."""
 
 import json
 import subprocess
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_loss_prints_a_row_per_path_with_memory_and_time(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_loss.py"), "--cpu", "--tokens", "32", "--vocab", "1000",
+        [sys.executable, "-m", "da3po_megatron.bench.loss", "--cpu", "--tokens", "32", "--vocab", "1000",
          "--hidden", "16", "--repeats", "1", "--paths", "reference,chunked_inplace,triton,fused_linear",
          "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,

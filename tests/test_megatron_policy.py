@@ -1,10 +1,10 @@
 """The megatron-core policy on CPU (gloo): parallel layouts agree, training learns, checkpoints reshard and resume.
 
 Real megatron-core 0.16.1, real torch.distributed (torchrun, 1-2 processes), real Ray (2 actors), a tiny random Qwen3.
-Three torchrun launches of ``tests/_policy_selfcheck.py`` (TP1 / TP2 / PP2, shared by all tests through a
-module fixture) write JSON + exported tensors; the Ray test runs a DP=2 PolicyGroup from the same starting weights.
-The TP1 launch loads the HF weights through the bridge and writes the common starting checkpoint. The PP=2 launch
-uses the fused-kernel loss backend (chunked), the others the torch backend, so the two backends are also compared.
+Three torchrun launches of ``da3po_megatron/testing/policy_selfcheck.py`` (TP1 / TP2 / PP2, shared by all tests through
+a module fixture) write JSON + exported tensors; the Ray test runs a DP=2 PolicyGroup from the same starting weights.
+The TP1 launch loads the HF weights through the bridge and writes the common starting checkpoint. The PP=2 launch uses
+the fused-kernel loss backend (chunked), the others the torch backend, so the two backends are also compared.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _policy_job import ADVANTAGES, small_policy_config
-from _policy_job import launch as _launch
-from _policy_job import max_diff as _max_diff
-from _policy_selfcheck import fixed_batch, perturbed
 from _ray import local_ray
 
 from da3po_megatron.bridge.hf_config import gpt_arch
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.policy import PolicyWorker, validate_config
 from da3po_megatron.megatron.runtime import free_port
+from da3po_megatron.testing.policy_job import ADVANTAGES, small_policy_config
+from da3po_megatron.testing.policy_job import launch as _launch
+from da3po_megatron.testing.policy_job import max_diff as _max_diff
+from da3po_megatron.testing.policy_selfcheck import fixed_batch, perturbed
 
 SELFCHECK = Path(__file__).with_name("_policy_selfcheck.py")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples/tiny_cpu_da3po.yaml"

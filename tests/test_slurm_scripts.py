@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(
-    [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/*.sbatch"), *REPO.glob("scripts/*.sh"), *REPO.glob("tools/*.sh")],
+    [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/*.sbatch"), *REPO.glob("scripts/*.sh"), *REPO.glob("tools/**/*.sh")],
     key=lambda p: p.name,
 )
 

@@ -17,31 +17,14 @@ samples (the largest budget every run reached), and its difference from the refe
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from da3po_megatron.eval.curves import read_metrics  # noqa: E402
-from da3po_megatron.studies.compare.keys import discover  # noqa: E402
-from da3po_megatron.studies.compare.stats import Point, compare_means, curve_at, mean_std  # noqa: E402
+from da3po_megatron.studies.compare.grid import load_variant as load
+from da3po_megatron.studies.compare.keys import discover
+from da3po_megatron.studies.compare.stats import Point, compare_means, curve_at, mean_std
 
 SAMPLES = "gen/cumulative_samples"
 TOKENS = "gen/cumulative_tokens"
-
-
-def load(spec: str) -> tuple[str, dict[int, list[dict]]]:
-    name, _, path = spec.partition("=")
-    if not path:
-        raise SystemExit(f"variant {spec!r}: expected NAME=DIR")
-    runs = {int(d.name.removeprefix("seed")): read_metrics(d / "metrics.jsonl")
-            for d in sorted(Path(path).glob("seed*")) if (d / "metrics.jsonl").exists()}
-    # a report's copies (<report>/logs/<method>/seed<k>.jsonl) are read as well as the run directories
-    runs.update({int(f.stem.removeprefix("seed")): read_metrics(f) for f in sorted(Path(path).glob("seed*.jsonl"))
-                 if int(f.stem.removeprefix("seed")) not in runs})
-    if not runs:
-        raise SystemExit(f"variant {name}: no seed*/metrics.jsonl nor seed*.jsonl under {path}")
-    return name, runs
 
 
 def value(rows: list[dict], keys: list[str], pt: Point) -> float | None:

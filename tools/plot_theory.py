@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import matplotlib
 
@@ -20,8 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from da3po_megatron.algorithms.theory import alpha_minus, alpha_plus, gamma  # noqa: E402
+from da3po_megatron.algorithms.theory import alpha_minus, alpha_plus, gamma  # noqa: E402 (after the Agg backend)
 
 DEFAULT_GS = (4, 8, 16, 32)
 

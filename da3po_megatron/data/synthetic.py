@@ -15,15 +15,15 @@ Train and held-out splits never share a prompt: every digit string is assigned t
 Reward (:func:`synthetic_reward`, kind ``"synthetic"`` of :class:`da3po_megatron.rewards.RewardPool`): +1 iff the
 response's digits, whitespace ignored, are exactly the answer; -1 otherwise (DAPO convention, like R_acc for math).
 
-**Long-tailed lengths and a stand-in verifier** (benchmarks, ``tools/bench_async.py``; issue 37). In math RL hard
-problems take long: response lengths are long-tailed and grow with difficulty, which is what asynchronous training
+**Long-tailed lengths and a stand-in verifier** (benchmarks, ``da3po_megatron/bench/async_rl.py``; issue 37). In math RL
+hard problems take long: response lengths are long-tailed and grow with difficulty, which is what asynchronous training
 must not turn into a bias against hard prompts. ``response_tokens=(easy, hard)`` caps each prompt's responses at a
-length drawn once per prompt (:func:`long_tailed_length`: a log-normal whose median grows geometrically with the
-bucket from ``easy`` to ``hard`` tokens), stored as the example's ``meta["max_tokens"]``, which the engines honour per
-request (with ``rollout.ignore_eos=true`` the responses are exactly that long). ``coin_p`` (one probability per bucket)
-replaces each answer by ``coin:<p>`` for ``reward.kind=coin`` (:func:`coin_reward`: a response is correct with
-probability p by a hash of its text), so a random-weight model sees the task's difficulty profile -- easy buckets
-mostly solved, hard ones rarely -- without learning anything. The held-out split keeps the real answers.
+length drawn once per prompt (:func:`long_tailed_length`: a log-normal whose median grows geometrically with the bucket
+from ``easy`` to ``hard`` tokens), stored as the example's ``meta["max_tokens"]``, which the engines honour per request
+(with ``rollout.ignore_eos=true`` the responses are exactly that long). ``coin_p`` (one probability per bucket) replaces
+each answer by ``coin:<p>`` for ``reward.kind=coin`` (:func:`coin_reward`: a response is correct with probability p by a
+hash of its text), so a random-weight model sees the task's difficulty profile -- easy buckets mostly solved, hard ones
+rarely -- without learning anything. The held-out split keeps the real answers.
 
 Left out: curricula, other task families; the supervised warm-up that makes the task learnable from scratch lives in
 :mod:`.warmup`.
@@ -179,7 +179,7 @@ def coin_reward(response: str, answer: str) -> tuple[float, dict[str, str]]:
     """The benchmark task's reward (``reward.kind=coin``): answer ``"coin:p"`` makes ``response`` correct (+1) with
     probability p, decided by a hash of its text (deterministic; independent across distinct responses), else -1.
     A prompt with p in {0, 1} is always filtered by dynamic sampling; one with p = 0.5 is kept with probability
-    1 - 2 * 0.5^G, so the mix of prompts sets the keep rate (``tools/bench_rl_step.py``)."""
+    1 - 2 * 0.5^G, so the mix of prompts sets the keep rate (``da3po_megatron/bench/rl_step.py``)."""
 
     if not answer.startswith("coin:"):
         raise ValueError(f"coin reward: answer {answer!r} is not 'coin:<p>'")

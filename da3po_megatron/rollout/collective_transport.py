@@ -235,7 +235,7 @@ class CollectiveTransport:
 
     def link_bandwidth(self, client: Any, nbytes: int) -> float:
         """Seconds of one broadcast of a single ``nbytes`` buffer from stage 0's sender to every engine worker (the
-        link reference of tools/bench_weight_sync.py)."""
+        link reference of da3po_megatron/bench/weight_sync.py)."""
         self.ensure_group(client)
         refs = [(i, client._call(i, "collective_recv_raw", nbytes)) for i in range(client.num_engines)]
         seconds = self.run_senders(_sender_raw, self._prefix_now, nbytes)
