@@ -19,10 +19,10 @@ import random
 from pathlib import Path
 
 import torch
-from _policy_job import ADVANTAGES, finish, small_policy
 
 from da3po_megatron.bridge.export import export_policy
 from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.testing.policy_job import ADVANTAGES, finish, small_policy
 
 
 def main() -> int:

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _policy_job import small_policy
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from da3po_megatron.testing.policy_job import small_policy
 
 LAYOUTS = [("tp2_pp2", "dense", 2, 2, 1), ("tp2_ep2", "moe", 2, 1, 2), ("pp2_ep2", "moe", 1, 2, 2)]
 

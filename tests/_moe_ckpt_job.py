@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _policy_job import finish
+
+from da3po_megatron.testing.policy_job import finish
 
 
 def main() -> int:

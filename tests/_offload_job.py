@@ -21,12 +21,12 @@ import os
 
 import torch
 import torch.distributed as dist
-from _policy_job import ADVANTAGES, finish, small_policy
-from _policy_selfcheck import fixed_batch, perturbed
 
 from da3po_megatron.bridge.export import export_policy, load_policy_hf
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.offload import OffloadedError, _optimizers
+from da3po_megatron.testing.policy_job import ADVANTAGES, finish, small_policy
+from da3po_megatron.testing.policy_selfcheck import fixed_batch, perturbed
 
 LAYOUTS = {"dp1": dict(tp=1, overrides=()),  # one rank: a quick local check, not in the test
            "dp2": dict(tp=1, overrides=()),

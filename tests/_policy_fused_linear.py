@@ -19,11 +19,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from _policy_job import ADVANTAGES, finish, loss_backend, small_policy
-from _policy_selfcheck import fixed_batch, perturbed
 
 from da3po_megatron.config import algorithm_config
 from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.testing.policy_job import ADVANTAGES, finish, loss_backend, small_policy
+from da3po_megatron.testing.policy_selfcheck import fixed_batch, perturbed
 
 TEMPERATURES = (1.0, 0.7)
 BACKENDS = ("kernel", "fused_linear")

@@ -24,11 +24,11 @@ import os
 import time
 
 import numpy as np
-from _policy_job import ADVANTAGES, finish, small_policy
-from _policy_selfcheck import fixed_batch, perturbed
 from torch.overrides import TorchFunctionMode
 
 from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.testing.policy_job import ADVANTAGES, finish, small_policy
+from da3po_megatron.testing.policy_selfcheck import fixed_batch, perturbed
 
 STEPS = 3
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from _policy_job import ADVANTAGES, finish, loss_backend, small_policy
-from _policy_selfcheck import fixed_batch, perturbed
-
 from da3po_megatron.bridge.export import load_policy_hf
 from da3po_megatron.config import algorithm_config
 from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.testing.policy_job import ADVANTAGES, finish, loss_backend, small_policy
+from da3po_megatron.testing.policy_selfcheck import fixed_batch, perturbed
 
 TEMPERATURES = (0.7, 1.0)
 LOSS_PATHS = (("da3po", "torch"), ("da3po", "kernel"), ("grpo", "kernel"))

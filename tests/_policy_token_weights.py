@@ -16,11 +16,11 @@ import os
 import random
 
 import torch.distributed as dist
-from _policy_job import ADVANTAGES, finish, loss_backend, small_policy
-from _policy_selfcheck import fixed_batch, perturbed
 
 from da3po_megatron.config import algorithm_config
 from da3po_megatron.megatron.batching import PolicyBatch
+from da3po_megatron.testing.policy_job import ADVANTAGES, finish, loss_backend, small_policy
+from da3po_megatron.testing.policy_selfcheck import fixed_batch, perturbed
 
 LOSS_PATHS = (("da3po", "torch"), ("da3po", "kernel"), ("grpo", "torch"))
 CUSTOM_LOSS = f"{os.path.join(os.path.dirname(os.path.abspath(__file__)), '_custom_loss.py')}:half_policy_loss"

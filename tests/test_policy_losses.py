@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _policy_job import launch as _launch
-from _policy_job import max_diff as _max_diff
-from _policy_selfcheck import fixed_batch
+
+from da3po_megatron.testing.policy_job import launch as _launch
+from da3po_megatron.testing.policy_job import max_diff as _max_diff
+from da3po_megatron.testing.policy_selfcheck import fixed_batch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples/tiny_cpu_da3po.yaml"
 
