@@ -7,6 +7,7 @@ the second time checking that finished runs are skipped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -274,7 +275,8 @@ def test_report_verdict_says_no_significant_difference_within_two_se(tmp_path):
 def test_report_holds_equal_step_and_equal_sample_tables_per_bucket_figures_and_logs(tmp_path):
     ms, specs = _grid(tmp_path, "grpo,da3po:2", lambda m, s: 0.6, spp={"grpo": 16, "da3po:2": 32})
     page = tmp_path / "docs" / "results.md"
-    C.build_report(specs, ms, tmp_path / "rep", page=page, base_config="examples/compare_cpu.yaml")
+    C.build_report(specs, ms, tmp_path / "rep", page=page, base_config="examples/compare_cpu.yaml",
+                   logs_dir=tmp_path / "logs")
     text = (tmp_path / "rep/report.md").read_text()
     assert "## Equal training steps (step 8)" in text
     assert "## Equal generated samples (128 samples)" in text and "## Equal generated samples (64 samples)" in text
@@ -291,8 +293,9 @@ def test_report_holds_equal_step_and_equal_sample_tables_per_bucket_figures_and_
         assert png.read_bytes()[:4] == b"\x89PNG", name
         assert f"](figures/{name}.png)" in text
     assert "](../rep/figures/heldout_by_bucket.png)" in page.read_text()
-    assert (tmp_path / "rep/logs/da3po_2/seed2.jsonl").read_text() == (specs[-1].run_dir / "metrics.jsonl"
-                                                                         ).read_text()
+    raw = (specs[-1].run_dir / "metrics.jsonl").read_bytes()  # the raw logs: copied to logs_dir, never into the report
+    assert (tmp_path / "logs/da3po_2/seed2.jsonl").read_bytes() == raw and not (tmp_path / "rep/logs").exists()
+    assert summary["raw_logs"]["sha256"]["da3po_2/seed2.jsonl"] == hashlib.sha256(raw).hexdigest()
 
 
 def test_report_shows_a_previous_reports_numbers_side_by_side(tmp_path):
@@ -437,7 +440,7 @@ def test_smoke_grid_runs_through_the_real_trainer_and_skips_finished_runs_when_r
     assert r.returncode == 0, r.stdout + r.stderr + logs
     for slug in ("gspo", "da3po_2"):
         assert C.run_status(runs / slug / "seed0", 2) == "done"
-        assert (out / "logs" / slug / "seed0.jsonl").exists()
+        assert not (out / "logs").exists() and (runs / slug / "seed0" / "metrics.jsonl").exists()
     gspo = [r for r in map(json.loads, (runs / "gspo/seed0/metrics.jsonl").read_text().splitlines())
             if "train/response_tokens" in r]  # the training steps (step 0 holds the starting policy's evaluation)
     assert [r["step"] for r in gspo] == [1, 2] and all(r["train/response_tokens"] > 0 for r in gspo)

@@ -11,7 +11,7 @@ Methods: ``grpo``, ``dapo``, ``gspo``, ``da3po`` (the config's lambda), ``da3po:
 ``grpo:<lambda>`` / ``gspo:<lambda>`` (DAA on top of GRPO / GSPO). Extra ``section.key=value`` arguments go to every
 run.
 Runs live in ``--runs-dir`` (default ``runs/compare/<basename of --out>``, with checkpoints); the report directory holds
-only ``report.md``, ``summary.json``, ``figures/`` and ``logs/`` (copies of each run's metrics.jsonl). Re-running the
+only ``report.md``, ``summary.json`` and ``figures/`` (raw logs stay in the runs, or ``--logs-dir``). Re-running the
 same command skips finished runs and resumes unfinished ones; ``--report-only`` rebuilds the report from what exists.
 The implementation is the study package ``da3po_megatron.studies.compare`` (modules grid, stats, report and
 plots); run it under ``nice -n 10`` on a shared machine.
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the base config's total_steps)")
     p.add_argument("--out", required=True, type=Path, help="report directory")
     p.add_argument("--runs-dir", type=Path, default=None, help="where the runs live (default runs/compare/<out name>)")
+    p.add_argument("--logs-dir", type=Path, default=None,
+                   help="also copy each run's metrics.jsonl to LOGS_DIR/<method>/seed<k>.jsonl (default: none; the "
+                        "report records their sha256 and never holds them)")
     p.add_argument("--warmup-dir", type=Path, default=None, help="starting policy to use (built there if missing); "
                                                                     "copied once to <runs-dir>/warmup, which every "
                                                                     "run loads (default: built in <runs-dir>/warmup)")
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                             window=a.window, z=a.z, warmup_dir=warmup_dir, page=a.page, prefer=a.heldout,
                             previous=a.previous,
                             previous_note=a.previous_note.read_text().strip() if a.previous_note else "",
-                            figures=not a.no_figures)
+                            figures=not a.no_figures, logs_dir=a.logs_dir)
     print(f"report: {report} ({time.perf_counter() - t0:.0f} s)" + (f"; page: {a.page}" if a.page else ""))
     failed = [r for r in records or [] if r["status"] == "failed"]
     return 1 if failed else 0

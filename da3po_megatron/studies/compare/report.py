@@ -1,13 +1,15 @@
 """The comparison report: the Markdown tables (held-out primary / secondary metric per group: avg@k / greedy per
 bucket of the synthetic task, avg@k / pass@k per math benchmark, see :mod:`~da3po_megatron.studies.compare.keys`;
 training accuracy; cost), the verdict generated from the numbers, and :func:`build_report`, which writes
-``report.md``, ``summary.json``, the figures and copies of the runs' logs. It reads :class:`~.data.ReportData`, whose
+``report.md``, ``summary.json`` (with the sha256 of each run's raw log) and the figures; the raw logs stay with the
+runs (or are copied under ``logs_dir``), never next to the report. It reads :class:`~.data.ReportData`, whose
 points and hard groups :mod:`~da3po_megatron.studies.compare.data` chooses once. What the report holds and why is
 described in :mod:`da3po_megatron.studies.compare`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -233,12 +235,15 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
                  window: int = 5, z: float = 2.0, tau: float = 0.5, warmup_dir: str | Path | None = None,
                  page: str | Path | None = None, prefer: str | None = None,
                  previous: str | Path | None = None, previous_note: str = "",
-                 title: str = "Does DAA help? Compute-matched algorithm comparison", figures: bool = True) -> Path:
-    """Write ``out_dir/report.md``, ``out_dir/figures/*.png``, ``out_dir/logs/<method>/seed<k>.jsonl`` and
-    ``out_dir/summary.json`` from the runs of ``specs``; with ``page``, also a copy of the report at that path whose
-    figure links are relative to it (e.g. docs/results_cpu.md). The held-out metric is whatever the runs logged
-    (synthetic task or math benchmarks; ``prefer`` chooses when both are there). ``previous``: an earlier report
-    directory whose numbers are shown side by side (``previous.py``), after ``previous_note``. Returns the path."""
+                 title: str = "Does DAA help? Compute-matched algorithm comparison", figures: bool = True,
+                 logs_dir: str | Path | None = None) -> Path:
+    """Write ``out_dir/report.md``, ``out_dir/figures/*.png`` and ``out_dir/summary.json`` from the runs of ``specs``
+    (``summary.json``'s ``raw_logs``: the sha256 of every run's ``metrics.jsonl``; with ``logs_dir``, copies of them at
+    ``logs_dir/<method>/seed<k>.jsonl``, outside the report so that reports stay small in git); with ``page``, also a
+    copy of the report at that path whose figure links are relative to it (e.g. docs/results_cpu.md). The held-out
+    metric is whatever the runs logged (synthetic task or math benchmarks; ``prefer`` chooses when both are there).
+    ``previous``: an earlier report directory whose numbers are shown side by side (``previous.py``), after
+    ``previous_note``. Returns the path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     grid = load_grid(specs)
@@ -250,13 +255,16 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
     metric, second = d.keys.names if d.keys else ("avg@k", "greedy")
     kind = d.kind
 
-    logs = out / "logs"
+    raw_logs: dict[str, str] = {}  # <method>/seed<k>.jsonl -> sha256 of that run's metrics.jsonl
     for s in specs:
         src = s.run_dir / "metrics.jsonl"
         if src.exists():
-            dst = logs / s.method.slug / f"seed{s.seed}.jsonl"
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+            rel = f"{s.method.slug}/seed{s.seed}.jsonl"
+            raw_logs[rel] = hashlib.sha256(src.read_bytes()).hexdigest()
+            if logs_dir is not None:
+                dst = Path(logs_dir) / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
     # without figures=True the report links the PNGs an earlier build left (a quick rebuild keeps its figures)
     order = ("train_acc", "heldout_vs", "heldout_b", "filtered", "daa", "theory")
     figs = plot_report(d, out / "figures") if grid and figures else sorted(
@@ -386,7 +394,9 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
                f"{d.window} steps. No extrapolation.",
                f"- Verdict screen: difference of seed means beyond {z:g} standard errors, SE = sqrt(s_a^2/n_a + "
                "s_b^2/n_b) with sample std (ddof=1); 'undetermined' with fewer than 2 seeds.",
-               "- Raw logs: `logs/<method>/seed<k>.jsonl` next to the report (copies of each run's `metrics.jsonl`).",
+               "- Raw logs: each run's `metrics.jsonl` in its run directory" + (
+                   f", copied to `{logs_dir}/<method>/seed<k>.jsonl`" if logs_dir is not None else "")
+               + "; not kept next to the report (their sha256: `raw_logs` in `summary.json`).",
                ""]
         return "\n".join(md)
 
@@ -394,7 +404,8 @@ def build_report(specs: Sequence[RunSpec], methods: Sequence[Method], out_dir: s
     summary: dict[str, Any] = {"metric": metric, "second_metric": second, "group_kind": kind, "groups": d.groups,
                                "hard_groups": d.hard, "keys": asdict(d.keys) if d.keys else None,
                                "start_acc": {str(k): v for k, v in d.start_acc.items()}, "verdict": verdict_data,
-                               "missing": missing, "unfinished": short, "failed": failed, "tables": {}}
+                               "missing": missing, "unfinished": short, "failed": failed, "tables": {},
+                               "raw_logs": {"sha256": raw_logs, "dir": str(logs_dir) if logs_dir is not None else None}}
     for pt in ([d.step_point] if d.step_point else []) + d.sample_points:
         summary["tables"][pt.name] = {"heldout": _heldout_table(d, pt, 0)[1],
                                       "second": _heldout_table(d, pt, 1)[1],
