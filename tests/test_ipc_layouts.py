@@ -5,7 +5,7 @@ Real parts: one torchrun world of 4 gloo ranks (megatron-core on CPU, the real P
 tests/_ipc_layouts_job.py at policy TP 2 x PP 2 (Qwen3-8B's proportions, untied), TP 2 x EP 2 and PP 2 x EP 2
 (Qwen3-30B-A3B's: 32 experts, expert width 0.375 x hidden) one after the other; the part of the transport that decides
 what every GPU holds (:func:`~da3po_megatron.rollout.ipc.ipc_bucket_plan`: TP all-gathers, PP and EP turns) packs on
-CPU. The CUDA-IPC export and map on top of it are GPU-only (tools/gpu_check.sh, docs/gpu_only.md).
+CPU. The CUDA-IPC export and map on top of it are GPU-only (tools/gpu/gpu_check.sh, docs/gpu_only.md).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def layouts(tmp_path_factory) -> dict:
     out = d / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(Path(__file__).with_name("_ipc_layouts_job.py")), "--out", str(out),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+           str(Path(__file__).with_name("_ipc_layouts_job.py")), "--out", str(out),
            "--dense", str(models["dense"]), "--moe", str(models["moe"])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
