@@ -1,0 +1,128 @@
+"""The device-memory timeline of a colocated GPU (megatron/memory_timeline.py; issue 57, point 1), pure.
+
+The shipped colocated recipe (examples/qwen3_8b_da3po_colocated.yaml: Qwen3-8B, TP 1 x DP 8, 8 engines of TP 1,
+``actor.offload: grads+optimizer``, ``gpu_memory_utilization: 0.8``) at its real size, on an 8 x H200 node and on
+80 GB GPUs, replayed with the trainer's call order of today and with the fixed order
+(megatron/memory_timeline_calls.py). Today's order must name P1 (the engines start beside the fully resident policy:
+vLLM's start-up rule refuses) and P2 (a save and a resync reload gradients and optimizer beside the awake engines' KV
+cache); the fixed order fits the H200 through start-up, a resume's load and sync, generation, training, the sync,
+evaluation, an asynchronous save with its HF copy and an engine's restart and resync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from da3po_megatron.megatron.memory_timeline import (
+    GPU_80GB,
+    H200,
+    DeviceTimeline,
+    Figures,
+    TimelineError,
+    figures_for_config,
+    pow2ceil,
+)
+from da3po_megatron.megatron.memory_timeline_calls import call_sequence
+
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "rope_theta": 1000000}
+RECIPE = Path(__file__).resolve().parents[1] / "examples/qwen3_8b_da3po_colocated.yaml"
+EVERYTHING = {"resume": True, "restart_at": 2, "async_save": True, "hf": True, "steps": 2, "save_steps": (2,)}
+
+
+def recipe(*overrides: str) -> tuple:
+    from da3po_megatron.bridge.hf_config import gpt_arch
+    from da3po_megatron.config import load_config
+
+    return load_config(RECIPE, ["model.path=/x", *overrides]), gpt_arch(QWEN3_8B)
+
+
+def figures(total: int, *overrides: str) -> Figures:
+    return figures_for_config(*recipe(*overrides), total)
+
+
+def named(tl: DeviceTimeline) -> set[tuple[str, str, str]]:
+    return {(v.phase, v.event, v.kind) for v in tl.violations}
+
+
+@pytest.mark.parametrize("total", [H200, GPU_80GB], ids=["h200", "80gb"])
+def test_todays_order_names_p1_engines_start_beside_the_resident_policy_and_p2_reloads_beside_the_kv_cache(total):
+    tl = DeviceTimeline(figures(total)).run(call_sequence("today", **EVERYTHING))
+    print(tl.table())
+    for v in tl.violations:
+        print(v)
+    got = named(tl)
+    assert ("start-up", "engines:start", "startup") in got  # P1: vLLM's request_memory refuses
+    assert ("save", "policy:reload", "overflow") in got  # P2: OffloadCycle.resident beside the awake KV cache
+    assert ("resync", "policy:reload", "overflow") in got  # P2: around_sync -> engines_asleep after a restart
+    assert ("resume-load", "policy:load_checkpoint", "overflow") in got  # a resume loads beside the awake engines
+    p1 = next(v for v in tl.violations if v.kind == "startup")
+    assert "before the engines start" in p1.fix and "rollout.gpu_memory_utilization<=" in p1.fix
+    if total == H200:  # the read's numbers: ~88 GiB free against 112.3 GiB asked
+        assert 87 < p1.have / 2**30 < 89 and round(p1.need / 2**30, 1) == 112.3
+    with pytest.raises(TimelineError, match=r"start-up: engines:start: vLLM refuses to start.*save: policy:reload: "
+                                            r"device memory exceeded.*the engines must sleep"):
+        tl.refuse()
+
+
+def test_the_fixed_order_fits_the_recipe_on_an_h200_through_every_phase():
+    tl = DeviceTimeline(figures(H200)).run(call_sequence("fixed", **EVERYTHING))
+    print(tl.table())
+    assert tl.violations == []
+    tl.refuse()
+    phases = dict((p, peak) for p, peak, _ in tl.phases())
+    assert {"start-up", "resume-load", "resume-sync", "generate", "old-logprobs", "train", "save", "sync",
+            "evaluate", "resync"} <= set(phases)
+    assert max(phases.values()) <= H200
+    # generation beside the offloaded policy: runtime + params + the engine's util x total + its context
+    assert round(phases["generate"] / 2**30, 1) == round((2 + 15.26 + 112.32 + 0.5), 1)
+
+
+def test_on_80gb_gpus_the_fixed_order_names_the_fields_and_fits_once_they_change():
+    tl = DeviceTimeline(figures(GPU_80GB)).run(call_sequence("fixed", **EVERYTHING))
+    for v in tl.violations:
+        print(v)
+    fixes = {(v.phase, v.fix.split(",")[0]) for v in tl.violations}
+    assert ("old-logprobs", "lower actor.max_tokens_per_microbatch") in fixes  # the 81 GiB step peak alone
+    assert any(v.phase == "start-up" and "rollout.gpu_memory_utilization<=0.77" in v.fix for v in tl.violations)
+    tl = DeviceTimeline(figures(GPU_80GB, "rollout.gpu_memory_utilization=0.7",
+                                "actor.max_tokens_per_microbatch=6144")).run(call_sequence("fixed", **EVERYTHING))
+    print(tl.table())
+    assert tl.violations == []
+
+
+def test_training_beside_an_awake_engine_p4_names_the_setting_that_makes_them_sleep():
+    fig = figures(H200)
+    tl = DeviceTimeline(fig).run(["policy:build", "policy:offload grads+optimizer", "engines:start",
+                                  "phase:generate", "engines:generate", "phase:train", "policy:reload",
+                                  "policy:train_step"])
+    v = tl.violations[0]
+    assert (v.phase, v.event) == ("train", "policy:reload")
+    tl = DeviceTimeline(replace(fig, tier="none")).run(["policy:build", "phase:start-up", "engines:start"])
+    assert tl.violations[0].fix.startswith("a larger actor.offload tier")
+    tl = DeviceTimeline(replace(fig, engine_budget=int(0.45 * H200), util=0.45)).run(  # forward fits, the step not
+        ["policy:build", "engines:start", "phase:train", "policy:forward", "policy:train_step"])
+    assert [v.event for v in tl.violations] == ["policy:train_step"]
+    assert "rollout.staleness=0" in tl.violations[0].fix
+
+
+def test_a_forward_while_offloaded_and_an_unknown_event_are_refused():
+    tl = DeviceTimeline(replace(figures(H200), tier="all")).run(["policy:build", "policy:offload", "policy:forward"])
+    assert [(v.event, v.kind) for v in tl.violations] == [("policy:forward", "offloaded")]
+    with pytest.raises(ValueError, match="unknown timeline event 'policy:dance'"):
+        tl.apply("policy:dance")
+
+
+def test_pinned_host_buffers_are_counted_as_allocated_rounded_to_powers_of_two_p6():
+    assert [pow2ceil(n) for n in (0, 1, 3, 4, 5, 2**20 + 1)] == [0, 1, 4, 4, 8, 2**21]
+    fig = figures(H200)
+    nominal = fig.masters + fig.moments
+    tl = DeviceTimeline(fig).run(call_sequence("fixed", steps=2, save_steps=(), final_save=False))
+    print(f"pinned {tl.host_pinned() / 2**30:.1f} GiB per GPU for {nominal / 2**30:.1f} GiB offloaded")
+    assert nominal < tl.host_pinned() < 2 * nominal  # the optimizer's storages, each rounded up
+    assert set(tl.host) == {"masters", "moments"}  # grads are freed without a copy; params stay (the tier)
