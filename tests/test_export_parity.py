@@ -19,8 +19,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from da3po_megatron.megatron.runtime import free_port
-
 MODELS = [("qwen3", True), ("qwen3", False), ("qwen2", False), ("llama", False)]
 
 
@@ -34,8 +32,8 @@ def parity(tmp_path_factory) -> dict:
     out = d / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(Path(__file__).with_name("_export_parity.py")), "--tp", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+           str(Path(__file__).with_name("_export_parity.py")), "--tp", "2",
            "--pp", "2", "--out", str(out)] + [a for h in hfs for a in ("--hf", str(h))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

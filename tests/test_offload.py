@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from da3po_megatron.megatron.offload import tier_parts
-from da3po_megatron.megatron.runtime import free_port
 from da3po_megatron.trainer.cluster.colocation import OffloadCycle
 
 JOB = Path(__file__).with_name("_offload_job.py")
@@ -126,8 +125,8 @@ def dense_hf(tmp_path_factory) -> Path:
 
 def _launch(layout: str, hf: Path, out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(JOB), "--hf", str(hf), "--layout", layout, "--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           str(JOB), "--hf", str(hf), "--layout", layout, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=JOB.parent)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

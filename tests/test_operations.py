@@ -124,13 +124,12 @@ def test_megatron_async_save_on_gloo_writes_the_scheduled_step_while_training_mo
     """TP=2 on 2 processes: the save is scheduled (one forked writer per rank), a train step runs while it writes,
     the finalize (collective) completes it; the checkpoint holds the scheduled step's weights bit for bit, a second
     save while one is in flight is refused, metadata.json appears only at the finalize."""
-    from da3po_megatron.megatron.runtime import free_port
     from da3po_megatron.tiny import build_model
 
     hf = build_model(tmp_path / "hf", family="qwen3", seed=0)
     out = tmp_path / "facts.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(ROOT / "tests/_async_save_job.py"), str(hf),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           str(ROOT / "tests/_async_save_job.py"), str(hf),
            str(tmp_path / "ckpt"), str(out), "2"]
     p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]

@@ -209,12 +209,12 @@ def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
     from da3po_megatron.megatron.model import build_gpt_model, import_megatron_core
 
     import_megatron_core()  # before megatron-core is first imported here: a broken Transformer-Engine is hidden
-    from da3po_megatron.megatron.runtime import ParallelLayout, destroy_parallel, init_parallel
+    from da3po_megatron.megatron.runtime import ParallelLayout, destroy_parallel, init_parallel, join_rendezvous
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     tp, pp = task["tp"], task["pp"]
     init_parallel(ParallelLayout(tp, pp, 1, task.get("ep", 1), task.get("etp")), rank=rank, world_size=world,
-                  master_port=port)
+                  store=join_rendezvous("127.0.0.1", port))  # the parent serves the store (_spawn)
     try:
         # Verification always computes in float32 (see below); only the conversion builds in the saved dtype.
         options = ModelConfig(params_dtype=task["params_dtype"] if task["mode"] == "hf-to-megatron" else "float32",
@@ -257,14 +257,15 @@ def conversion_world(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> i
 def _spawn(task: dict[str, Any]) -> None:
     import torch.multiprocessing as mp
 
-    from da3po_megatron.megatron.runtime import free_port
+    from da3po_megatron.megatron.runtime import bind_rendezvous
 
     world = conversion_world(task["tp"], task["pp"], task.get("ep", 1), task.get("etp"))
     if torch.cuda.is_available() and world > torch.cuda.device_count():
         raise ConversionError(f"TP x PP (x EP) = {world} processes need {world} GPUs, {torch.cuda.device_count()} "
                               "visible")
+    store = bind_rendezvous()  # bound before the workers are told its port: no probe-then-bind race
     try:
-        mp.start_processes(_worker, args=(world, free_port(), task), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(world, store.port, task), nprocs=world, join=True, start_method="spawn")
     except mp.ProcessRaisedException as e:  # the worker's traceback is in the message; its last line is the error
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         raise ConversionError(f"a conversion process failed: {lines[-1] if lines else e}") from e

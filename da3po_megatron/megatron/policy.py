@@ -62,7 +62,7 @@ from da3po_megatron.megatron.loss_backends import (
 )
 from da3po_megatron.megatron.model import build_gpt_model, transformer_config, use_te
 from da3po_megatron.megatron.optimizer import build_ddp_optimizer
-from da3po_megatron.megatron.runtime import ParallelLayout, free_port, init_parallel, node_ip
+from da3po_megatron.megatron.runtime import ParallelLayout, bind_rendezvous, init_parallel, join_rendezvous, node_ip
 from da3po_megatron.megatron.schedule import ForwardSchedule
 from da3po_megatron.megatron.update_guard import check_finite_weights, guarded_step
 from da3po_megatron.ranges import ranged
@@ -168,14 +168,17 @@ class PolicyWorker:
         ignore_job_sigterm()  # under Slurm: outlive the job-wide SIGTERM until the driver has checkpointed
         self.cfg: Config | None = None
         self.step = 0
+        self._rendezvous: Any = None  # rank 0's bound store, between rendezvous_address() and init()
         if cfg is not None:
             self.init(cfg, arch, **init_kwargs)
 
     # ------------------------------------------------------------------ set-up
-    @staticmethod
-    def rendezvous_address() -> tuple[str, int]:
-        """(address, port) for the world's rendezvous, as seen from other nodes; called on rank 0's host."""
-        return node_ip(), free_port()
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(address, port) of the world's rendezvous, as seen from other nodes; called on rank 0, which binds the
+        store here (a port the OS picks) and serves it from :meth:`init` on: no other process can take the port
+        between the probe and the bind (``runtime.bind_rendezvous``, issue 55)."""
+        self._rendezvous = bind_rendezvous()
+        return node_ip(), self._rendezvous.port
 
     def init(self, cfg: Config, arch: GPTArch, *, rank: int | None = None, world_size: int | None = None,
              master_addr: str | None = None, master_port: int | None = None) -> dict[str, Any]:
@@ -192,8 +195,13 @@ class PolicyWorker:
         validate_config(cfg, arch, world_size)
         self.cfg, self.arch = cfg, arch
         self.loss_params = loss_setup(cfg)
+        store = self._rendezvous if rank == 0 else None
+        if store is None and master_port and world_size > 1:  # a port handed over without rendezvous_address()
+            store = (bind_rendezvous(port=master_port) if rank == 0
+                     else join_rendezvous(master_addr or "127.0.0.1", master_port))
         init_parallel(layout_of(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
-                      master_port=master_port, seed=cfg.trainer.seed)
+                      master_port=master_port, store=store, seed=cfg.trainer.seed)
+        self._rendezvous = None  # the world's default group holds the store from here on
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.dp = ps.get_data_parallel_world_size()

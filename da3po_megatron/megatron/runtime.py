@@ -62,10 +62,30 @@ class ParallelLayout:
 
 
 def free_port() -> int:
-    """A free TCP port on this host (for a rendezvous address handed to other ranks)."""
+    """A TCP port that was free on this host a moment ago. Racy by nature -- another process may bind it before the
+    caller does -- so the project's own groups never rendezvous on it: :func:`bind_rendezvous` binds first and hands
+    the bound port over. Kept for callers that must name a port before anything binds (e.g. a collective engine
+    group's address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def bind_rendezvous(world_size: int | None = None, timeout_s: float = 1800, port: int = 0) -> dist.TCPStore:
+    """The rendezvous store of a new process group, bound here on a port the OS picks (port 0) before anyone is told
+    it: the port is never free between a probe and a bind, which is how a fresh-clone CI run once died
+    (``EADDRINUSE`` on the policy group's TCPStore, issue 55). The process holding it is the store's server for the
+    group's life: rank 0 of a Ray policy group (``PolicyWorker.rendezvous_address``), or the parent of spawned
+    conversion processes. Others join with :func:`join_rendezvous` at ``store.port``. A nonzero ``port`` (one handed
+    out before the bind) brings the race back: only for callers that must."""
+    return dist.TCPStore("0.0.0.0", port, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def join_rendezvous(addr: str, port: int, world_size: int | None = None,
+                    timeout_s: float = 1800) -> dist.TCPStore:
+    """A client of the rendezvous store another process bound with :func:`bind_rendezvous`."""
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def node_ip() -> str:
@@ -91,12 +111,18 @@ def init_parallel(
     world_size: int | None = None,
     master_addr: str | None = None,
     master_port: int | None = None,
+    store: dist.Store | None = None,
     seed: int = 1234,
     timeout_s: int = 1800,
 ) -> None:
     """Join the process group and initialise Megatron's parallel state and RNG trackers.
 
-    Without explicit arguments it reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (torchrun).
+    The rendezvous, in order of preference:
+    - ``store``: a store bound before its port was handed out (:func:`bind_rendezvous` on the rank or parent that
+      serves it, :func:`join_rendezvous` on the others) -- the project's policy groups and conversions;
+    - a single-rank world binds its own store on a port the OS picks (nobody else needs the address);
+    - otherwise ``master_addr`` / ``master_port`` or ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
+      (torchrun's environment: launch with ``torchrun --standalone``, whose agent binds port 0 itself).
     Idempotent within a process for the same layout.
     """
     from megatron.core import parallel_state as ps
@@ -106,22 +132,20 @@ def init_parallel(
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     layout.validate(world_size)
     if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        chosen_here = not (master_port or os.environ.get("MASTER_PORT"))
-        os.environ["MASTER_PORT"] = str(master_port or os.environ.get("MASTER_PORT") or free_port())
+        if store is None and world_size == 1:
+            store = bind_rendezvous(1, timeout_s)
+        if store is None:
+            os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+            if master_port or not os.environ.get("MASTER_PORT"):
+                os.environ["MASTER_PORT"] = str(master_port or free_port())
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        for attempt in range(5):
-            try:
-                dist.init_process_group(backend(), rank=rank, world_size=world_size,
-                                        timeout=datetime.timedelta(seconds=timeout_s))
-                break
-            except dist.DistNetworkError as e:
-                # A port we picked ourselves was taken between probing and binding (other jobs on the host):
-                # a single-process group can simply take another one; a shared rendezvous cannot.
-                if not (chosen_here and world_size == 1 and "EADDRINUSE" in str(e)) or attempt == 4:
-                    raise
-                os.environ["MASTER_PORT"] = str(free_port())
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is not None:
+            store.set_timeout(timeout)
+            # the same prefix on every rank of a store-based world (torch adds its own only to rendezvous it made)
+            store = dist.PrefixStore("da3po_world", store)
+        dist.init_process_group(backend(), store=store, rank=rank, world_size=world_size, timeout=timeout)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=layout.tensor_model_parallel_size,

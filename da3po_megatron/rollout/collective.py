@@ -361,9 +361,10 @@ class CollectiveSender:
         self.name, self.world_size, self.backend, self.timeout_s = name, world_size, backend, timeout_s
         self.stage, self.slot = stage, slot  # slot: 0 the stage's sender, j > 0 the owner of EP rank j's experts
         self.host = host or node_ip()
-        self.port = free_port("" if self.host != "127.0.0.1" else "127.0.0.1")
-        self.store = dist.TCPStore(self.host, self.port, world_size=world_size, is_master=True,
+        # port 0: the OS picks it as the store binds, so no other process can take it between a probe and the bind
+        self.store = dist.TCPStore(self.host, 0, world_size=world_size, is_master=True,
                                    wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        self.port = int(self.store.port)
         self.pg: Any = None
         self.device = torch.device("cpu")
 
