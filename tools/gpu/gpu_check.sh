@@ -32,7 +32,7 @@
 # `GPU_CHECK_SKIP=name,name` skips steps by name.
 set -uo pipefail
 
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")/../.." || exit 2  # the repository root
 mode=${1:-run}
 part=${2:-all}
 PY=${PYTHON:-python3}
