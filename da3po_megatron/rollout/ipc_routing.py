@@ -135,6 +135,39 @@ def merge_handles(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def handles_to_wire(handles: Mapping[str, Any]) -> dict[str, bytes]:
+    """``{GPU UUID: reduce_tensor args}`` as ``{GPU UUID: pickled args}`` for the hop from the engine actor to vLLM's
+    engine core (``rollout/engine.py`` ``ipc_load_bucket``; the inverse is :func:`handle_from_wire`, in the worker).
+
+    An engine of TP > 1 runs its core in another process, and vLLM 0.32 msgpack-encodes a ``collective_rpc`` call's
+    arguments for it (``v1/engine/core_client.py:1091-1098`` -> ``call_utility`` -> ``_send_input``'s
+    ``MsgpackEncoder.encode``, ``:1001-1016``). Its ``enc_hook`` takes tensors, arrays, slices and multimodal items
+    only and raises TypeError for anything else unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+    (``v1/serial_utils.py:190-225``; ``envs.py:1723-1728``).
+    ``reduce_tensor``'s args hold a class, a ``torch.Size`` and a ``torch.dtype`` (torch
+    ``multiprocessing/reductions.py:221, 341-375``; a CPU tensor's: a class, its storage and a ``torch.Size``,
+    ``:397``). Bytes cross msgpack, the mp executor's queue and Ray unchanged.
+
+    Why bytes and not vLLM's setting: ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is one process-wide switch that turns
+    pickle on for every message of the engine, answers included (``serial_utils.py:211-218`` then types every
+    utility answer), for the sake of one argument; and vLLM's own IPC weight transfer does the same as here when its
+    handles leave the process -- it pickles them into ``ipc_handles_pickled``
+    (``distributed/weight_transfer/clients.py:26-48``), though its worker unpickles them only under that switch
+    (``ipc_engine.py:80-93``). The pickle comes from the trainer's own policy ranks (the same trust domain as the
+    Ray call that brought it), and is unpickled only by this project's worker extension."""
+    import pickle
+
+    return {uuid: pickle.dumps(handle, protocol=pickle.HIGHEST_PROTOCOL) for uuid, handle in handles.items()}
+
+
+def handle_from_wire(handle: Any) -> tuple:
+    """The ``reduce_tensor`` args of one handle as :func:`handles_to_wire` sent them (bytes); a tuple or list, from a
+    caller in the worker's own process (tools/gpu stand-ins, tests), is taken as it is."""
+    import pickle
+
+    return tuple(pickle.loads(handle)) if isinstance(handle, (bytes, bytearray, memoryview)) else tuple(handle)
+
+
 def pick_handle(handles: Mapping[str, Any], uuid: str, where: str = "this worker") -> Any:
     """The handle for GPU ``uuid`` (a worker picks its own, as vLLM's IPC engine does, ``ipc_engine.py:222-232``);
     ValueError naming the GPUs that did get one otherwise."""
