@@ -2,10 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= --durations=25
-# PYTEST_WORKERS: pytest-xdist workers for everything but the Slurm tests, which then run alone; its default (2) and
-# why are in scripts/run_tests.sh. `make test PYTEST_WORKERS=0` runs the first pass serially too.
+# PYTEST_WORKERS: pytest-xdist workers of `make test` (default 2, why: scripts/run_tests.sh); 0 runs it serially.
+# What each test target guards and what it costs: docs/testing.md.
 
-.PHONY: install demo test test-layouts test-long test-gpu-prep lint theory clean ci-time
+.PHONY: install demo test test-slurm test-layouts test-long test-gpu-prep test-all theory clean ci-time
 
 install:  ## create .venv if missing and install the CPU stack (idempotent)
 	bash scripts/install.sh cpu $(VENV)
@@ -13,18 +13,27 @@ install:  ## create .venv if missing and install the CPU stack (idempotent)
 demo: install  ## tiny end-to-end CPU run (see examples/tiny_cpu_da3po.yaml)
 	bash scripts/demo.sh $(PY)
 
-test: install  ## the whole test suite, as CI runs it
+test: install  ## ruff + the test suite (<= 25 min on 2 idle cores); CI runs it first, then the parts below
 	$(PY) -m ruff check .
-	PYTEST_WORKERS=$(PYTEST_WORKERS) bash scripts/run_tests.sh $(PY) $(PYTEST_ARGS)
+	PYTEST_WORKERS=$(PYTEST_WORKERS) bash scripts/run_tests.sh $(PY) suite $(PYTEST_ARGS)
 
-test-layouts: install  ## every shipped recipe's layout shrunk to tiny width (~25 min on 2 cores; not in make test)
-	$(PY) -m pytest -m layouts tests/test_shipped_layouts.py $(PYTEST_ARGS)
+test-slurm: install  ## the Slurm tests: a 3-node cluster in network namespaces (~5 min; in CI, not in make test)
+	bash scripts/run_tests.sh $(PY) slurm $(PYTEST_ARGS)
 
-test-long: install  ## end-to-end tests that cheaper ones in make test overlap (~3 min on 2 cores; not in make test)
-	$(PY) -m pytest -m long $(PYTEST_ARGS)
+test-layouts: install  ## every shipped recipe's layout shrunk to tiny width (~10 min; in CI, not in make test)
+	bash scripts/run_tests.sh $(PY) layouts $(PYTEST_ARGS)
 
-test-gpu-prep: install  ## tools/gpu/gpu_check.sh run whole on CPU at tiny sizes (~90 s; not in make test): before a device session
-	$(PY) -m pytest -m gpu_prep tests/test_gpu_check_script.py $(PYTEST_ARGS)
+test-long: install  ## end-to-end runs that cheaper tests in make test overlap (in CI, not in make test)
+	bash scripts/run_tests.sh $(PY) long $(PYTEST_ARGS)
+
+test-gpu-prep: install  ## tools/gpu/gpu_check.sh run whole on CPU at tiny sizes (~90 s; in CI): before a device session
+	bash scripts/run_tests.sh $(PY) gpu_prep $(PYTEST_ARGS)
+
+test-all: install  ## everything CI runs, part by part, each timed (.ci/run)
+	bash .ci/run
+
+ci-time:  ## what the last test run cost: slowest tests, seconds per file and per part (tools/dev/ci_time.py)
+	$(PY) tools/dev/ci_time.py
 
 theory: install  ## the paper's Figures 1-2 (alpha+, alpha-, gamma vs p)
 	$(PY) tools/plot_theory.py --out outputs/theory

@@ -1,48 +1,45 @@
 #!/usr/bin/env bash
-# The test suite as `make test` and CI run it, in two pytest passes:
-#   1. everything except the Slurm tests, on PYTEST_WORKERS pytest-xdist workers (whole files per worker, longest
-#      files first: tests/conftest.py), so that one file's waits (process start-up, Ray, vLLM) overlap the other's work;
-#      The shipped recipes' shrunk layouts (`-m layouts`, tests/test_shipped_layouts.py) are left out of both
-#      passes (`make test-layouts` runs them): 2-6 minutes each on 2 cores would take the suite past its budget;
-#      so is the whole tools/gpu/gpu_check.sh run at tiny sizes (`-m gpu_prep`, `make test-gpu-prep`, before a device
-#      session; the fresh-clone CI run of 2026-12-05 took 1,821 s with it, over the 1,800 s budget);
-#      and the `long` tests (`make test-long`: end-to-end runs that cheaper tests in the pass overlap; a fresh-clone
-#      CI run of 2026-12-05 took ~1,870 s with them on a slow hour).
-#   2. the Slurm tests (`-m slurm`: a 3-node cluster in network namespaces, real sbatch/scancel/requeue) alone and
-#      serially, after pass 1 -- with them next to another worker, a worker died once at the end of the 3-node requeue
-#      test (not explained; no OOM kill was recorded), so they never share the machine with other tests.
-# Both passes share one directory for the session fixtures they both need (the warmed-up tiny model), removed at the
-# end. The exit status is non-zero if either pass fails; a pass that selects no test (e.g. PYTEST_ARGS=-k ...) is fine
-# only when the other one ran tests.
+# One part of the test suite, as `make test` and `.ci/run` run it (docs/testing.md: what each part guards, its cost).
+#   suite     everything not marked below, on PYTEST_WORKERS pytest-xdist workers (default 2; 0 = serial) taking
+#             whole files (tests/conftest.py starts the longest files first), so one file's waits (process start-up,
+#             Ray, vLLM) overlap the other's work. This is `make test`: <= 25 min on an idle 2-core machine.
+#   slurm     -m slurm: a 3-node Slurm in network namespaces, real sbatch/scancel/requeue. Alone and serial: with a
+#             worker beside it, a worker died once at the end of the 3-node requeue test (not explained, no OOM kill).
+#   layouts   -m layouts: every shipped recipe's layout shrunk to toy width (tests/test_shipped_layouts.py), serial
+#             (the 30B-A3B layout alone is 8 policy ranks).
+#   long      -m long: end-to-end runs that cheaper tests of the suite overlap.
+#   gpu_prep  -m gpu_prep: tools/gpu/gpu_check.sh run whole at tiny sizes.
+# The session fixtures the parts share (the warmed-up tiny model) live in DA3PO_TEST_SHARED_DIR: the caller's
+# (.ci/run makes one for all its parts) or a fresh one removed at the end. Per-test durations go to
+# .pytest_cache/da3po/durations-PART.json for tools/dev/ci_time.py.
 #
-# usage: scripts/run_tests.sh PYTHON [pytest args...]      (env: PYTEST_WORKERS, default 2; 0 = serial)
+# usage: scripts/run_tests.sh PYTHON PART [pytest args...]
 set -uo pipefail
-py=${1:?usage: scripts/run_tests.sh PYTHON [pytest args...]}
-shift
-workers=${PYTEST_WORKERS:-2}
-shared=$(mktemp -d "${TMPDIR:-/tmp}/da3po-tests.XXXXXX")
-trap 'rm -rf "$shared"' EXIT
-export DA3PO_TEST_SHARED_DIR=$shared OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+py=${1:?usage: scripts/run_tests.sh PYTHON PART [pytest args...]}
+part=${2:?usage: scripts/run_tests.sh PYTHON PART [pytest args...]}
+shift 2
+if [[ -z ${DA3PO_TEST_SHARED_DIR:-} ]]; then
+  DA3PO_TEST_SHARED_DIR=$(mktemp -d "${TMPDIR:-/tmp}/da3po-tests.XXXXXX")
+  trap 'rm -rf "$DA3PO_TEST_SHARED_DIR"' EXIT
+fi
+export DA3PO_TEST_SHARED_DIR OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # tests/_hermetic.py: the suite must leave the checkout as it found it -- strict: also its tracked and untracked
-# files (a plain `pytest` run leaves those out, since the developer may be editing them). Per-test durations of
-# each pass go to .pytest_cache/da3po/ for tools/dev/ci_time.py.
+# files (a plain `pytest` run leaves those out, since the developer may be editing them).
 export DA3PO_TEST_STRICT_CHECKOUT=${DA3PO_TEST_STRICT_CHECKOUT:-1}
-durations=${DA3PO_TEST_DURATIONS_DIR:-.pytest_cache/da3po}
-
+export DA3PO_TEST_DURATIONS=${DA3PO_TEST_DURATIONS_DIR:-.pytest_cache/da3po}/durations-$part.json
+workers=${PYTEST_WORKERS:-2}
+case $part in
+  suite) args=(-m "not slurm and not layouts and not long and not gpu_prep")
+         [[ $workers == 0 ]] || args+=(-n "$workers" --dist loadfile --no-loadscope-reorder) ;;
+  slurm) args=(-m slurm) ;;
+  layouts) args=(-m layouts tests/test_shipped_layouts.py) ;;
+  long) args=(-m long) ;;
+  gpu_prep) args=(-m gpu_prep tests/test_gpu_check_script.py) ;;
+  *) echo "usage: scripts/run_tests.sh PYTHON {suite|slurm|layouts|long|gpu_prep} [pytest args...]" >&2; exit 2 ;;
+esac
 start=$(date +%s)
-echo "[tests] pass 1/2: all but the Slurm tests, $workers worker(s)"
-DA3PO_TEST_DURATIONS=$durations/durations-pass1.json \
-  "$py" -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not slurm and not layouts and not gpu_prep and not long" "$@"
-rc1=$?
-mid=$(date +%s)
-echo "[tests] pass 1/2 exit $rc1 after $((mid - start)) s; pass 2/2: the Slurm tests, serially"
-DA3PO_TEST_DURATIONS=$durations/durations-pass2.json "$py" -m pytest -m slurm "$@"
-rc2=$?
-echo "[tests] pass 2/2 exit $rc2 after $(($(date +%s) - mid)) s; both passes $(($(date +%s) - start)) s"
-
-# pytest's exit 5 = "no tests collected": fine for one pass (a -k or a path may select only one kind), not for both
-if [[ $rc1 == 5 && $rc2 == 5 ]]; then echo "[tests] error: no test selected" >&2; exit 5; fi
-for rc in $rc1 $rc2; do
-  if [[ $rc != 0 && $rc != 5 ]]; then exit "$rc"; fi
-done
-exit 0
+echo "[tests] part $part: pytest ${args[*]} $*"
+"$py" -m pytest "${args[@]}" "$@"
+rc=$?
+echo "[tests] part $part: exit $rc after $(($(date +%s) - start)) s"
+exit $rc

@@ -1,7 +1,8 @@
 """What the test suite's last run cost: the slowest tests and the seconds per file, from its recorded durations.
 
-``scripts/run_tests.sh`` (``make test``, CI) records every test phase's duration of each pytest pass in
-``.pytest_cache/da3po/durations-pass{1,2}.json`` (tests/conftest.py). This prints, per pass and together:
+``scripts/run_tests.sh`` (``make test``, each part of ``.ci/run``) records every test phase's duration of each part
+in ``.pytest_cache/da3po/durations-PART.json`` (tests/conftest.py; PART: suite, slurm, layouts, long, gpu_prep). This
+prints, per part ("pass") and together:
 
 - the slowest tests (setup + call + teardown: a module fixture's start-up is charged to the first test that uses it);
 - the seconds per file, sorted, with the number of tests, and each file's share of the pass;
