@@ -43,7 +43,10 @@ def recipe(*overrides: str) -> tuple:
 
 
 def figures(total: int, *overrides: str) -> Figures:
-    return figures_for_config(*recipe(*overrides), total)
+    from da3po_megatron.megatron.memory import estimate_for_config
+
+    cfg, arch = recipe(*overrides)
+    return figures_for_config(cfg, arch, total, estimate_for_config(cfg, arch, device="cuda", te=True))
 
 
 def named(tl: DeviceTimeline) -> set[tuple[str, str, str]]:
@@ -126,3 +129,31 @@ def test_pinned_host_buffers_are_counted_as_allocated_rounded_to_powers_of_two_p
     print(f"pinned {tl.host_pinned() / 2**30:.1f} GiB per GPU for {nominal / 2**30:.1f} GiB offloaded")
     assert nominal < tl.host_pinned() < 2 * nominal  # the optimizer's storages, each rounded up
     assert set(tl.host) == {"masters", "moments"}  # grads are freed without a copy; params stay (the tier)
+
+
+def test_the_memory_preflight_replays_the_trainers_order_and_refuses_today_naming_phase_and_field(monkeypatch):
+    """``check_policy_memory(..., total=)`` (the probe's ``total_bytes``): the engine's share is util x total, and the
+    timeline of the trainer's order (``memory_timeline_calls.TRAINER_ORDER``) is printed and refused: today P1; once
+    the trainer's order is the fixed one, the recipe passes on an H200."""
+    from da3po_megatron.megatron import memory_timeline_calls
+    from da3po_megatron.megatron.memory import MemoryBudgetError, check_policy_memory
+
+    cfg, arch = recipe()
+    kw = {"available": H200 - 2 * 2**30, "device": "cuda", "te": True, "total": H200}
+    logs: list[str] = []
+    with pytest.raises(MemoryBudgetError, match=r"start-up: engines:start: vLLM refuses to start"):
+        check_policy_memory(cfg, arch, log=logs.append, **kw)
+    monkeypatch.setattr(memory_timeline_calls, "TRAINER_ORDER", "fixed")
+    assert check_policy_memory(cfg, arch, log=logs.append, **kw) == cfg.actor.max_tokens_per_microbatch
+    line = next(m for m in logs if "device timeline per GPU (fixed call order" in m)
+    print(line)
+    assert "start-up 130.1" in line and "train 82.8" in line and "resync 132.4" in line
+
+
+def test_the_preflight_budgets_training_beside_an_awake_engine_when_the_engines_do_not_sleep_p4():
+    from da3po_megatron.megatron.memory import MemoryBudgetError, check_policy_memory, engines_sleep_while_training
+
+    cfg, arch = recipe("rollout.staleness=1", "actor.offload=none")
+    assert not engines_sleep_while_training(cfg) and engines_sleep_while_training(recipe()[0])
+    with pytest.raises(MemoryBudgetError, match=r"colocated beside an awake engine"):
+        check_policy_memory(cfg, arch, available=H200, device="cuda", te=True, total=H200, log=lambda m: None)

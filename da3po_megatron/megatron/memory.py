@@ -305,9 +305,38 @@ def fit_microbatch_tokens(estimate_at: Any, budget_bytes: int, start: int, minim
     return lo
 
 
+def engines_sleep_while_training(cfg: Any) -> bool:
+    """Whether colocated engines sleep while the policy trains: only with the "ipc" transport ("auto" picks it when
+    colocated on CUDA) at staleness 0 without partial rollouts (``Run.engines_idle``); otherwise an awake engine
+    holds ``gpu_memory_utilization x total`` beside the training step (issue 57, P4)."""
+    r = cfg.rollout
+    return bool(r.colocate and r.weight_transfer in ("ipc", "auto") and r.staleness == 0
+                and not getattr(r, "partial_rollouts", False))
+
+
+def _colocated_timeline(cfg: Any, arch: GPTArch, est: MemoryEstimate, total: int, log: Any, mode: str) -> None:
+    """The device-memory timeline (:mod:`.memory_timeline`) of one colocated GPU of ``total`` bytes, replayed with
+    the trainer's call order (a resume, an engine restart and a save included): its peak per phase printed, a
+    :class:`MemoryBudgetError` naming phase, event and field when it does not fit (``actor.memory_check=refuse``)."""
+    from da3po_megatron.megatron.memory_timeline import DeviceTimeline, TimelineError, figures_for_config
+    from da3po_megatron.megatron.memory_timeline_calls import TRAINER_ORDER, call_sequence
+
+    events = call_sequence(TRAINER_ORDER, cfg.actor.offload, resume=True, restart_at=1,
+                           async_save=bool(cfg.trainer.async_save), hf=bool(cfg.trainer.save_hf_every))
+    tl = DeviceTimeline(figures_for_config(cfg, arch, total, est)).run(events)
+    log(f"memory: device timeline per GPU ({TRAINER_ORDER} call order, peak per phase of {total / GiB:.1f} GiB): "
+        + ", ".join(f"{p} {peak / GiB:.1f}" for p, peak, _ in tl.phases())
+        + f"; pinned host {tl.host_pinned() / GiB:.1f} GiB per GPU as allocated")
+    if mode == "refuse":
+        try:
+            tl.refuse()
+        except TimelineError as e:
+            raise MemoryBudgetError(str(e)) from None
+
+
 def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, where: str = "",
                         log: Any = print, device: str | None = None, te: bool | None = None,
-                        local_ranks: int | None = None) -> int:
+                        local_ranks: int | None = None, total: int | None = None) -> int:
     """Estimate the policy's peak per rank for the run config, print it, and compare it with the device.
 
     On CPU every local policy rank and engine shares the host's memory: the budget is the available host memory minus
@@ -321,6 +350,10 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
     ``device`` / ``available`` / ``where`` / ``te``: what one policy rank sees (its device, free memory and layer
     spec: the trainer asks one, ``trainer/cluster/placement.py: probe_devices``); None = this process's own view.
     ``local_ranks``: policy ranks sharing one node's host memory on CPU (None: all of them with a local Ray, else 1).
+    ``total``: the device's whole memory (the probe's ``total_bytes``); colocated on CUDA the engine's share is then
+    ``gpu_memory_utilization x total`` (vLLM's rule, ``vllm/v1/worker/utils.py:724-726``) and the device-memory
+    timeline is replayed (:func:`_colocated_timeline`). Colocated engines that do not sleep while the policy trains
+    (:func:`engines_sleep_while_training`) leave the policy ``available - util x total`` (P4).
     """
     mode = getattr(cfg.actor, "memory_check", "refuse")
     tokens = int(cfg.actor.max_tokens_per_microbatch)
@@ -347,19 +380,25 @@ def check_policy_memory(cfg: Any, arch: GPTArch, available: int | None = None, w
     else:
         budget = int(available)  # colocated: training runs beside the sleeping engine (time-multiplexed plan below)
         share = f"{where}" + (", colocated: the engine sleeps while the policy trains" if cfg.rollout.colocate else "")
+        if cfg.rollout.colocate and not engines_sleep_while_training(cfg):  # P4: an awake engine beside the step
+            budget = max(0, int(available) - math.ceil((total or available) * cfg.rollout.gpu_memory_utilization))
+            share = f"{where}, colocated beside an awake engine (rollout.staleness > 0 or weight_transfer not ipc)"
     est = estimate_for_config(cfg, arch, tokens, device, te)
     log(f"memory: {est.summary()}; budget per rank {budget / GiB:.2f} GiB ({share})")
-    if device == "cuda" and cfg.rollout.colocate:  # generation: the engine's share beside the resident policy
+    if device == "cuda" and engines_sleep_while_training(cfg):  # time-multiplexed: generation beside the policy
         from da3po_megatron.megatron.offload import colocated_plan, ipc_sync_extra_bytes
 
         sync = ipc_sync_extra_bytes(arch, int(cfg.rollout.weight_sync_bucket_mb * 2**20),
                                     2 if cfg.model.params_dtype == "bfloat16" else 4)
-        plan = colocated_plan(est.static, est.components.get("runtime", 0), est.total, int(available),
-                              int(available * cfg.rollout.gpu_memory_utilization), cfg.actor.offload, sync)
+        device_bytes = int(total or available)
+        plan = colocated_plan(est.static, est.components.get("runtime", 0), est.total, device_bytes,
+                              math.ceil(device_bytes * cfg.rollout.gpu_memory_utilization), cfg.actor.offload, sync)
         log(f"memory: {plan['message']}")
         if plan["train_fits"] and not plan["fits"] and mode == "refuse":
             raise MemoryBudgetError(f"{plan['message']}: set actor.offload={plan['needed']!r}" if plan["needed"]
                                     else plan["message"])
+        if total:
+            _colocated_timeline(cfg, arch, est, int(total), log, mode)
     if est.total <= budget or mode == "warn":
         return tokens
     longest = int(cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
