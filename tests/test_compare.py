@@ -161,6 +161,19 @@ def test_grid_warmup_is_a_snapshot_that_a_later_rebuild_of_the_source_does_not_c
     assert (dst / "model.safetensors").read_bytes() == b"weights-v1"
 
 
+def test_grid_refuses_a_starting_policy_with_another_hash(tmp_path):
+    """issue 59: a rebuilt warm-up depends on the machine's float kernels; a study names its policy's sha256 and the
+    grid refuses any other before a run starts (reused, copied or built alike)."""
+    src = tmp_path / "warmup"
+    src.mkdir()
+    (src / "warmup_report.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"weights-v1")
+    digest = C.warmup_digest(src)
+    assert C.ensure_warmup(src, log=lambda m: None, expect_sha256=digest[:12].upper()) == src
+    with pytest.raises(RuntimeError, match="not the expected 906100cc9c95"):
+        C.ensure_warmup(tmp_path / "runs/warmup", source=src, log=lambda m: None, expect_sha256="906100cc9c95")
+
+
 def test_report_warns_when_runs_did_not_start_from_the_same_policy(tmp_path):
     ms, specs = _grid(tmp_path, "dapo,da3po:2", lambda m, s: 0.5, seeds=(0, 1))
     text = C.build_report(specs, ms, tmp_path / "rep", figures=False).read_text()

@@ -237,3 +237,20 @@ def test_a_never_generated_prompt_skipped_by_its_prior_is_counted_by_its_likelie
         sel.take(4)
         skipped += sel.drain()["selection/skipped_all_correct"]
     assert skipped > 0
+
+
+def test_the_config_selects_the_posterior_rule():
+    """``data.selection=posterior`` (a new value of the existing field) builds the posterior with the config's prior
+    strength and decay, the streak rule's floors and back-off base, and the trainer's G and tau."""
+    from da3po_megatron.config import load_config
+    from da3po_megatron.data.selection import selecting
+
+    cfg = load_config("examples/tiny_cpu_da3po.yaml", ["data.selection=posterior", "data.selection_decay=0.8",
+                                                      "data.selection_explore_min=0.02"])
+    sel = selecting(_dataset().iterator(seed=1), cfg.data, seed=0, group_size=8, tau=0.4)
+    p = sel.params.posterior
+    assert (p.decay, p.prior_strength, p.floor_correct, p.group_size, p.tau) == (0.8, 2.0, 0.02, 8, 0.4)
+    assert sel.posterior is not None
+    streak = selecting(_dataset().iterator(seed=1), load_config("examples/tiny_cpu_da3po.yaml",
+                                                                ["data.selection=skip_zero_variance"]).data, seed=0)
+    assert streak.posterior is None and streak.selection_state()["posterior"] is None

@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "copied once to <runs-dir>/warmup, which every "
                                                                     "run loads (default: built in <runs-dir>/warmup)")
     p.add_argument("--warmup-args", default="", help="extra arguments of `python -m da3po_megatron.data.warmup`")
+    p.add_argument("--warmup-sha256", default="", help="refuse to run unless the starting policy's weights hash to "
+                                                       "this (a prefix, as the reports print it)")
     p.add_argument("--page", type=Path, default=None, help="also write the report here (figure links relative to it)")
     p.add_argument("--smoke", action="store_true", help=f"{SMOKE_METHODS} x seed 0 x 2 steps, tiniest settings; "
                                                         f"warm-up shared with the demo ({SMOKE_WARMUP_DIR})")
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         runs_dir.mkdir(parents=True, exist_ok=True)
         grid_cmd.write_text(command + "\n")
         try:
-            C.ensure_warmup(warmup_dir, warmup_args, source=warmup_source)
+            C.ensure_warmup(warmup_dir, warmup_args, source=warmup_source, expect_sha256=a.warmup_sha256)
         except RuntimeError as e:
             print(f"compare_algorithms: error: {e}", file=sys.stderr)
             return 1

@@ -110,9 +110,12 @@ class DataConfig:
     on_bad_row: Literal["error", "skip"] = doc("error", "Malformed rows: stop with file/row/field, or skip and count.")
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
     # Pre-rollout selection (data/selection.py; docs/algorithms.md "Selective rollout"; GRESO, arXiv 2506.02177)
-    selection: Literal["none", "skip_zero_variance"] = doc(
+    selection: Literal["none", "skip_zero_variance", "posterior"] = doc(
         "none", "Skip prompts before generation with a probability growing with their zero-variance streak "
-                "(P(keep) = p^z), all-correct and all-wrong streaks by separate rules; none = the paper's sampling.")
+                "(P(keep) = p^z), all-correct and all-wrong streaks by separate rules; posterior: skip with the "
+                "probability that the next group of rollout.n is zero-variance under a per-prompt Beta posterior "
+                "of the pass rate (data/selection_posterior.py, MoPPS arXiv 2507.04632; issue 59); none = the "
+                "paper's sampling.")
     selection_tails: Literal["separate", "shared"] = doc(
         "separate", "separate: own rate (<= 1/2) and back-off re-admission for all-wrong streaks (hard prompts stay "
                     "in play); "
@@ -129,6 +132,11 @@ class DataConfig:
     selection_max_skips_all_wrong: int = doc(1, "Back-off base b: an all-wrong prompt with a streak of z, skipped "
                                                 "b * 2^(z-1) times in a row, is generated the next time it comes up "
                                                 "(0 = never skip all-wrong streaks).")
+    selection_prior_strength: float = doc(2.0, "posterior: n0, the prior's weight in pseudo-samples (responses) at "
+                                               "its bucket's running pass rate (MoPPS's Beta(1, 1) prior has 2).")
+    selection_decay: float = doc(0.9, "posterior: lambda, the evidence's weight kept per training step (decayed "
+                                      "toward the prior, MoPPS's temporal discount); 0.9 = half-life ~6.6 steps, "
+                                      "about an epoch of the 128-prompt comparison (our choice).")
 
 
 @dataclass

@@ -210,13 +210,19 @@ def _run_logged(cmd: list[str], log_path: Path, timeout_s: float | None) -> tupl
 
 
 def ensure_warmup(warmup_dir: str | Path, warmup_args: Sequence[str] = (), log: Callable[[str], None] = print,
-                  source: str | Path | None = None) -> Path:
+                  source: str | Path | None = None, expect_sha256: str = "") -> Path:
     """The grid's starting policy in ``warmup_dir``, made once: kept if present; else a copy of ``source`` (built
-    there first if missing); else built in place with ``python -m da3po_megatron.data.warmup --out DIR ...``."""
+    there first if missing); else built in place with ``python -m da3po_megatron.data.warmup --out DIR ...``.
+
+    ``expect_sha256`` (a prefix of :func:`warmup_digest`): refuse (RuntimeError, before any run) when the starting
+    policy's weights hash otherwise. A rebuilt warm-up is not a function of its command alone: 700 AdamW steps amplify
+    last-bit differences of the CPU's float kernels (MKL / ATen dispatch by instruction set, library versions) into
+    another policy -- the same command hashed a103e6de3beb (2026-11-29), aaff24b64ee4 (12-04) and dda0239830ce (12-07,
+    AMD EPYC, AVX-512) -- so the studies commit their warm-ups (reports/selection50/warmups/) and name the hash."""
     d = Path(warmup_dir)
     if (d / "warmup_report.json").exists():
         log(f"warm-up: reusing {d} (sha256 {warmup_digest(d)[:12]})")
-        return d
+        return _check_digest(d, expect_sha256)
     target = Path(source) if source else d
     if not (target / "warmup_report.json").exists():
         cmd = [sys.executable, "-m", "da3po_megatron.data.warmup", "--out", str(target), *warmup_args]
@@ -230,6 +236,15 @@ def ensure_warmup(warmup_dir: str | Path, warmup_args: Sequence[str] = (), log: 
         (d / "SOURCE").write_text(f"copied from {target}\n")
         log(f"warm-up: snapshot of {target} -> {d}")
     log(f"warm-up: {d} (sha256 {warmup_digest(d)[:12]})")
+    return _check_digest(d, expect_sha256)
+
+
+def _check_digest(d: Path, expect: str) -> Path:
+    digest = warmup_digest(d)
+    if expect and not digest.startswith(expect.lower()):
+        raise RuntimeError(f"the starting policy {d} hashes to {digest[:12]}, not the expected {expect}: another "
+                           f"policy than the study's (a rebuilt warm-up depends on the machine's float kernels; use "
+                           f"the committed one, or drop --warmup-sha256 to run from this one knowingly)")
     return d
 
 
