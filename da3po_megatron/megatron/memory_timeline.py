@@ -39,18 +39,16 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from da3po_megatron.megatron.memory_timeline_calls import model_params, pinned_sizes, pow2ceil
 from da3po_megatron.megatron.offload import PARTS, tier_parts
+
+__all__ = ["DeviceTimeline", "Figures", "TimelineError", "figures_for_config", "pow2ceil"]
 
 GiB = 2**30
 ENGINE_CONTEXT = int(0.5 * GiB)  # the engine process's CUDA context + NCCL communicator (estimate, not measured)
 GRAPH_POOL = 1 * GiB  # vLLM's captured CUDA graphs (estimate; 0 with enforce_eager)
 H200 = 143_771 * 2**20  # nvidia-smi's total of an H200 (141 GB HBM3e)
 GPU_80GB = 81_559 * 2**20  # nvidia-smi's total of an H100 80 GB
-
-
-def pow2ceil(n: int) -> int:
-    """The bytes torch's caching host allocator takes for a pinned allocation of ``n`` bytes."""
-    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -325,17 +323,14 @@ def _tier_rank(tier: str) -> int:
     return len(tier_parts(tier))
 
 
-def figures_for_config(cfg: Any, arch: Any, total: int, te: bool = True, graph_pool: int | None = None,
+def figures_for_config(cfg: Any, arch: Any, total: int, est: Any, graph_pool: int | None = None,
                        engine_context: int = ENGINE_CONTEXT, gpus_per_node: int = 8) -> Figures:
     """The per-GPU figures of a colocated run config on a device of ``total`` bytes, from the plan's own arithmetic:
-    :func:`.memory.estimate_for_config` (static parts, step peak, runtime), the engine's ``util x total`` and its
-    weights (the model's parameters in the engine's dtype over the engine's TP), the IPC sync's bound
-    (:func:`.offload.ipc_sync_extra_bytes`) and the pinned host buffers as allocated (:func:`pinned_sizes`)."""
-    from da3po_megatron.megatron.memory import estimate_for_config
-    from da3po_megatron.megatron.memory_timeline_calls import model_params, pinned_sizes
+    ``est`` (:func:`.memory.estimate_for_config` on CUDA: static parts, step peak, runtime), the engine's ``util x
+    total`` and its weights (the model's parameters in the engine's dtype over the engine's TP), the IPC sync's
+    bound (:func:`.offload.ipc_sync_extra_bytes`) and the pinned host buffers as allocated (``pinned_sizes``)."""
     from da3po_megatron.megatron.offload import ipc_sync_extra_bytes
 
-    est = estimate_for_config(cfg, arch, device="cuda", te=te)
     pbytes = 2 if cfg.model.params_dtype in ("bfloat16", "float16") else 4
     opt = est.static["optimizer"]
     masters = opt // 3 if pbytes < 4 else 0  # fp32 master (4 B) of Adam's 12 B per parameter; views when fp32
@@ -354,3 +349,40 @@ def figures_for_config(cfg: Any, arch: Any, total: int, te: bool = True, graph_p
                   sync_extra=bucket + full, tier=cfg.actor.offload, gpus_per_node=gpus_per_node,
                   util=float(r.gpu_memory_utilization))
     return replace(fig, pinned=pinned_sizes(cfg, arch, fig, est.async_staging))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m da3po_megatron.megatron.memory_timeline RECIPE --hf-config config.json [--device h200|80gb|MiB]
+    [--order today|fixed] [overrides ...]``: the timeline table of one GPU of the recipe (a resume, an engine restart,
+    an asynchronous save with its HF copy included) and its violations; exit status 1 when it does not fit."""
+    import argparse
+    import json
+
+    from da3po_megatron.bridge.hf_config import gpt_arch
+    from da3po_megatron.config import load_config
+    from da3po_megatron.megatron.memory import estimate_for_config
+    from da3po_megatron.megatron.memory_timeline_calls import call_sequence
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--hf-config", required=True, help="the model's HF config.json")
+    ap.add_argument("--device", default="h200", help="h200, 80gb, or the device's total in MiB")
+    ap.add_argument("--order", default="fixed", choices=("today", "fixed"))
+    a = ap.parse_args(argv)
+    total = {"h200": H200, "80gb": GPU_80GB}.get(a.device.lower()) or int(a.device) * 2**20
+    cfg = load_config(a.recipe, ["model.path=/unused", *a.overrides])
+    with open(a.hf_config) as fh:
+        arch = gpt_arch(json.load(fh))
+    tl = DeviceTimeline(figures_for_config(cfg, arch, total, estimate_for_config(cfg, arch, device="cuda", te=True)))
+    tl.run(call_sequence(a.order, cfg.actor.offload, resume=True, restart_at=2, async_save=True, hf=True))
+    print(tl.table())
+    print("peak per phase (GiB of " + f"{total / GiB:.1f}): " + ", ".join(f"{p} {v / GiB:.1f}" for p, v, _ in
+                                                                        tl.phases()))
+    for v in tl.violations:
+        print(f"VIOLATION {v}")
+    return 1 if tl.violations else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

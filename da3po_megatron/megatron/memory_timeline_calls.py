@@ -35,6 +35,15 @@ from typing import Any
 
 from da3po_megatron.megatron.offload import tier_parts
 
+TRAINER_ORDER = "today"
+"""The order the trainer makes its calls in now (``memory.check_policy_memory`` replays it): "fixed" once the
+trainer offloads before the engines start and saves while they sleep (issue 57, the trainer-side edits)."""
+
+
+def pow2ceil(n: int) -> int:
+    """The bytes torch's caching host allocator takes for a pinned allocation of ``n`` bytes."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
 
 def _sync(order: str, tier: str, offloaded: bool) -> list[str]:
     """One step boundary (``Run.sync_weights`` -> ``OffloadCycle.around_sync`` -> ``ipc_sync``)."""
@@ -131,8 +140,6 @@ def pinned_sizes(cfg: Any, arch: Any, fig: Any, async_staging: int) -> dict[str,
     one buffer per storage (``offload.py`` ``_Storage``: every parameter's fp32 master shard and each Adam moment is
     its own storage, distrib_optimizer.py:399, 440-444) of about ``numel / DP`` elements each, and the async-save
     staging one buffer per tensor written. Scaled to the plan's totals (``fig``), so only the rounding is added."""
-    from da3po_megatron.megatron.memory_timeline import pow2ceil
-
     p = cfg.parallel
     dp = p.data_parallel_size if cfg.optim.use_distributed_optimizer else 1
     tensors = _tensors(arch, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
