@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: E402
 
 from da3po_megatron.bridge.export import export_checkpoint, export_policy_state  # noqa: E402
 from da3po_megatron.megatron.batching import PolicyBatch  # noqa: E402
-from da3po_megatron.megatron.checkpoint import async_save_in_flight  # noqa: E402
+from da3po_megatron.megatron.checkpoint_async import async_save_in_flight  # noqa: E402
 from da3po_megatron.testing.policy_job import ADVANTAGES, small_policy  # noqa: E402
 from da3po_megatron.testing.policy_selfcheck import fixed_batch  # noqa: E402
 

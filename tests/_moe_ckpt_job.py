@@ -31,7 +31,7 @@ def main() -> int:
     from da3po_megatron.bridge.export import load_policy_hf
     from da3po_megatron.bridge.hf_config import gpt_arch
     from da3po_megatron.config import standalone_policy_config
-    from da3po_megatron.megatron import checkpoint
+    from da3po_megatron.megatron import checkpoint, checkpoint_adam
     from da3po_megatron.megatron.policy import PolicyWorker
 
     cfg = standalone_policy_config(a.hf, [
@@ -44,7 +44,7 @@ def main() -> int:
         assert load_policy_hf(w, a.hf)
         keys = sorted(v.key for v in w._bare.sharded_state_dict().values() if hasattr(v, "key"))
         res["layer_keys"] = [k for k in keys if k.startswith("decoder.layers.")]
-        checkpoint._prime_optimizer_state(w.optimizer)  # never stepped: Adam's state as after a step (zeros)
+        checkpoint_adam.prime_optimizer_state(w.optimizer)  # never stepped: Adam's state as after a step (zeros)
         w.save(str(d / "ck_ep2"))
         # the same weights under the old local-spec name of the MoE norm, as a checkpoint of before the fix
         from megatron.core import dist_checkpointing

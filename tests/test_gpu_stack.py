@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from da3po_megatron.megatron.checkpoint import _prime_optimizer_state, _restore_adam_step
+from da3po_megatron.megatron.checkpoint_adam import prime_optimizer_state, restore_adam_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Wrapper:
-    """What ``_prime_optimizer_state`` sees of megatron's optimizer: an object whose ``.optimizer`` is the inner one
+    """What ``prime_optimizer_state`` sees of megatron's optimizer: an object whose ``.optimizer`` is the inner one
     (``DistributedOptimizer`` / ``FP32Optimizer`` both hold it there)."""
 
     def __init__(self, inner):
@@ -57,7 +57,7 @@ def test_primed_optimizer_state_has_exactly_the_keys_the_optimizers_own_step_cre
         p.grad = torch.ones_like(p)
     stepped.step()
 
-    _prime_optimizer_state(_Wrapper(fresh))
+    prime_optimizer_state(_Wrapper(fresh))
 
     for pf, ps in zip(fresh.param_groups[0]["params"], stepped_params):
         got, want = fresh.state[pf], stepped.state[ps]
@@ -68,7 +68,7 @@ def test_primed_optimizer_state_has_exactly_the_keys_the_optimizers_own_step_cre
     # what megatron's DistributedOptimizer.state_dict() asserts on a torch optimizer (distrib_optimizer.py 640-643)
     assert len({s["step"].item() for s in fresh.state_dict()["state"].values()}) == 1
     # and the step a checkpoint carries in param_groups comes back into every parameter's state
-    _restore_adam_step(_Wrapper(fresh), {"optimizer": {"param_groups": [{"step": 7}]}})
+    restore_adam_step(_Wrapper(fresh), {"optimizer": {"param_groups": [{"step": 7}]}})
     assert {s["step"].item() for s in fresh.state.values()} == {7.0}
 
 
@@ -98,7 +98,7 @@ class StandInTEFusedAdam(torch.optim.Optimizer):
 
 def test_priming_leaves_a_fused_optimizer_alone_with_stand_in_te_fused_adam():
     inner = StandInTEFusedAdam(_params())
-    _prime_optimizer_state(_Wrapper(inner))
+    prime_optimizer_state(_Wrapper(inner))
     assert all(not inner.state[p] for p in inner.param_groups[0]["params"]), \
         "only torch's Adam/AdamW are primed: megatron allocates a fused optimizer's state itself"
     inner.state_dict()  # what DistributedOptimizer.state_dict() calls while building the state dict to load into

@@ -17,19 +17,10 @@ Facts (megatron-core 0.16.1): the ``dp_reshardable`` load must run under ``torch
 fails with KeyError 'step'; ``psutil`` must be installed (the torch_dist writer subprocess needs it); a script that
 saves needs an ``if __name__ == "__main__":`` guard (the writer spawns a Manager).
 
-Asynchronous save (``save_policy(..., async_save=True)``): megatron-core's own mechanism -- ``dist_checkpointing.save(
-..., async_sharded_save=True)`` returns an ``AsyncRequest`` (0.16.1 ``dist_checkpointing/serialization.py`` 314-437:
-the plan, the common part and the sharded objects are written at once; the shards are written by the request, and
-``metadata.json`` only by its finalize functions), scheduled on an ``AsyncCallsQueue``
-(``dist_checkpointing/strategies/async_utils.py`` 530-624, non-persistent: ``TemporalAsyncCaller`` forks one writer
-process per request after staging GPU tensors to host memory, 178-255). The model and optimizer requests of one
-checkpoint are merged into ONE request (:func:`_merge_async_requests`): torch_dist's writers report their results
-through one process-wide queue (``filesystem_async.py`` 48-56, ``retrieve_write_results`` 424), so two requests in
-flight at once could read each other's results; one writer process writing both, in order, keeps them apart. On CPU
-the fork is the snapshot (copy-on-write: the next step's updates do not reach the child; ``preload_tensors`` copies
-nothing there). :func:`finalize_async_save` -- collective, it all-reduces "done" over the world and gathers the write
-results -- writes the torch_dist ``.metadata`` and ``metadata.json``; only then is the checkpoint loadable. Works on
-CPU / gloo (tests/test_operations.py). At most one asynchronous save per process is in flight (checked).
+Asynchronous save (``save_policy(..., async_save=True)``): the model and optimizer shards are written by one forked
+writer process and the checkpoint is loadable only after :func:`checkpoint_async.finalize_async_save` (megatron-core's
+mechanism and its facts: :mod:`da3po_megatron.megatron.checkpoint_async`). Torch Adam's state across a load:
+:mod:`da3po_megatron.megatron.checkpoint_adam`.
 
 Every function here is collective: call it on all ranks of the world.
 """
@@ -127,70 +118,6 @@ def save_model(model: torch.nn.Module, directory: str | Path, fully_parallel: bo
                                    sharded_strategy=_strategies(fully_parallel), async_sharded_save=async_save)
 
 
-# ------------------------------------------------------------------------------------------------ asynchronous save
-_ASYNC: dict[str, Any] = {"queue": None, "started": 0.0}
-
-
-def _async_queue():
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-    if _ASYNC["queue"] is None:
-        _ASYNC["queue"] = AsyncCallsQueue(persistent=False)  # a forked writer per request (TemporalAsyncCaller)
-    return _ASYNC["queue"]
-
-
-def async_save_in_flight() -> bool:
-    """Whether this process has scheduled an asynchronous save that is not finalized yet (not collective)."""
-    q = _ASYNC["queue"]
-    return q is not None and q.get_num_unfinalized_calls() > 0
-
-
-def _run_writes(writes: list[tuple[Any, tuple, dict]]) -> None:
-    """In the forked writer process: each request's write function, in order (model, then optimizer)."""
-    for fn, args, kwargs in writes:
-        if fn is not None:
-            fn(*args, **kwargs)
-
-
-def _merge_async_requests(requests: list[Any]) -> Any:
-    """One ``AsyncRequest`` doing the writes of ``requests`` in order, then all their finalize functions in order.
-
-    Each request's ``preload_fn`` (GPU -> host staging) runs here, in the training process and before the fork, as
-    ``TemporalAsyncCaller.schedule_async_call`` would run it (async_utils.py 198-206): its result replaces the write
-    buckets argument (index 1) exactly as there."""
-    from functools import partial
-
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-
-    writes, finalize = [], []
-    for r in requests:
-        args = list(r.async_fn_args)
-        if r.preload_fn is not None and r.async_fn is not None:
-            args[1] = r.preload_fn()
-        writes.append((r.async_fn, tuple(args), dict(r.async_fn_kwargs)))
-        finalize += list(r.finalize_fns)
-    fn = partial(_run_writes, writes) if any(w[0] is not None for w in writes) else None
-    return AsyncRequest(fn, (), finalize)
-
-
-def finalize_async_save(blocking: bool = False) -> bool:
-    """Finish the asynchronous save in flight if its writer is done on every rank (``blocking``: wait for it).
-
-    Collective (megatron's ``maybe_finalize_async_calls`` all-reduces "done" over the world, then the finalize
-    functions gather the write results and write ``.metadata`` / ``metadata.json``). Returns True when nothing is in
-    flight any more (the same on every rank). A writer's failure raises megatron's ``CheckpointException`` on every
-    rank."""
-    q = _ASYNC["queue"]
-    if q is None or q.get_num_unfinalized_calls() == 0:
-        return True
-    q.maybe_finalize_async_calls(blocking=blocking)
-    done = q.get_num_unfinalized_calls() == 0
-    if done:
-        log.info("asynchronous checkpoint finalized %.2f s after it was scheduled", time.perf_counter()
-                 - _ASYNC["started"])
-    return done
-
-
 def load_model(model: torch.nn.Module, directory: str | Path, fully_parallel: bool = False) -> None:
     """Load a model checkpoint saved at any TP x PP (x EP x ETP) layout, with either layer spec, into this rank's
     GPTModel stage (collective). A MoE norm saved under the other spelling is read under it
@@ -281,9 +208,11 @@ def save_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
     """Save model + optimizer + scheduler + RNG of every rank to ``path`` (collective; layout in module docstring).
 
     ``async_save``: the model and optimizer shards are written by a background process; RNG, ``meta.json`` and the
-    HF side files are written now; the checkpoint is loadable after :func:`finalize_async_save` returned True."""
+    HF side files are written now; the checkpoint is loadable after :func:`checkpoint_async.finalize_async_save`
+    returned True."""
     from megatron.core import dist_checkpointing
 
+    from da3po_megatron.megatron.checkpoint_async import async_save_in_flight, schedule_async_save
     from da3po_megatron.megatron.runtime import rng_state
 
     if async_save and async_save_in_flight():
@@ -304,8 +233,7 @@ def save_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
                                             sharded_strategy=_strategies(fully_parallel),
                                             async_sharded_save=async_save))
     if async_save:
-        _ASYNC["started"] = t0
-        _async_queue().schedule_async_request(_merge_async_requests(requests))
+        schedule_async_save(requests, t0)
     if _rank() == 0:
         (path / "rng").mkdir(exist_ok=True)
     _barrier()
@@ -327,94 +255,6 @@ def save_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
                 if src.exists():
                     shutil.copy2(src, path / "hf" / name)
     _barrier()
-
-
-TORCH_ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def torch_adam_state_template(inner: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
-                              ) -> dict[str, torch.Tensor]:
-    """The per-parameter state that ``inner``'s own ``step()`` creates, as a one-element example.
-
-    Found by stepping a twin of ``inner`` (same class, ``group``'s hyperparameters) once on a one-element probe with
-    ``param``'s dtype and device and a zero gradient -- so the keys, dtypes and devices are the optimizer's own (torch
-    2.13 Adam/AdamW: ``step``, a float32 scalar on the CPU unless capturable/fused, ``exp_avg``, ``exp_avg_sq``, and
-    ``max_exp_avg_sq`` with amsgrad), never a list of ours. :func:`_state_like` turns it into a parameter's state.
-    """
-    probe = torch.nn.Parameter(torch.zeros(1, dtype=param.dtype, device=param.device))
-    twin = type(inner)([{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
-    probe.grad = torch.zeros_like(probe)
-    twin.step()
-    return dict(twin.state[probe])
-
-
-def _state_like(template: dict[str, Any], param: torch.Tensor) -> dict[str, Any]:
-    """Zero state for ``param`` from a one-element template: tensors shaped like the probe become ``param``-shaped."""
-    out: dict[str, Any] = {}
-    for name, value in template.items():
-        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == 1:
-            out[name] = torch.zeros_like(param.data, dtype=value.dtype)
-        else:
-            out[name] = torch.zeros_like(value) if torch.is_tensor(value) else value
-    return out
-
-
-def _prime_optimizer_state(optimizer) -> None:
-    """Give a fresh torch Adam/AdamW (never stepped, e.g. a resumed process) the per-parameter state a stepped one has.
-
-    Only torch's optimizers need it, and only their own keys are added (:func:`torch_adam_state_template`).
-    megatron-core 0.16.1 uses torch's Adam/AdamW only when neither Transformer-Engine nor Apex imports
-    (``megatron/core/optimizer/__init__.py`` lines 12-34, ``USING_PYTORCH_OPTIMIZER``); then
-    ``DistributedOptimizer.state_dict()`` -- called by ``sharded_state_dict(..., is_loading=True)``, i.e. while
-    building the state dict to load INTO (``distrib_optimizer.py`` 1264-1267) -- reads one common ``step`` from every
-    parameter's state (640-643): a fresh optimizer has none (AssertionError), and Megatron's ``init_state_fn``
-    (``optimizer/__init__.py`` 391-399) adds moments but no ``step``. Zeros and step 0 are placeholders: the load
-    overwrites the moments, :func:`_restore_adam_step` the step.
-
-    A fused optimizer (TE's or Apex's ``FusedAdam``, what megatron-core picks whenever TE imports) is left alone:
-    megatron reads its step from ``param_groups`` (``distrib_optimizer.py`` 654-665) and allocates its moments itself
-    when its state is empty (``load_state_dict``, 766-811); and TE's ``FusedAdam.state_dict`` looks every state key
-    up in ``name_to_dtype_map`` = {exp_avg, exp_avg_sq, master_param} (TransformerEngine v2.11
-    ``transformer_engine/pytorch/optimizers/fused_adam.py`` 192-196, 295-304, 421-441; the same in v2.9 / v2.10), so
-    a foreign ``step`` key made every resume on GPU fail with ``KeyError: 'step'``.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(opt, "optimizer", None)
-        if type(inner) not in TORCH_ADAM_CLASSES:
-            if inner is not None:
-                log.debug("optimizer state not primed for %s (not torch Adam/AdamW)", type(inner).__name__)
-            continue
-        for group in inner.param_groups:
-            templates: dict[tuple[torch.dtype, torch.device], dict[str, Any]] = {}
-            for p in group["params"]:
-                st = inner.state[p]
-                key = (p.dtype, p.device)
-                if key not in templates:
-                    templates[key] = torch_adam_state_template(inner, group, p)
-                for name, value in _state_like(templates[key], p).items():
-                    st.setdefault(name, value)
-
-
-def _restore_adam_step(optimizer, state) -> None:
-    """Put the saved Adam step back into torch Adam's per-parameter state.
-
-    megatron-core 0.16.1's ``dp_reshardable`` load keeps each parameter's ``step`` as a local non-persistent object
-    (the value live at load time), expecting the step to come from ``param_groups`` -- which is true for TE / Apex
-    FusedAdam, but torch's Adam (the fallback without them, e.g. on CPU) reads ``state[p]["step"]``, so the bias
-    correction would continue from the pre-load step. Harmless where the step already matches.
-    """
-    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    states = state if isinstance(state, list) else [state]
-    for opt, st in zip(chained, states):
-        groups = (st or {}).get("optimizer", {}).get("param_groups", [])
-        steps = {g["step"] for g in groups if g.get("step") is not None}
-        if len(steps) != 1:
-            continue
-        step = float(steps.pop())
-        inner = getattr(opt, "optimizer", None)
-        for pstate in getattr(inner, "state", {}).values():
-            if "step" in pstate and torch.is_tensor(pstate["step"]):
-                pstate["step"] = torch.tensor(step, dtype=pstate["step"].dtype, device=pstate["step"].device)
 
 
 ALLOW_PICKLE_ENV = "DA3PO_ALLOW_PICKLE_CHECKPOINTS"
@@ -459,6 +299,7 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
     """
     from megatron.core import dist_checkpointing
 
+    from da3po_megatron.megatron.checkpoint_adam import prime_optimizer_state, restore_adam_step
     from da3po_megatron.megatron.runtime import set_rng_state
 
     path = Path(path)
@@ -475,7 +316,7 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
     bare = _unwrap(model)
     load_model(bare, path / "model", fully_parallel=fully_parallel)
     if do_opt and optimizer is not None:
-        _prime_optimizer_state(optimizer)
+        prime_optimizer_state(optimizer)
         model_sd = bare.sharded_state_dict()
         with torch.no_grad():  # dp_reshardable load writes into parameters' buffers
             opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=True,
@@ -483,7 +324,7 @@ def load_policy(path: str | Path, model: torch.nn.Module, optimizer, scheduler, 
             state = dist_checkpointing.load(opt_sd, str(path / "optimizer"),
                                             sharded_strategy=_strategies(fully_parallel, path / "optimizer"))
             optimizer.load_state_dict(state)
-            _restore_adam_step(optimizer, state)
+            restore_adam_step(optimizer, state)
     elif optimizer is not None:
         if _rank() == 0:
             log.warning("loading the MODEL ONLY from %s: its optimizer state (Adam moments) was saved at another "

@@ -449,8 +449,8 @@ class PolicyWorker:
 
     def finalize_save(self, blocking: bool = False) -> bool:
         """Finish an asynchronous save whose writer is done on every rank (``blocking``: wait for it); True when
-        none is in flight any more (collective; :func:`.checkpoint.finalize_async_save`)."""
-        from da3po_megatron.megatron.checkpoint import finalize_async_save
+        none is in flight any more (collective; :func:`.checkpoint_async.finalize_async_save`)."""
+        from da3po_megatron.megatron.checkpoint_async import finalize_async_save
 
         return finalize_async_save(blocking)
 

@@ -5,7 +5,7 @@ interruption, then two steps, a checkpoint, a NEW policy (a fresh, never-stepped
 starts with) loading it, and two more steps; the losses, gradient norms and the final log-probs must equal the
 uninterrupted run's. It says which optimizer megatron-core built (Transformer-Engine's ``FusedAdam`` when TE
 imports, else torch's AdamW): on e6f0361 a TE ``FusedAdam`` resume failed with ``KeyError: 'step'``
-(``megatron/checkpoint.py:_prime_optimizer_state``).
+(``megatron/checkpoint_adam.py:prime_optimizer_state``).
 
 ``te-spec``: the same HF weights loaded into a Transformer-Engine-spec policy and a local-spec policy; their
 log-probs on one batch must agree within 1e-3, both in float32 (``te_spec_config``: the config's default is bf16).

@@ -8,9 +8,10 @@ responses x 48 tokens after 32 prompt tokens) and saves a checkpoint after every
 ``CheckpointManager`` (temporary directory, manifest + CRC-32, ``COMPLETE``, rename, ``latest``):
 
 - ``sync``: ``save`` = the policy's dist_checkpointing save + the manifest, all inside the step;
-- ``async``: the policy's shards are scheduled (megatron-core's asynchronous save, ``megatron/checkpoint.py``), the
-  next step starts at once; after each train step a non-blocking finalize completes the previous checkpoint if its
-  writer is done (``latest`` moves then), and the next save first completes the one in flight (at most one) --
+- ``async``: the policy's shards are scheduled (megatron-core's asynchronous save,
+  ``megatron/checkpoint_async.py``), the next step starts at once; after each train step a non-blocking finalize
+  completes the previous checkpoint if its writer is done (``latest`` moves then), and the next save first completes
+  the one in flight (at most one) --
   the trainer's order (``trainer/run.py``: ``poll_checkpoint`` / ``save_checkpoint``).
 
 Reported per mode: the mean step time (train + everything the step waits for), the time from the end of a step's
