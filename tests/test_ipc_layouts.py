@@ -21,7 +21,6 @@ import pytest
 from da3po_megatron.bridge import mapping
 from da3po_megatron.bridge.hf_config import gpt_arch
 from da3po_megatron.megatron.offload import ipc_sync_extra_bytes
-from da3po_megatron.megatron.runtime import free_port
 
 LAYOUTS = ["tp2_pp2", "tp2_ep2", "pp2_ep2"]
 

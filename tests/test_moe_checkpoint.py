@@ -104,12 +104,11 @@ def test_moe_layers_save_the_transformer_engine_norm_keys_on_the_local_spec(monk
 
 
 def _launch(out: Path, *args: str) -> dict:
-    from da3po_megatron.megatron.runtime import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(JOB.parent), str(JOB.parents[1])])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(JOB), "--out", str(out), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           str(JOB), "--out", str(out), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
