@@ -19,8 +19,8 @@ import torch
 from da3po_megatron.config import ConfigError, load_config
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.batch import StepRollout, rollout_from_dict, rollout_to_dict
 from da3po_megatron.trainer.generation.async_partial import Partial, ProducerSnapshot, plain_state
-from da3po_megatron.trainer.generation.collect import StepRollout, rollout_from_dict, rollout_to_dict
 
 
 def ray_like_views_standin(arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -127,7 +127,7 @@ def test_a_producer_snapshot_of_ray_views_round_trips_through_torch_save_exactly
 
 
 def test_a_staleness_1_pending_batch_of_ray_views_round_trips_through_torch_save_standin():
-    """The staleness-1 prefetched batch (``run.pending``, ``collect.rollout_to_dict``) holding Ray-like views."""
+    """The staleness-1 prefetched batch (``run.pending``, ``batch.rollout_to_dict``) holding Ray-like views."""
     r = StepRollout([_group("a", [2, 0], 3, 4)], [_group("a", [2, 0], 3, 4), _group("b", [0, 0], 3, 5)],
                     {"rollout/x": 1.0}, 3)
     back = rollout_from_dict(_roundtrip(rollout_to_dict(r)))

@@ -79,8 +79,7 @@ def test_tp2_engines_start_on_the_gpus_ray_gave_their_policy_ranks_on_logical_gp
     from da3po_megatron.rollout import client as client_mod
     from da3po_megatron.rollout.types import EngineConfig
     from da3po_megatron.trainer.cluster.colocation import engine_slots
-    from da3po_megatron.trainer.cluster.placement import cluster_nodes, reserve
-    from da3po_megatron.trainer.cluster.placement_ray import actor_location
+    from da3po_megatron.trainer.cluster.placement_ray import actor_location, cluster_nodes, reserve
 
     class StandInEngine:  # defined here: Ray pickles it by value (tests/ is no package)
         """Stands in for ``VLLMEngine`` in ``RolloutClient._start_actor`` (same constructor): reports where Ray put

@@ -164,7 +164,7 @@ def test_run_config_data_dedup_trains_on_unique_problems_and_epochs_count_them(t
     """data.dedup in the run config reaches the reader (as in the paper recipes): 3 problems x 4 published copies ->
     an epoch is 3 prompts and the iterator position counts unique problems."""
     from da3po_megatron.config import load_config
-    from da3po_megatron.trainer.run import load_train_data
+    from da3po_megatron.trainer.inputs import load_train_data
 
     path = write_dapo(tmp_path / "dapo-math-17k.parquet",
                       [dapo_row(i, f"Problem {i % 3}", str(i % 3)) for i in range(12)])

@@ -209,7 +209,7 @@ def test_pinned_bundles_give_distinct_gpus_colocated_pairs_one_and_the_driver_no
     from da3po_megatron.rollout.weight_sync import choose_transport
     from da3po_megatron.tiny import build_model
     from da3po_megatron.trainer.cluster.bringup import engine_config, memory_preflight, plan_for_cluster
-    from da3po_megatron.trainer.cluster.placement import actor_location, placement_report, probe_devices, reserve
+    from da3po_megatron.trainer.cluster.placement_ray import actor_location, placement_report, probe_devices, reserve
 
     def no_cuda(*a, **k):
         raise AssertionError("the driver touched CUDA")
@@ -276,7 +276,7 @@ def test_pinned_bundles_give_distinct_gpus_colocated_pairs_one_and_the_driver_no
 def test_a_placement_group_that_cannot_be_placed_times_out_naming_what_is_pending_where(ray_with_logical_gpus) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from da3po_megatron.trainer.cluster.placement import cluster_nodes, reserve
+    from da3po_megatron.trainer.cluster.placement_ray import cluster_nodes, reserve
 
     ray = ray_with_logical_gpus
     hog = placement_group([{"GPU": 3}])  # another job holding every GPU
@@ -297,29 +297,28 @@ def test_zero_gpu_bundles_on_the_drivers_host_without_an_nvidia_driver_are_answe
     resources already give the answer; a GPU bundle, another node or a host with an NVIDIA driver is still probed."""
     import dataclasses
 
-    from da3po_megatron.trainer.cluster import placement as P
     from da3po_megatron.trainer.cluster import placement_ray as PR  # the Ray side: the probe and the driver-file check
     from da3po_megatron.trainer.cluster.bringup import plan_for_cluster
 
     cfg = load_config(REPO / "examples/tiny_cpu_da3po.yaml", ["model.path=/x", "ray.device=cpu"])
     plan = plan_for_cluster(cfg)
     assert (plan.rank_gpus, plan.engine_gpus) == (0, 0)
-    res = P.reserve(plan, timeout_s=60)
+    res = PR.reserve(plan, timeout_s=60)
     try:
         def no_probe(kind, _opts):
             raise AssertionError(f"the {kind} bundle was probed")
         monkeypatch.setattr(PR, "_probe", no_probe)
-        seen = P.probe_devices(res, cfg.model)
+        seen = PR.probe_devices(res, cfg.model)
     finally:
         res.close()
     assert seen["policy"]["probed"] is False and seen["engine"]["probed"] is False
     assert seen["policy"]["cuda"] is False and seen["policy"]["use_te"] is False
     assert seen["policy"]["free_bytes"] > 0 and "available host memory of" in seen["policy"]["memory_where"]
     node = plan.nodes[plan.rank_node[0]]
-    assert P.answer_without_probe("policy", node, 1.0) is None  # a GPU bundle
-    assert P.answer_without_probe("policy", dataclasses.replace(node, node_id="0" * 56), 0) is None  # another node
+    assert PR.answer_without_probe("policy", node, 1.0) is None  # a GPU bundle
+    assert PR.answer_without_probe("policy", dataclasses.replace(node, node_id="0" * 56), 0) is None  # another node
     monkeypatch.setattr(PR, "NVIDIA_DEVICE_FILES", (str(tmp_path),))  # a host with an NVIDIA driver
-    assert P.answer_without_probe("policy", node, 0) is None
+    assert PR.answer_without_probe("policy", node, 0) is None
 
 
 def test_a_reservation_that_fails_half_way_leaves_no_placement_group_behind(ray_with_logical_gpus) -> None:
@@ -329,7 +328,7 @@ def test_a_reservation_that_fails_half_way_leaves_no_placement_group_behind(ray_
     group stayed until the driver exited."""
     from ray.util import placement_group_table
 
-    from da3po_megatron.trainer.cluster.placement import cluster_nodes, reserve
+    from da3po_megatron.trainer.cluster.placement_ray import cluster_nodes, reserve
 
     plan = plan_placement(_need(world_size=1, tp=1, num_engines=1, gpus_per_rank=0, gpus_per_engine=0,
                                 device="cpu"), cluster_nodes())

@@ -95,7 +95,7 @@ def test_train_check_prints_refuses_or_lowers_the_budget(tmp_path):
 
 
 def test_train_preflight_rejects_parallel_sizes_that_do_not_divide_the_model(tmp_path):
-    from da3po_megatron.trainer.run import preflight
+    from da3po_megatron.trainer.cluster.bringup import preflight
 
     cfg = _cfg(tmp_path, "parallel.tensor_model_parallel_size=2", f"trainer.run_dir={tmp_path / 'run'}")
     with pytest.raises(ValueError, match=r"parallel: num_attention_heads \(9\) is not divisible by "

@@ -243,8 +243,7 @@ def test_bad_input_files_end_in_one_line_and_exit_2_before_any_actor(tmp_path, t
 
 def test_long_prompts_are_skipped_and_counted_with_on_bad_row_skip(tmp_path, tiny_model):
     from da3po_megatron.config import load_config
-    from da3po_megatron.trainer.inputs import check_prompts, load_tokenizer
-    from da3po_megatron.trainer.run import load_train_data
+    from da3po_megatron.trainer.inputs import check_prompts, load_tokenizer, load_train_data
 
     f = tmp_path / "long.jsonl"
     f.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in ("1+1?", "9 " * 200, "2+2?")))

@@ -18,9 +18,10 @@ from da3po_megatron.config import load_config
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.rollout.types import Completion
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.cluster.bringup import load_train_data
+from da3po_megatron.trainer.batch import StepRollout
 from da3po_megatron.trainer.generation import replay as R
-from da3po_megatron.trainer.generation.collect import StepRollout
+from da3po_megatron.trainer.generation.sampler import Sampler
+from da3po_megatron.trainer.inputs import load_train_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,13 +125,13 @@ def group(uid: str, seed: int, tokens: list[list[int]], acc: list[float]) -> B.G
                    acc=acc, rewards=acc, advantages=[0.5, -0.5], seed=seed)
 
 
-class StandInRun:
-    """Stand-in for ``Run``: the driver state a collection changes (data iterator, buffer, counters)."""
-
-    def __init__(self, cfg) -> None:
-        self.prompts = load_train_data(cfg).iterator(seed=1)
-        self.buffer = DynamicSamplingBuffer(4, "carry", 2)
-        self.totals = {"samples": 0}
+def StandInRun(cfg) -> Sampler:
+    """The run's sampler with only the state a collection changes (data iterator, buffer, counters): its own
+    ``state_dict`` is what the dump stores."""
+    s = Sampler.__new__(Sampler)
+    s.__dict__.update(cfg=cfg, prompts=load_train_data(cfg).iterator(seed=1),
+                      buffer=DynamicSamplingBuffer(4, "carry", 2), totals={"samples": 0})
+    return s
 
 
 def test_dump_every_and_dump_keep_bound_the_disk_and_files_are_whole(tmp_path):

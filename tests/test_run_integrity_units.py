@@ -409,33 +409,39 @@ def test_a_dynamic_sampling_failure_checkpoints_the_last_completed_step_first_wi
     batch cannot be filled (no generation round allowed), so the step fails -- after saving the last completed step
     (save_every=10 had not saved step 3), before the failed step's row is logged. A resume redoes nothing."""
     from contextlib import nullcontext
+    from types import SimpleNamespace
 
     from da3po_megatron.algorithms import DynamicSamplingBuffer
     from da3po_megatron.trainer.cluster.signals import StopSignals
-    from da3po_megatron.trainer.loop import DynamicSamplingError, run_steps
+    from da3po_megatron.trainer.generation.collect import DynamicSamplingError
+    from da3po_megatron.trainer.loop import run_steps
 
     cfg = load_config(EXAMPLE, [f"trainer.run_dir={tmp_path}", "trainer.save_every=10"])
     cfg.algorithm.max_generation_rounds = 0  # (validated >= 1 at load) no round: the batch stays empty
     events: list[str] = []
 
-    class StandInRun:
-        step, pending, engine_weight_step = 3, [], 3
-        buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
-        stop = StopSignals()
-        profiler = type("P", (), {"start": lambda self, s: None, "stop": lambda self: None})()
-
-        def __init__(self) -> None:
-            self.cfg = cfg
-            self.logger = type("L", (), {"log": lambda _, s, m: events.append(f"log step {s}")})()
-
-        def should_evaluate(self, step: int) -> bool:
-            return False
+    class StandInState:  # run.state (resume/run_state.py)
+        step, pending, producer, producer_state = 3, [], None, None
 
         def save_checkpoint(self, best_value=None) -> None:
             events.append(f"checkpoint step {self.step}")
 
         def poll_checkpoint(self, wait: bool = False) -> None:
             pass
+
+    class StandInRun:
+        stop = StopSignals()
+        profiler = type("P", (), {"start": lambda self, s: None, "stop": lambda self: None})()
+
+        def __init__(self) -> None:
+            self.cfg = cfg
+            self.sampler = SimpleNamespace(cfg=cfg, engine_weight_step=3, replay=None, buffer=DynamicSamplingBuffer(
+                cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n))
+            self.state = StandInState()
+            self.logger = type("L", (), {"log": lambda _, s, m: events.append(f"log step {s}")})()
+
+        def should_evaluate(self, step: int) -> bool:
+            return False
 
         def phase(self, name: str):
             return nullcontext()

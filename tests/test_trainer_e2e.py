@@ -124,8 +124,8 @@ def test_tis_on_the_collective_transport_at_temperature_0_7(algorithm_runs):
 
 def test_rollout_temperature_reaches_the_policy_and_the_engines_return_what_they_sample():
     from da3po_megatron.config import load_config
-    from da3po_megatron.megatron.policy import loss_setup
-    from da3po_megatron.trainer.run import engine_config
+    from da3po_megatron.megatron.policy_config import loss_setup
+    from da3po_megatron.trainer.cluster.bringup import engine_config
 
     cfg = load_config(ROOT / "examples/tiny_cpu_da3po.yaml", ["rollout.temperature=0.7"])
     assert loss_setup(cfg)["temperature"] == 0.7
@@ -159,7 +159,7 @@ def test_malformed_row_stops_with_file_row_and_field_or_is_skipped_and_counted(t
     assert f"{bad}: row 1 (line 2), field 'answer'" in p.stderr
 
     from da3po_megatron.config import load_config
-    from da3po_megatron.trainer.run import load_train_data
+    from da3po_megatron.trainer.inputs import load_train_data
 
     cfg = load_config(ROOT / "examples/tiny_cpu_da3po.yaml",
                       ["data.format=generic", f"data.train_files=[{bad}]", "data.on_bad_row=skip"])
@@ -179,25 +179,24 @@ def test_missing_train_file_exits_2_with_the_download_command_before_anything_st
 
 
 def test_pathological_answer_scores_minus_one_and_is_counted_in_the_step(tmp_path):
-    """The trainer's scoring path (Run.score) with the real reward pool: a response that makes math-verify compute
+    """The trainer's scoring path (Sampler.score) with the real reward pool: a response that makes math-verify compute
     forever hits the per-item limit, scores -1, is counted, and the other responses are scored normally."""
     from da3po_megatron.config import load_config
-    from da3po_megatron.data.datasets import Example
+    from da3po_megatron.data.datasets import Example, PromptDataset
     from da3po_megatron.rewards import RewardPool
-    from da3po_megatron.trainer.run import Run
+    from da3po_megatron.trainer.generation.sampler import Sampler
 
     cfg = load_config(ROOT / "examples/tiny_cpu_da3po.yaml", ["reward.kind=math", "rollout.n=2"])
     comp = lambda text: SimpleNamespace(prompt_token_ids=[1, 2], token_ids=[3, 4], text=text, logprobs=[-1.0, -1.0],
                                         finish_reason="stop")  # noqa: E731
     ex = Example(uid="p0", prompt=[{"role": "user", "content": "?"}], answer="5", source="t")
     with RewardPool(num_workers=1, timeout_s=1.0) as pool:
-        fake_run = SimpleNamespace(cfg=cfg, rewards=pool, totals={k: 0 for k in (
-            "samples", "tokens", "groups", "kept_groups", "reward_timeouts", "reward_errors")})
+        sampler = Sampler(cfg, None, PromptDataset([ex]), rewards=pool)
         t0 = time.monotonic()
-        groups = Run.score(fake_run, [ex], [[comp("Answer: 9^{9^{9^{9^{9}}}}"), comp("\\boxed{5}")]])
+        groups = sampler.score([ex], [[comp("Answer: 9^{9^{9^{9^{9}}}}"), comp("\\boxed{5}")]])
         assert time.monotonic() - t0 < 15
     assert groups[0].acc == [-1.0, 1.0]
-    assert fake_run.totals["reward_timeouts"] == 1
+    assert sampler.totals["reward_timeouts"] == 1
 
 
 # ------------------------------------------------------------------------------- streaming and staleness 1

@@ -143,14 +143,15 @@ def test_a_sender_dying_mid_sync_fails_naming_engine_and_bucket_and_engines_refu
 
 def test_engine_tp2_in_its_placement_group_bundle_starts_joins_the_group_and_receives_the_weights(ray_session, dirs,
                                                                                                      client):
-    """The TP=2 engine sits in a placement-group bundle reserved as the trainer reserves it (``placement.reserve``):
+    """The TP=2 engine sits in a placement-group bundle reserved as the trainer reserves it (``placement_ray.reserve``):
     inside a placement group vLLM 0.32 picks its ray executor for TP > 1 unless told otherwise, which refuses a
     bundle of several GPUs (and, on CPU, any ray executor: on 27dab78 this engine failed to start with "current
     platform cpu does not support ray"); the engine runs its workers with the "mp" executor instead."""
     client.shutdown()  # room for the TP=2 engine's two workers on 2 cores
     from transformers import AutoModelForCausalLM
 
-    from da3po_megatron.trainer.cluster.placement import Resources, cluster_nodes, plan_placement, reserve
+    from da3po_megatron.trainer.cluster.placement import Resources, plan_placement
+    from da3po_megatron.trainer.cluster.placement_ray import cluster_nodes, reserve
 
     need = Resources(world_size=1, tp=1, cpus_per_rank=1, gpus_per_rank=0, num_engines=1, cpus_per_engine=1,
                      gpus_per_engine=0)

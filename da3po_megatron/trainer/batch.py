@@ -351,3 +351,29 @@ def theory_stats(all_groups: Sequence[Group], kept_groups: Sequence[Group], eps:
             out[f"theory/{name}/alpha_plus"] = float(alpha_plus(pm, G))
             out[f"theory/{name}/alpha_minus"] = float(alpha_minus(pm, G))
     return out
+
+
+# ------------------------------------------------------------------------------------------------ one step's data
+
+
+@dataclass
+class StepRollout:
+    """What generation hands to one training step (collect, the producer, replay and the checkpoint's prefetched
+    batches all hold this, so it lives here, below them)."""
+
+    groups: list[Group]  # the training batch: exactly data.train_batch_size kept groups
+    generated: list[Group]  # every scored group of the step (kept, filtered, surplus); never aborted ones
+    stats: dict[str, float]  # dynamic_sampling/* and rollout/* counters of this collection
+    weight_step: int  # the policy step whose weights the engines held while generating it
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # generate / reward of this collection
+
+
+def rollout_to_dict(r: StepRollout) -> dict[str, Any]:
+    """A prefetched batch as plain data (checkpoints load with ``torch.load(weights_only=True)``)."""
+    return {"groups": [group_to_dict(g) for g in r.groups], "generated": [group_to_dict(g) for g in r.generated],
+            "stats": dict(r.stats), "weight_step": int(r.weight_step), "phase_seconds": dict(r.phase_seconds)}
+
+
+def rollout_from_dict(d: dict[str, Any]) -> StepRollout:
+    return StepRollout([group_from_dict(g) for g in d["groups"]], [group_from_dict(g) for g in d["generated"]],
+                       dict(d["stats"]), int(d["weight_step"]), dict(d.get("phase_seconds", {})))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from da3po_megatron.config import Config
-from da3po_megatron.data.datasets import PromptDataset, ReadStats
+from da3po_megatron.data.datasets import PromptDataset, ReadStats, load_prompts
 
 
 class InputError(ValueError):
@@ -85,3 +85,48 @@ def check_prompts(dataset: PromptDataset, tokenizer: Any, cfg: Config) -> Prompt
                       skipped_by_field={**old.skipped_by_field, "<prompt_length>": len(dropped)},
                       first_errors=list(old.first_errors))
     return PromptDataset(keep, stats, name=dataset.name)
+
+
+def load_train_data(cfg: Config) -> PromptDataset:
+    d = cfg.data
+    if d.format == "synthetic":
+        from da3po_megatron.data.synthetic import make_synthetic_dataset
+
+        s = d.synthetic
+        return make_synthetic_dataset(s.train_per_bucket, "train", cfg.trainer.seed,
+                                      buckets=range(s.min_digits, s.max_digits + 1),
+                                      response_tokens=s.response_tokens, max_tokens=cfg.rollout.max_response_length,
+                                      coin_p=s.coin_p)
+    missing = [f for f in d.train_files if not Path(f).exists()]
+    if missing:
+        hint = ""
+        if any(Path(f).name.lower() == "dapo-math-17k.parquet" for f in missing):
+            hint = ("; no downloads happen at run time: fetch it first on a machine with internet, e.g. "
+                    "`huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k --local-dir .` "
+                    "(writes data/dapo-math-17k.parquet), or set data.train_files")
+        raise FileNotFoundError(f"data.train_files: not found: {', '.join(missing)}{hint}")
+    from da3po_megatron.data.datasets import BadRowError
+
+    try:
+        if d.format == "dapo":
+            parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row, dedup=d.dedup) for f in d.train_files]
+        else:
+            parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                  on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem,
+                                  dedup=d.dedup)
+                     for f in d.train_files]
+    except BadRowError:
+        raise
+    except (ValueError, OSError) as e:  # an unreadable file (not parquet, not JSON, unsupported suffix)
+        raise InputError(f"data.train_files: {e}") from None
+    for f, part in zip(d.train_files, parts):
+        s = part.stats
+        print(f"data: {f}: {s.rows} rows, {s.kept} prompts"
+              + (f", {s.duplicates} repeated rows dropped (data.dedup)" if s.duplicates else "")
+              + (f", {s.skipped} malformed rows skipped (data.on_bad_row=skip)" if s.skipped else ""), flush=True)
+    if len(parts) == 1:
+        return parts[0]
+    stats = ReadStats(path="+".join(d.train_files), rows=sum(p.stats.rows for p in parts),
+                      kept=sum(p.stats.kept for p in parts), skipped=sum(p.stats.skipped for p in parts),
+                      duplicates=sum(p.stats.duplicates for p in parts))
+    return PromptDataset([ex for p in parts for ex in p], stats, name="+".join(p.name for p in parts))

@@ -12,9 +12,12 @@
         sync the new weights into the engines (+ prefix-cache reset)
         log metrics; checkpoint; evaluate
 
-Everything heavy lives elsewhere (``trainer/run.py`` builds and checkpoints the parts, ``trainer/batch.py`` holds the
-batch math, ``trainer/generation/collect.py`` one step's collection -- the paper's generation rounds or streaming with
-abort -- and ``trainer/generation/async_rollout.py`` the generation beside the loop); this file is only the schedule.
+Everything heavy lives with its owner, one jump away: ``trainer/run.py`` builds the owners; ``run.sampler``
+(``generation/sampler.py``) generates and scores, ``generation/collect.py`` fills one step's batch with it (the
+paper's generation rounds or streaming with abort) and ``generation/async_rollout.py`` generates beside the loop;
+``trainer/batch.py`` holds the batch math; ``trainer/old_logprobs.py`` is phase 3; ``run.state``
+(``resume/run_state.py``) completes and checkpoints steps; ``observability/step_metrics.py`` makes a step's metrics.
+This file is only the schedule.
 ``rollout.staleness=1`` prefetches the next step's batch while this step trains; ``rollout.staleness >= 2`` or
 ``rollout.partial_rollouts`` take batches from the asynchronous producer, paused around each weight sync.
 GRPO / DAPO / GSPO differ only through the config's preset: no filtering (GRPO/GSPO), the loss aggregation and ratio
@@ -35,11 +38,14 @@ from da3po_megatron.trainer.generation.async_rollout import (
     ProducerStalled,
     uses_producer,
 )
-from da3po_megatron.trainer.generation.collect import DynamicSamplingError, PhaseTimer, collect
+from da3po_megatron.trainer.generation.collect import DynamicSamplingError, collect
 from da3po_megatron.trainer.generation.rescore import rescore
+from da3po_megatron.trainer.observability.profiling import PhaseTimer
+from da3po_megatron.trainer.observability.step_metrics import step_metrics
+from da3po_megatron.trainer.old_logprobs import old_logprobs
 from da3po_megatron.trainer.run import Run
 
-__all__ = ["DynamicSamplingError", "PhaseTimer", "collect", "run_steps", "train"]  # (the error: tests, main.py)
+__all__ = ["run_steps", "train"]
 
 
 def after_previous_step(run: Run, previous: dict[str, float]) -> str:
@@ -68,42 +74,43 @@ def train(cfg: Config, allow_config_change: bool = False) -> Run:
             if run.stop.exit_now or not run.stop.abandoned:
                 raise
         except (EngineFailure, ProducerStalled):  # an engine of the producer died / hung, not restarted: the last
-            run.save_checkpoint()  # completed step is saved (a no-op when it is), then the run stops, naming it
-            run.poll_checkpoint(wait=True)
+            run.state.save_checkpoint()  # completed step is saved (a no-op when it is), then the run stops
+            run.state.poll_checkpoint(wait=True)
             raise
         if run.preempted():
-            run.save_checkpoint()
-            run.poll_checkpoint(wait=True)  # an asynchronous save completes before the run ends
-            print(f"stop requested ({run.stop.describe()}): step {run.step} checkpointed; exiting", flush=True)
+            run.state.save_checkpoint()
+            run.state.poll_checkpoint(wait=True)  # an asynchronous save completes before the run ends
+            print(f"stop requested ({run.stop.describe()}): step {run.state.step} checkpointed; exiting", flush=True)
     finally:
         run.close()
     return run
 
 
 def run_steps(run: Run) -> None:
-    """Algorithm 1: the steps from ``run.step + 1`` to ``trainer.total_steps`` (or until a stop request)."""
-    cfg = run.cfg
-    if run.step == 0 and run.should_evaluate(0):  # the starting policy, for before/after comparisons
+    """Algorithm 1: the steps from ``run.state.step + 1`` to ``trainer.total_steps`` (or until a stop request)."""
+    cfg, sampler, state = run.cfg, run.sampler, run.state
+    if state.step == 0 and run.should_evaluate(0):  # the starting policy, for before/after comparisons
         run.logger.log(0, run.evaluate())
     previous: dict[str, float] = {}  # the last completed step's metrics (named when dynamic sampling fails)
     # generates from here on, beside us (a staleness-1 checkpoint's prefetched batch moves into its queue)
-    producer = run.async_rollout = AsyncRollout(run, run.engine_weight_step, run.async_state, run.pending) if (
-        uses_producer(cfg) and run.step < cfg.trainer.total_steps) else None
-    for step in range(run.step + 1, cfg.trainer.total_steps + 1):
-        t_step, timer = time.perf_counter(), PhaseTimer(run, step)
+    producer = state.producer = AsyncRollout(sampler, sampler.engine_weight_step, state.producer_state,
+                                             state.pending) if (
+        uses_producer(cfg) and state.step < cfg.trainer.total_steps) else None
+    for step in range(state.step + 1, cfg.trainer.total_steps + 1):
+        t_step, timer = time.perf_counter(), PhaseTimer(sampler, step)
         run.profiler.start(step)  # trainer.profile.steps: traces of this step (a no-op otherwise)
         with run.stop.abandonable():  # a stop request in phases 1-3 abandons the step (nothing of it is kept)
             # 1. Generation + rewards + dynamic sampling (DAPO) until the batch is full -- or, with staleness 1, the
             #    batch generated while the previous step trained; then start generating the next one. Staleness
             #    k >= 2: the next kept groups in FIFO order from the producer, which never stops generating.
             try:
-                rollout = run.pending.pop(0) if run.pending else (
-                    producer.take(step) if producer else collect(run, step))
+                rollout = state.pending.pop(0) if state.pending else (
+                    producer.take(step) if producer else collect(sampler, step))
             except DynamicSamplingError as e:  # keep what was measured: the filter's counts say why
-                run.save_checkpoint()  # the last completed step first (a no-op when it is saved): not redone
+                state.save_checkpoint()  # the last completed step first (a no-op when it is saved): not redone
                 run.logger.log(step, {**e.stats, "dynamic_sampling/failed": 1.0})
                 raise DynamicSamplingError(str(e) + after_previous_step(run, previous), e.stats) from None
-            prefetch = Prefetch(lambda s=step + 1: collect(run, s)) if (
+            prefetch = Prefetch(lambda s=step + 1: collect(sampler, s)) if (
                 cfg.rollout.staleness == 1 and producer is None and step < cfg.trainer.total_steps) else None
             if prefetch is None and producer is None:
                 run.engines_idle()  # colocated CUDA: engines sleep while the policy trains (woken by the sync)
@@ -121,8 +128,8 @@ def run_steps(run: Run) -> None:
             batch = B.policy_batch(groups)
             run.replay.record(step, rollout, batch)  # rollout.dump_dir: the step's rollout + batch (generation/replay)
             with timer("old_logprobs"):
-                batch, mismatch = run.old_logprobs(batch, versions=B.token_versions(groups),
-                                                   routes=B.route_sample(groups))
+                batch, mismatch = old_logprobs(run, batch, versions=B.token_versions(groups),
+                                               routes=B.route_sample(groups))
 
         # 4. Mini-batch updates with the clipped surrogate on the Megatron policy.
         with timer("train"):
@@ -134,30 +141,31 @@ def run_steps(run: Run) -> None:
         #    weights never change under a running request.
         if prefetch is not None:
             next_rollout, timer.seconds["wait_rollout"] = prefetch.join()
-            run.pending.append(next_rollout)
+            state.pending.append(next_rollout)
         if producer is not None:
             with timer("rollout_pause"):
                 producer.pause()
         with timer("weight_sync"):
             sync = run.sync_weights()
-        run.engine_weight_step = step
+        sampler.engine_weight_step = step
 
         # 6. Metrics, checkpoint, periodic evaluation.
-        run.step_completed(step)
-        metrics = run.step_metrics(rollout, daa, mismatch, train_metrics, sync, timer.seconds,
-                                   time.perf_counter() - t_step)
+        state.step_completed(step)
+        metrics = step_metrics(cfg, step, rollout, daa, mismatch, train_metrics, sync, timer.seconds,
+                               time.perf_counter() - t_step, {**sampler.totals, **state.update_totals},
+                               sampler.data_skipped_rows, sampler.selection_metrics)
         if cfg.eval.rescore_groups:  # diagnostic (issue 47): this step's p_hat decisions under the new weights
-            metrics.update(rescore(run, rollout.generated, step))
+            metrics.update(rescore(sampler, rollout.generated, step))
         if run.should_evaluate(step):
             with timer("eval"):
                 metrics.update(run.evaluate())
         run.logger.log(step, metrics)
         previous = {**metrics, "step": step}
-        best = run.best_candidate(metrics)  # trainer.keep_best_metric improved: keep this step's checkpoint
-        run.poll_checkpoint()  # trainer.async_save: an earlier step's save whose write is done becomes `latest`
-        if run.should_checkpoint(step) or run.preempted() or best is not None:
+        best = state.best_candidate(metrics)  # trainer.keep_best_metric improved: keep this step's checkpoint
+        state.poll_checkpoint()  # trainer.async_save: an earlier step's save whose write is done becomes `latest`
+        if state.should_checkpoint(step) or run.preempted() or best is not None:
             with named_range("checkpoint"):
-                run.save_checkpoint(best_value=best)
+                state.save_checkpoint(best_value=best)
         run.profiler.stop()
         if run.preempted():
             break

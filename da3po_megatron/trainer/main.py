@@ -90,8 +90,9 @@ def _train(cfg, args: argparse.Namespace) -> int:
     from da3po_megatron.rewards import RewardPoolError
     from da3po_megatron.trainer.cluster.placement import PlacementError
     from da3po_megatron.trainer.generation.async_rollout import EngineFailure, ProducerStalled
+    from da3po_megatron.trainer.generation.collect import DynamicSamplingError
     from da3po_megatron.trainer.inputs import InputError
-    from da3po_megatron.trainer.loop import DynamicSamplingError, train
+    from da3po_megatron.trainer.loop import train
     from da3po_megatron.trainer.observability.console import configure
     from da3po_megatron.trainer.resume.checkpoint import CheckpointWriteError, NoIntactCheckpointError
     from da3po_megatron.trainer.resume.config_drift import ConfigDriftError
@@ -145,7 +146,7 @@ def _train(cfg, args: argparse.Namespace) -> int:
             raise
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(f"done: step {run.step}; logs in {run.run_dir}/metrics.jsonl", flush=True)
+    print(f"done: step {run.state.step}; logs in {run.run_dir}/metrics.jsonl", flush=True)
     return 0
 
 

@@ -70,7 +70,8 @@ def main(argv: list[str]) -> int:
     from da3po_megatron.rollout import client as client_mod
     from da3po_megatron.trainer.cluster.bringup import engine_config, plan_for_cluster
     from da3po_megatron.trainer.cluster.colocation import engine_slots
-    from da3po_megatron.trainer.cluster.placement import PlacementError, actor_location, reserve
+    from da3po_megatron.trainer.cluster.placement import PlacementError
+    from da3po_megatron.trainer.cluster.placement_ray import actor_location, reserve
 
     cfg = load_config(os.environ["CONFIG"], ["model.path=/unused", *argv])
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level="ERROR", log_to_driver=False)

@@ -1,9 +1,11 @@
-"""Building a run's parts before the :class:`~da3po_megatron.trainer.run.Run` exists: Ray start-up, the placement
-(resources checked and reserved before any actor starts, ``trainer/cluster/placement.py``), the engine config, the
-training data (read and checked before any actor starts) and the parallel-size / memory preflight.
+"""Bring-up: Ray started, the placement planned and reserved (resources checked before any actor starts,
+``cluster/placement.py``), the parallel-size and memory preflight, the policy ranks and the engines started (in the
+colocated order when they share GPUs), CPUs pinned, where the actors are reported, and the weight transport chosen --
+all in :class:`Cluster`, which also closes what it started. A ``train_only`` replay starts no engine
+(:func:`engineless`, :class:`NoEngines`).
 
 Device decisions (the engines' KV-cache budget and sleep mode, the policy's memory budget) come from what one engine /
-one policy rank sees (``placement.probe_devices``); this process, the driver, never initialises CUDA."""
+one policy rank sees (``placement_ray.probe_devices``); this process, the driver, never initialises CUDA."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from da3po_megatron.config import Config
-from da3po_megatron.data.datasets import PromptDataset, ReadStats, load_prompts
 from da3po_megatron.megatron.arch import GPTArch
 from da3po_megatron.megatron.memory_host import route_fraction
 from da3po_megatron.rollout.types import EngineConfig
@@ -117,8 +118,8 @@ def plan_for_cluster(cfg: Config) -> Any:
     ``train_only`` replay (``trainer/generation/replay.py``) plans no engine: nothing is reserved for one."""
     from dataclasses import replace
 
-    from da3po_megatron.trainer.cluster.placement import cluster_nodes, plan_placement, resources_for_config
-    from da3po_megatron.trainer.generation.replay import engineless
+    from da3po_megatron.trainer.cluster.placement import plan_placement, resources_for_config
+    from da3po_megatron.trainer.cluster.placement_ray import cluster_nodes
 
     if engineless(cfg):
         cfg = replace(cfg, rollout=replace(cfg.rollout, num_engines=0, colocate=False))
@@ -131,7 +132,7 @@ def engine_config(cfg: Config, engine_cuda: bool = False, moe: bool = False) -> 
     distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
     renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
     ``megatron.policy.loss_setup``). ``engine_cuda``: whether an engine sees CUDA (asked of one,
-    ``placement.probe_devices``): with it vLLM sizes its KV cache from ``rollout.gpu_memory_utilization`` and
+    ``placement_ray.probe_devices``): with it vLLM sizes its KV cache from ``rollout.gpu_memory_utilization`` and
     colocated engines get sleep mode; without it the KV cache is capped at ``rollout.kv_cache_memory_bytes`` (vLLM's CPU
     default takes 0.9 x RAM) and there is no sleep mode (a no-op on CPU). ``moe``: the model has experts; the
     engines then return routes when something reads them (``memory_host.route_fraction``: R3, or the agreement
@@ -146,52 +147,6 @@ def engine_config(cfg: Config, engine_cuda: bool = False, moe: bool = False) -> 
         enable_sleep_mode=r.colocate and engine_cuda,
         logprobs_mode="processed_logprobs",
         return_routed_experts=moe and route_fraction(cfg.moe, r.mode == "streaming") > 0)
-
-
-def load_train_data(cfg: Config) -> PromptDataset:
-    d = cfg.data
-    if d.format == "synthetic":
-        from da3po_megatron.data.synthetic import make_synthetic_dataset
-
-        s = d.synthetic
-        return make_synthetic_dataset(s.train_per_bucket, "train", cfg.trainer.seed,
-                                      buckets=range(s.min_digits, s.max_digits + 1),
-                                      response_tokens=s.response_tokens, max_tokens=cfg.rollout.max_response_length,
-                                      coin_p=s.coin_p)
-    missing = [f for f in d.train_files if not Path(f).exists()]
-    if missing:
-        hint = ""
-        if any(Path(f).name.lower() == "dapo-math-17k.parquet" for f in missing):
-            hint = ("; no downloads happen at run time: fetch it first on a machine with internet, e.g. "
-                    "`huggingface-cli download --repo-type dataset BytedTsinghua-SIA/DAPO-Math-17k --local-dir .` "
-                    "(writes data/dapo-math-17k.parquet), or set data.train_files")
-        raise FileNotFoundError(f"data.train_files: not found: {', '.join(missing)}{hint}")
-    from da3po_megatron.data.datasets import BadRowError
-    from da3po_megatron.trainer.inputs import InputError
-
-    try:
-        if d.format == "dapo":
-            parts = [load_prompts(f, format="dapo", on_bad_row=d.on_bad_row, dedup=d.dedup) for f in d.train_files]
-        else:
-            parts = [load_prompts(f, format="generic", prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                  on_bad_row=d.on_bad_row, template=d.template, default_source=Path(f).stem,
-                                  dedup=d.dedup)
-                     for f in d.train_files]
-    except BadRowError:
-        raise
-    except (ValueError, OSError) as e:  # an unreadable file (not parquet, not JSON, unsupported suffix)
-        raise InputError(f"data.train_files: {e}") from None
-    for f, part in zip(d.train_files, parts):
-        s = part.stats
-        print(f"data: {f}: {s.rows} rows, {s.kept} prompts"
-              + (f", {s.duplicates} repeated rows dropped (data.dedup)" if s.duplicates else "")
-              + (f", {s.skipped} malformed rows skipped (data.on_bad_row=skip)" if s.skipped else ""), flush=True)
-    if len(parts) == 1:
-        return parts[0]
-    stats = ReadStats(path="+".join(d.train_files), rows=sum(p.stats.rows for p in parts),
-                      kept=sum(p.stats.kept for p in parts), skipped=sum(p.stats.skipped for p in parts),
-                      duplicates=sum(p.stats.duplicates for p in parts))
-    return PromptDataset([ex for p in parts for ex in p], stats, name="+".join(p.name for p in parts))
 
 
 def preflight(cfg: Config) -> GPTArch:
@@ -238,3 +193,154 @@ def memory_preflight(cfg: Config, arch: GPTArch, seen: dict[str, Any], plan: Any
     check_async_save_memory(cfg, arch, per_node, host, device, te, say,
                             policy_bytes_per_rank=estimate_for_config(cfg, arch, tokens, device, te).total)
     return tokens
+
+
+class NoEngines:
+    """Stands in for the ``RolloutClient`` in ``rollout.replay_mode=train_only``: no engine exists; every call made
+    to all engines answers for none of them, and generation is an error naming the mode."""
+
+    num_engines = 0
+    resync = None
+
+    def wait_ready(self) -> None:
+        return None
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        return []
+
+    def check_transport(self, transport: str) -> None:
+        return None
+
+    def sleep(self, level: int = 1) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("rollout.replay_mode=train_only: no engine was started (nothing can generate; evaluation "
+                           "is skipped in this mode)")
+
+
+def engineless(cfg: Config) -> bool:
+    """Whether the run starts no engine (a ``train_only`` replay)."""
+    return bool(cfg.rollout.replay_dir) and cfg.rollout.replay_mode == "train_only"
+
+
+class Cluster:
+    """The run's actors and where they run: the reservation, the devices rank 0 and engine 0 see, the policy ranks,
+    the engines, the weight transport. Filled in as :meth:`start` goes, so a failure half-way closes what exists."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.reservation: Any = None
+        self.devices: dict[str, Any] = {}
+        self.policy: Any = None
+        self.rollout: Any = None
+        self.weight_transfer = "none"  # rollout.weight_transfer resolved ("none": no engines)
+        self.transport: Any = None  # the "collective" group, made at the first sync (colocation.push_weights)
+
+    def start(self, arch: GPTArch, run_dir: Path, prewarm_dir: Path) -> None:
+        """Plan, reserve, probe, memory preflight; then the policy ranks and the engines, side by side (or the engines
+        after the policy, colocated on CUDA); HF weights in; checkpointing prewarmed into ``prewarm_dir``; CPUs
+        pinned; ``run_dir/placement.json``; the transport chosen and checked against the installed vLLM."""
+        import json
+        import time
+
+        from da3po_megatron.bridge.export import load_policy_hf
+        from da3po_megatron.megatron.actor_group import PolicyGroup
+        from da3po_megatron.rollout import RolloutClient
+        from da3po_megatron.rollout.weight_sync import choose_transport
+        from da3po_megatron.trainer.cluster.colocation import (
+            engine_slots,
+            engines_after_policy,
+            start_engines_after_policy,
+        )
+        from da3po_megatron.trainer.cluster.placement_ray import (
+            actor_location,
+            placement_report,
+            probe_devices,
+            reserve,
+        )
+        from da3po_megatron.trainer.observability.profiling import with_engine_profiler
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        plan = plan_for_cluster(cfg)  # PlacementError (exit 2) in seconds when the cluster cannot hold the run
+        print(plan.describe(), flush=True)
+        self.reservation = reserve(plan, cfg.ray.placement_timeout_s)
+        self.devices = probe_devices(self.reservation, cfg.model)  # what rank 0 and engine 0 will see
+        cfg.actor.max_tokens_per_microbatch = memory_preflight(cfg, arch, self.devices["policy"], plan)
+        # policy ranks and engines start side by side: the ranks' resources are requested first, then the engines',
+        # and each side's start-up (imports, process groups, model build / vLLM's load) overlaps the other's
+        self.policy = PolicyGroup.from_config(cfg, arch, wait=False, placement_group=self.reservation.policy,
+                                              num_gpus_per_rank=plan.rank_gpus,
+                                              rank_hosts=[plan.host(i) for i in plan.rank_node])
+
+        def start_engines() -> Any:
+            if engineless(cfg):  # rollout.replay_mode=train_only: none planned (plan_for_cluster), none started
+                return NoEngines()
+            engines = engine_config(cfg, engine_cuda=self.devices["engine"]["cuda"], moe=arch.is_moe)
+            return RolloutClient.ray(with_engine_profiler(engines, cfg, run_dir),  # trainer.profile.engines
+                                     num_engines=cfg.rollout.num_engines,
+                                     num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
+                                     num_gpus_per_engine=plan.engine_gpus,
+                                     placement_group=self.reservation.engines or self.reservation.policy,
+                                     restart_on_failure=cfg.rollout.restart_on_failure, wait=False,
+                                     start_timeout_s=cfg.ray.start_timeout_s, **engine_slots(plan, self.policy),
+                                     engine_hosts=[plan.host(i) for i in plan.engine_node])
+
+        # colocated on CUDA the engines size their KV cache from free device memory: they start once the policy on
+        # their GPUs has finished allocating (cluster/colocation.py); otherwise both sides start side by side
+        after_policy = engines_after_policy(cfg.rollout.colocate, self.devices["engine"]["cuda"])
+        if not after_policy:
+            self.rollout = start_engines()
+        self.policy.wait_ready()
+        if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
+            print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
+                  flush=True)
+        # the first checkpoint's one-time start-up (megatron-core's writer), done while the engines start
+        prewarmed = self.policy.start("prewarm_checkpointing", str(prewarm_dir))
+        if after_policy:  # prewarm, the policy's cached blocks released, then the engines
+            self.rollout = start_engines_after_policy(self.policy, prewarmed, start_engines)
+            prewarmed = lambda: None  # noqa: E731 - waited for above
+        self.rollout.wait_ready()
+        prewarmed()
+        print(f"policy ({cfg.policy_world_size} ranks) and {self.rollout.num_engines} engine(s) ready in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        self.pin_cpus()
+        # where the actors say they are (their node, the GPU ids Ray gave them): printed and in run_dir/placement.json
+        line, record = placement_report(plan, self.policy.run_on_all(actor_location),
+                                        self.rollout.call_all("location"))
+        print(line, flush=True)
+        (run_dir / "placement.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(f"policy loss: {self.policy.info()[0]['loss_backend']} (actor.loss_backend={cfg.actor.loss_backend})",
+              flush=True)
+        has_cuda = self.devices["policy"]["cuda"] and self.devices["engine"]["cuda"]  # what the actors see
+        self.weight_transfer = "none" if engineless(cfg) else choose_transport(
+            cfg.rollout.weight_transfer, has_cuda=has_cuda, colocate=cfg.rollout.colocate,
+            policy_hosts=[d["host"] for d in record["policy"]], engine_hosts=[d["host"] for d in record["engines"]])
+        self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
+
+    def pin_cpus(self) -> None:
+        """Placement for overlap: engines on ``ray.engine_cpus``, policy ranks on ``ray.policy_cpus`` (disjoint cores:
+        generation and training never compete for one). Prints the resulting affinity."""
+        r = self.cfg.ray
+        for name, spec in (("policy_cpus", r.policy_cpus), ("engine_cpus", r.engine_cpus)):
+            try:
+                if name == "policy_cpus":
+                    cores = self.policy.run_on_all(_pin, spec) if spec else []
+                else:
+                    cores = self.rollout.call_all("pin_cpus", spec) if spec else []
+            except Exception as e:  # noqa: BLE001 - name the field
+                raise ValueError(f"ray.{name}={spec!r}: {e}") from e
+            if spec:
+                print(f"placement: {name.split('_')[0]} processes pinned to cores {cores}", flush=True)
+
+    def close_transport(self) -> None:
+        if self.transport is not None:
+            try:
+                self.transport.teardown(self.rollout)
+            except Exception as e:  # noqa: BLE001 - closing must not hide the real error
+                print(f"warning: closing the weight-transfer group failed: {e}", flush=True)
+            self.transport = None

@@ -31,7 +31,7 @@ from da3po_megatron.megatron.offload import PARTS, TIERS
 
 def engines_after_policy(colocate: bool, engine_cuda: bool) -> bool:
     """Whether the engines must wait for the policy: colocated, and the engines see CUDA (what engine bundle 0's
-    probe reported, ``placement.probe_devices``), so their KV cache is sized from free device memory."""
+    probe reported, ``placement_ray.probe_devices``), so their KV cache is sized from free device memory."""
     return bool(colocate and engine_cuda)
 
 
@@ -156,26 +156,27 @@ class OffloadCycle:
                 self.after_push()
 
 
-def push_weights(run: Any, before_wake: Callable[[], Any] | None = None,
+def push_weights(cluster: Any, before_wake: Callable[[], Any] | None = None,
                  before_kv_wake: Callable[[], Any] | None = None) -> dict[str, float]:
-    """``Run.sync_weights``'s push through the transport chosen at start-up (``run.weight_transfer``): "collective"
-    (one :class:`~da3po_megatron.rollout.collective_transport.CollectiveTransport` kept on the run), "ipc" (with the
+    """``Run.sync_weights``'s push through the transport chosen at start-up (``cluster.weight_transfer``; ``cluster``:
+    bring-up's :class:`~da3po_megatron.trainer.cluster.bringup.Cluster`): "collective" (one
+    :class:`~da3po_megatron.rollout.collective_transport.CollectiveTransport` kept on the cluster), "ipc" (with the
     offload steps ``before_wake`` / ``before_kv_wake`` inside ``ipc_sync``), else "bytes"."""
     from da3po_megatron.rollout.weight_sync import sync_policy_group_to_engines
 
-    r, p = run.cfg.rollout, run.cfg.parallel
-    if run.weight_transfer == "collective":
+    r, p = cluster.cfg.rollout, cluster.cfg.parallel
+    if cluster.weight_transfer == "collective":
         from da3po_megatron.rollout.collective_transport import CollectiveTransport
 
-        if run._transport is None:
-            run._transport = CollectiveTransport(run.policy.run_on_all, p.pipeline_model_parallel_size,
-                                                 backend="nccl" if run.devices["policy"]["cuda"] else "gloo",
-                                                 timeout_s=r.weight_sync_timeout_s,
-                                                 expert_parallel=p.expert_model_parallel_size)
-        return run._transport.sync(run.rollout, bucket_mb=r.weight_sync_bucket_mb)
-    if run.weight_transfer == "ipc":
+        if cluster.transport is None:
+            cluster.transport = CollectiveTransport(cluster.policy.run_on_all, p.pipeline_model_parallel_size,
+                                                    backend="nccl" if cluster.devices["policy"]["cuda"] else "gloo",
+                                                    timeout_s=r.weight_sync_timeout_s,
+                                                    expert_parallel=p.expert_model_parallel_size)
+        return cluster.transport.sync(cluster.rollout, bucket_mb=r.weight_sync_bucket_mb)
+    if cluster.weight_transfer == "ipc":
         from da3po_megatron.rollout.ipc import ipc_sync
 
-        return ipc_sync(run.policy, run.rollout, bucket_mb=r.weight_sync_bucket_mb, before_wake=before_wake,
+        return ipc_sync(cluster.policy, cluster.rollout, bucket_mb=r.weight_sync_bucket_mb, before_wake=before_wake,
                         before_kv_wake=before_kv_wake)
-    return sync_policy_group_to_engines(run.policy, run.rollout, bucket_mb=r.weight_sync_bucket_mb)
+    return sync_policy_group_to_engines(cluster.policy, cluster.rollout, bucket_mb=r.weight_sync_bucket_mb)

@@ -410,17 +410,3 @@ def colocated_engine_envs(plan: Plan, rank_locations: Sequence[dict[str, Any]]) 
                                  f"reports {where}")
         envs.append({"CUDA_VISIBLE_DEVICES": ",".join(i[0] for i in ids)})
     return envs
-
-
-# The Ray side lives in placement_ray.py; its names stay importable from here (PEP 562 module __getattr__, not an
-# import at the top: placement_ray imports this module's types, and a Ray worker may import placement_ray first).
-_RAY_SIDE = frozenset({"NVIDIA_DEVICE_FILES", "Reservation", "actor_location", "answer_without_probe", "cluster_nodes",
-                       "host_has_nvidia_driver", "placement_report", "probe_devices", "reserve"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RAY_SIDE:
-        from da3po_megatron.trainer.cluster import placement_ray
-
-        return getattr(placement_ray, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

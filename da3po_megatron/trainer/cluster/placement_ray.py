@@ -1,8 +1,8 @@
-"""The Ray side of the placement (split from ``trainer/cluster/placement.py``, which keeps the pure decisions and
-re-exports these names): the alive nodes (:func:`cluster_nodes`), the node-pinned placement groups and their wait with a
-timeout (:func:`reserve`), the device probes that tell the driver what a rank and an engine will see
-(:func:`probe_devices`), and where the actors say they are (:func:`actor_location`, :func:`placement_report`). See
-``placement.py``'s docstring for the whole design."""
+"""The Ray side of the placement (split from ``cluster/placement.py``, which keeps the pure decisions; callers
+import these names from here -- no re-export): the alive nodes (:func:`cluster_nodes`), the node-pinned placement
+groups and their wait with a timeout (:func:`reserve`), the device probes that tell the driver what a rank and an
+engine will see (:func:`probe_devices`), and where the actors say they are (:func:`actor_location`,
+:func:`placement_report`). See ``placement.py``'s docstring for the whole design."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from da3po_megatron.trainer.cluster.placement import Node, PlacementError, Plan, Resources  # noqa: F401
+from da3po_megatron.trainer.cluster.placement import Node, PlacementError, Plan
 
 
 def cluster_nodes() -> list[Node]:

@@ -33,7 +33,7 @@ loop's :meth:`~AsyncRollout.take` fills batches from (exactly ``data.train_batch
   ``rollout.max_versions_per_response`` versions (drained). Collecting, interrupting and draining run on every engine
   at once, so the pause lasts as long as the slowest engine's part, not the sum.
 - **Per-token versions**: each response token records the version that sampled it (``Completion.versions``) next to
-  its behaviour log-prob: TIS and the drift check use them per token (``Run.old_logprobs``).
+  its behaviour log-prob: TIS and the drift check use them per token (``trainer/old_logprobs.py``).
 - **Seeds**: prompt J (a run-wide admission counter) samples j = 0..G-1 with the request seed
   ``s = sampling_seed(0, 0) + J * G + j``; segment m >= 1 of a continued response gets :func:`continuation_seed`
   (s, m): a fresh, reproducible seed per segment, never a replay of the first segment's random stream.
@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.batch import StepRollout
 from da3po_megatron.trainer.faults import fault_point
 from da3po_megatron.trainer.generation.async_engines import EngineCalls, EngineFailure, EngineSide
 from da3po_megatron.trainer.generation.async_partial import (
@@ -66,11 +67,11 @@ from da3po_megatron.trainer.generation.async_partial import (
     trace_batch,
     versions_spanned,
 )
-from da3po_megatron.trainer.generation.collect import DynamicSamplingError, StepRollout, token_stats
+from da3po_megatron.trainer.generation.collect import DynamicSamplingError, token_stats
 
 if TYPE_CHECKING:
     from da3po_megatron.config import Config
-    from da3po_megatron.trainer.run import Run
+    from da3po_megatron.trainer.generation.sampler import Sampler
 
 __all__ = ["AsyncRollout", "EngineFailure", "Partial", "Prefetch", "ProducerStalled", "admissible",
            "continuation_seed", "uses_producer", "versions_spanned"]
@@ -97,10 +98,10 @@ class ProducerStalled(RuntimeError):
 class AsyncRollout(EngineSide):
     """The producer thread, its scorer thread and the queue between them and the loop (see the module docstring).
 
-    ``version``: the policy version the engines hold (``run.engine_weight_step``); ``state``: a checkpoint's
-    :meth:`state_dict`; ``prefetched``: a staleness-1 checkpoint's prefetched batches (``run.pending``), moved into
-    the queue (emptied) so the next take trains them at the version they were meant for. The threads start at once
-    and run until :meth:`close`.
+    ``sampler``: the run's :class:`~da3po_megatron.trainer.generation.sampler.Sampler`; ``version``: the policy version
+    the engines hold (``sampler.engine_weight_step``); ``state``: a checkpoint's :meth:`state_dict`; ``prefetched``: a
+    staleness-1 checkpoint's prefetched batches (``run.state.pending``), moved into the queue (emptied) so the next
+    take trains them at the version they were meant for. The threads start at once and run until :meth:`close`.
 
     **Locking** (the one place it is stated). One condition variable, ``self._cv``, guards every field two threads
     touch: the versions (``version``, ``first_version``), admission (``next_j``, ``prompts_exhausted``, ``_held``,
@@ -112,11 +113,11 @@ class AsyncRollout(EngineSide):
     stream (the producer thread while it runs; the loop reads its position only while paused), and the engines (the
     producer's while it runs, the loop's weight sync's while paused)."""
 
-    def __init__(self, run: Run, version: int, state: dict[str, Any] | None = None,
+    def __init__(self, sampler: Sampler, version: int, state: dict[str, Any] | None = None,
                  prefetched: list[StepRollout] | None = None) -> None:
-        cfg = run.cfg
+        cfg = sampler.cfg
         r = cfg.rollout
-        self.run, self.client = run, run.rollout
+        self.sampler, self.client = sampler, sampler.rollout
         self.k, self.B = int(r.staleness), cfg.data.train_batch_size
         self.partial, self.max_versions = bool(r.partial_rollouts), int(r.max_versions_per_response)
         self.filter = bool(cfg.algorithm.filter_groups)
@@ -125,7 +126,7 @@ class AsyncRollout(EngineSide):
         self.n_eng = n_eng = self.client.num_engines
         self.per_engine = max(1, math.ceil((r.max_inflight_prompts or self.B) / n_eng))
         self.budget = cfg.algorithm.max_generation_rounds * self.B  # groups one batch may try before giving up
-        self.sampling = run.sampling_config(run.sampling_seed(0, 0))
+        self.sampling = sampler.sampling_config(sampler.sampling_seed(0, 0))
         self.timeout_s = float(r.producer_timeout_s)
         self.version = self.first_version = int(version)  # engines' weights; the version the next take trains at
         self.next_j = 0  # run-wide admission counter (key "a{j}", seed base + j * n)
@@ -356,7 +357,7 @@ class AsyncRollout(EngineSide):
             for e, submit in plan.items():
                 calls.start(e, submit)
                 if any(len(x) > 4 for x in submit):  # continuations now run: tests/test_async_faults.py
-                    fault_point("partial_rollout", version + 1, self.run)
+                    fault_point("partial_rollout", version + 1, self.sampler)
             if plan:  # plan again before waiting: an engine just given its first call gets its second one queued
                 continue  # (a lone engine idled on every round trip otherwise: one call per answer)
             if calls.busy():
@@ -382,7 +383,7 @@ class AsyncRollout(EngineSide):
         out: list[tuple] = []
         while self._waiting and len(self._running[e]) < self.per_engine:  # continuations (on any engine)
             p = self.partials[self._waiting.popleft()]
-            render, cap = self.run.render_prompts([p.example])[0], p.example.meta.get("max_tokens")
+            render, cap = self.sampler.render_prompts([p.example])[0], p.example.meta.get("max_tokens")
             if p.segments:
                 seeds = [self.sampling.seed + p.j * p.n + i if self.sampling.seed is not None else None
                          for i in range(p.n)]
@@ -398,13 +399,13 @@ class AsyncRollout(EngineSide):
                 self._held = True
                 break
             self._held = False
-            examples = self.run.next_prompts(1)
+            examples = self.sampler.next_prompts(1)
             if not examples:
                 self.prompts_exhausted = True
                 break
             j, self.next_j = self.next_j, self.next_j + 1
             p = self.partials[j] = Partial(j, examples[0], self.version, self.sampling.n)
-            out.append((p.key, self.run.render_prompts([p.example])[0], j, p.example.meta.get("max_tokens")))
+            out.append((p.key, self.sampler.render_prompts([p.example])[0], j, p.example.meta.get("max_tokens")))
             self._running[e].add(j)
         return out
 
@@ -415,7 +416,7 @@ class AsyncRollout(EngineSide):
         while (item := self._scores.get()) is not None:
             try:
                 t0 = time.perf_counter()
-                groups = self.run.score([p.example for p, _ in item], [c for _, c in item])
+                groups = self.sampler.score([p.example for p, _ in item], [c for _, c in item])
                 with self._cv:
                     self.seconds["reward"] += time.perf_counter() - t0
                     for (p, cs), g in zip(item, groups):

@@ -1,10 +1,9 @@
 """Collecting one step's batch: generation + rewards + dynamic sampling, in the paper's rounds or streamed with abort.
 
 Both pipelines (``trainer/loop.py`` step 1, and the prefetch / asynchronous producer of
-``trainer/generation/async_rollout.py``)
-import what they share from here -- :class:`StepRollout`, :class:`DynamicSamplingError`, :class:`PhaseTimer`,
-:func:`token_stats` -- so the loop, the async machinery and ``trainer/run.py`` (which checkpoints queued batches) form
-no import circle (issue 37, point 6).
+``generation/async_rollout.py``) take the run's :class:`~da3po_megatron.trainer.generation.sampler.Sampler` (prompts,
+engines, rewards, buffer), never the run; the step's data (:class:`~da3po_megatron.trainer.batch.StepRollout`) is in
+``trainer/batch.py`` and the phase timer in ``observability/profiling.py``, below both.
 
 **Rounds** (``rollout.mode=rounds``, the paper's dynamic sampling): :func:`fill_batch` generates whole rounds until the
 dynamic-sampling buffer holds the batch.
@@ -35,17 +34,15 @@ import bisect
 import collections
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from da3po_megatron.ranges import phase as named_range
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.faults import fault_point
+from da3po_megatron.trainer.batch import StepRollout
+from da3po_megatron.trainer.observability.profiling import PhaseTimer
 
 if TYPE_CHECKING:
-    from da3po_megatron.trainer.run import Run
+    from da3po_megatron.trainer.generation.sampler import Sampler
 
 
 class DynamicSamplingError(RuntimeError):
@@ -55,44 +52,6 @@ class DynamicSamplingError(RuntimeError):
     def __init__(self, message: str, stats: dict[str, float] | None = None) -> None:
         super().__init__(message)
         self.stats = dict(stats or {})
-
-
-class PhaseTimer:
-    """Seconds per phase of one step (and the fault-injection points of the reliability tests, ``faults.py``)."""
-
-    def __init__(self, run: Run | None = None, step: int = 0) -> None:
-        self.seconds: dict[str, float] = {}
-        self.run, self.step = run, step
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        fault_point(name, self.step, self.run)
-        t0 = time.perf_counter()
-        with named_range(name):  # a named profiler range (observability/profiling.py); a no-op outside profiled steps
-            yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-
-@dataclass
-class StepRollout:
-    """What generation hands to one training step."""
-
-    groups: list[B.Group]  # the training batch: exactly data.train_batch_size kept groups
-    generated: list[B.Group]  # every scored group of the step (kept, filtered, surplus); never aborted ones
-    stats: dict[str, float]  # dynamic_sampling/* and rollout/* counters of this collection
-    weight_step: int  # the policy step whose weights the engines held while generating it
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # generate / reward of this collection
-
-
-def rollout_to_dict(r: StepRollout) -> dict[str, Any]:
-    """A prefetched batch as plain data (checkpoints load with ``torch.load(weights_only=True)``)."""
-    return {"groups": [B.group_to_dict(g) for g in r.groups], "generated": [B.group_to_dict(g) for g in r.generated],
-            "stats": dict(r.stats), "weight_step": int(r.weight_step), "phase_seconds": dict(r.phase_seconds)}
-
-
-def rollout_from_dict(d: dict[str, Any]) -> StepRollout:
-    return StepRollout([B.group_from_dict(g) for g in d["groups"]], [B.group_from_dict(g) for g in d["generated"]],
-                       dict(d["stats"]), int(d["weight_step"]), dict(d.get("phase_seconds", {})))
 
 
 def token_stats(groups: list[B.Group], generated: list[B.Group], aborted_groups: int = 0, aborted_tokens: int = 0,
@@ -109,8 +68,7 @@ def token_stats(groups: list[B.Group], generated: list[B.Group], aborted_groups:
             "rollout/decoded_per_kept_token": decoded / kept if kept else 0.0}
 
 
-
-def fill_batch(run: Run, step: int) -> StepRollout:
+def fill_batch(run: Sampler, step: int) -> StepRollout:
     """Generation rounds until the dynamic-sampling buffer holds the batch (the paper's dynamic sampling)."""
     cfg, buffer, timer, weight_step = run.cfg, run.buffer, PhaseTimer(run, step), run.engine_weight_step
     buffer.reset_stats()
@@ -150,7 +108,7 @@ def fill_batch(run: Run, step: int) -> StepRollout:
     return StepRollout(groups, generated, stats, weight_step, timer.seconds)
 
 
-def stream_batch(run: Run, step: int) -> StepRollout:
+def stream_batch(run: Sampler, step: int) -> StepRollout:
     """Fill the batch of ``step`` by streaming generation with abort (see the module docstring)."""
     cfg, client = run.cfg, run.rollout
     need, n_eng = cfg.data.train_batch_size, client.num_engines
@@ -269,15 +227,15 @@ def stream_batch(run: Run, step: int) -> StepRollout:
     return StepRollout(batch, generated, stats, weight_step, {"generate": total - reward_s, "reward": reward_s})
 
 
-def collect(run: Run, step: int) -> StepRollout:
-    """The batch of ``step``: generation + rewards + dynamic sampling, in rounds or streamed -- or, with
-    ``rollout.replay_dir``, the recorded one (``trainer/generation/replay.py``, which also keeps what
+def collect(run: Sampler, step: int) -> StepRollout:
+    """The batch of ``step`` (``run``: the run's sampler): generation + rewards + dynamic sampling, in rounds or
+    streamed -- or, with ``rollout.replay_dir``, the recorded one (``generation/replay.py``, which also keeps what
     ``rollout.dump_dir`` needs)."""
     replay = getattr(run, "replay", None)
     return replay.collect(run, step, lambda: _collect(run, step)) if replay is not None else _collect(run, step)
 
 
-def _collect(run: Run, step: int) -> StepRollout:
+def _collect(run: Sampler, step: int) -> StepRollout:
     if run.cfg.rollout.mode == "streaming":
         with named_range("generate"):  # streamed: generation, rewards and the filter interleave inside this one range
             return stream_batch(run, step)

@@ -3,14 +3,16 @@
 **Dump** (``rollout.dump_dir``). After each step's collection (generation + rewards + dynamic sampling) and its
 advantages, the step is written atomically (a private file, fsync, ``os.replace``) to ``dump_dir/step_NNNNNN.pt``:
 
-- ``rollout``: the step's :class:`~da3po_megatron.trainer.generation.collect.StepRollout` as ``rollout_to_dict`` holds
+- ``rollout``: the step's :class:`~da3po_megatron.trainer.batch.StepRollout` as ``rollout_to_dict`` holds
 it -- the
   kept and every generated group with token ids, rollout log-probs, per-token versions, MoE routes, rewards, the
   request seed of each group (``Group.seed``) and the dynamic-sampling counters;
 - ``batch``: the policy batch after advantages (Eq. 3 + DAA, Eq. 14), as the policy received it;
-- ``driver``: what the collection changed in the driver, taken when it ended: the data iterator's position (and
-  ``data.selection``'s history), the dynamic-sampling buffer (groups carried to the next step), the cumulative
-  counters and the driver's RNG states.
+- ``driver``: what the collection changed in the driver, taken when it ended: the sampler's
+  :meth:`~da3po_megatron.trainer.generation.sampler.Sampler.state_dict` (the data iterator's position and
+  ``data.selection``'s history, the dynamic-sampling buffer, the generation counters, the driver's RNG states) -- the
+  same capture a checkpoint stores. Dumps written before it (issue 56) hold the update counters in ``totals`` too;
+  they are ignored on replay.
 
 ``dump_dir/manifest.json`` says what produced the dump: the resolved config, the config identity (the run record's
 defining fields, ``trainer/resume/config_drift.py``), the model's and the tokenizer's identity (sha256 of
@@ -25,8 +27,8 @@ a cluster's dump replays on CPU and at another TP). Each step then takes the rec
 collecting one, and restores the recorded driver state, so everything after it -- advantages, pi_old, the updates,
 the checkpoint, the metrics -- is the original step's:
 
-- ``train_only``: no engine is planned, reserved or started (:class:`NoEngines` stands in; placement is planned with
-  none, ``trainer/cluster/bringup.py``); weight sync and engine idling do nothing; periodic evaluation is skipped.
+- ``train_only``: no engine is planned, reserved or started (``NoEngines`` of ``trainer/cluster/bringup.py`` stands
+  in; placement is planned with none); weight sync and engine idling do nothing; periodic evaluation is skipped.
 - ``compare``: the engines start as usual and, every step, regenerate the recorded groups with the recorded seeds
   (the same prompts in the same calls, so the same requests) under the weights the policy synced to them. Their
   tokens and log-probs are compared with the recording (:func:`compare_completions`: ``replay/token_match_ratio``,
@@ -44,20 +46,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from da3po_megatron.config import Config, to_dict
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.generation.collect import StepRollout, rollout_from_dict, rollout_to_dict
+from da3po_megatron.trainer.batch import StepRollout, rollout_from_dict, rollout_to_dict
 from da3po_megatron.trainer.inputs import InputError
+
+if TYPE_CHECKING:
+    from da3po_megatron.trainer.generation.sampler import Sampler
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -135,7 +139,7 @@ def make_manifest(cfg: Config, prompts_state: dict[str, Any]) -> dict[str, Any]:
             "data": {k: prompts_state.get(k) for k in ("fingerprint", "num_examples", "seed", "shuffle")},
             "seeds": {"trainer.seed": cfg.trainer.seed,
                       "rounds": "engine request seed = (seed * 1000003 + step * 1009 + round) % (2**31 - 1) + i * n "
-                                "for prompt i of the round (Run.sampling_seed; Group.seed records it)"},
+                                "for prompt i of the round (Sampler.sampling_seed; Group.seed records it)"},
             "dump_every": cfg.rollout.dump_every, "dump_keep": cfg.rollout.dump_keep}
 
 
@@ -216,32 +220,7 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
-# ------------------------------------------------------------------------------------------------ driver state
-
-
-def driver_state(run: Any) -> dict[str, Any]:
-    """What a collection changes in the driver (the data position, the buffer, counters, RNG): plain data."""
-    from da3po_megatron.megatron.runtime import numpy_rng_state
-
-    buffer = run.buffer.state_dict()
-    return {"prompts": run.prompts.state_dict(),
-            "selection": run.prompts.selection_state() if hasattr(run.prompts, "selection_state") else None,
-            "buffer": {**buffer, "groups": [B.group_to_dict(g) for g in buffer["groups"]]},
-            "totals": dict(run.totals),
-            "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()}}
-
-
-def restore_driver_state(run: Any, state: dict[str, Any]) -> None:
-    from da3po_megatron.megatron.runtime import set_numpy_rng_state
-
-    run.prompts.load_state_dict(state["prompts"])
-    if state.get("selection") is not None and hasattr(run.prompts, "load_selection_state"):
-        run.prompts.load_selection_state(state["selection"])
-    run.buffer.load_state_dict({**state["buffer"], "groups": [B.group_from_dict(g) for g in state["buffer"]["groups"]]})
-    run.totals.update(state["totals"])
-    random.setstate(tuple(state["rng"]["python"]))
-    set_numpy_rng_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
+# ------------------------------------------------------------------------------------------------ batches
 
 
 def batch_to_dict(batch: Any) -> dict[str, Any]:
@@ -288,7 +267,7 @@ def compare_completions(recorded: list[B.Group], regenerated: list[list[Any]]) -
 
 def seed_runs(groups: list[B.Group], n: int) -> list[tuple[int, list[B.Group]]]:
     """The recorded groups as the generation calls that produced them: consecutive groups whose request seeds are
-    ``seed, seed + n, ...`` (one round of ``Run.generate``: prompt i of a call gets ``seed + i * n``)."""
+    ``seed, seed + n, ...`` (one round of ``Sampler.generate``: prompt i of a call gets ``seed + i * n``)."""
     runs: list[tuple[int, list[B.Group]]] = []
     for g in groups:
         if g.seed is None:
@@ -304,40 +283,8 @@ def seed_runs(groups: list[B.Group], n: int) -> list[tuple[int, list[B.Group]]]:
 # ------------------------------------------------------------------------------------------------ the run's side
 
 
-class NoEngines:
-    """Stands in for the ``RolloutClient`` in ``rollout.replay_mode=train_only``: no engine exists; every call made
-    to all engines answers for none of them, and generation is an error naming the mode."""
-
-    num_engines = 0
-    resync = None
-
-    def wait_ready(self) -> None:
-        return None
-
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        return []
-
-    def check_transport(self, transport: str) -> None:
-        return None
-
-    def sleep(self, level: int = 1) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("rollout.replay_mode=train_only: no engine was started (nothing can generate; evaluation "
-                           "is skipped in this mode)")
-
-
-def engineless(cfg: Config) -> bool:
-    """Whether the run starts no engine (a ``train_only`` replay)."""
-    return bool(cfg.rollout.replay_dir) and cfg.rollout.replay_mode == "train_only"
-
-
 class Replay:
-    """The run's dump / replay switch (``run.replay``); every method is a no-op when neither is configured."""
+    """The run's dump / replay switch (``sampler.replay``); every method is a no-op when neither is configured."""
 
     def __init__(self, cfg: Config) -> None:
         r = cfg.rollout
@@ -352,7 +299,7 @@ class Replay:
     def replaying(self) -> bool:
         return self.root is not None
 
-    def start(self, run: Any, latest: Path | None, allow: bool) -> Replay:
+    def start(self, run: Sampler, latest: Path | None, allow: bool) -> Replay:
         """Before Ray starts: check the dump replayed (:func:`check_replay`; from the step after the checkpoint
         ``latest`` resumed from), write the dump's manifest. Returns self."""
         first_step = int(latest.name.rsplit("_", 1)[1]) + 1 if latest is not None else 1
@@ -369,13 +316,13 @@ class Replay:
     def due(self, step: int) -> bool:
         return self.dump_root is not None and step % self.cfg.rollout.dump_every == 0
 
-    def collect(self, run: Any, step: int, live: Callable[[], StepRollout]) -> StepRollout:
+    def collect(self, run: Sampler, step: int, live: Callable[[], StepRollout]) -> StepRollout:
         """The batch of ``step``: the recorded one when replaying (its driver state restored; ``compare``: the
         engines regenerate it first), else ``live()`` (its driver state kept for the dump)."""
         if self.root is None:
             rollout = live()
             if self.due(step):
-                self._snapshots[step] = driver_state(run)
+                self._snapshots[step] = run.state_dict()
             return rollout
         t0 = time.perf_counter()
         rec = torch.load(step_file(self.root, step), weights_only=True)
@@ -384,13 +331,13 @@ class Replay:
         stats = dict(rollout.stats)
         if self.mode == "compare":
             stats.update(self.compare(run, step, rollout))
-        restore_driver_state(run, rec["driver"])
+        run.load_state_dict(rec["driver"])
         if self.due(step):
             self._snapshots[step] = rec["driver"]
         return StepRollout(rollout.groups, rollout.generated, stats, rollout.weight_step,
                            {"replay_load": time.perf_counter() - t0})
 
-    def compare(self, run: Any, step: int, rollout: StepRollout) -> dict[str, float]:
+    def compare(self, run: Sampler, step: int, rollout: StepRollout) -> dict[str, float]:
         """``compare``: the engines regenerate the recorded groups with their recorded seeds (see the docstring)."""
         regenerated: dict[int, list[Any]] = {}
         for seed, groups in seed_runs(rollout.generated, self.cfg.rollout.n):

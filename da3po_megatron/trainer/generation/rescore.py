@@ -6,7 +6,7 @@ the group only if 0 < p_hat < 1, and DAA (Eq. 14) amplifies its correct response
 partial rollouts, where a group starts under one version) before the one it is trained at. With
 ``eval.rescore_groups=m`` every step, after the weight sync (the engines hold the new weights, the producer is
 paused), up to m kept and m dropped groups of the step's generated groups are generated again -- G fresh responses
-each, seed ``run.sampling_seed(step, RESCORE_ROUND)`` -- and re-scored; the step logs how often the two decisions
+each, seed ``sampler.sampling_seed(step, RESCORE_ROUND)`` -- and re-scored; the step logs how often the two decisions
 made with the old p_hat differ from the ones the new p_hat gives, per difficulty bucket (``rescore/*``).
 
 The re-generated samples are not trained on and not counted in ``gen/cumulative_samples``. Even at staleness 0 the
@@ -20,9 +20,12 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from da3po_megatron.trainer import batch as B
+
+if TYPE_CHECKING:
+    from da3po_megatron.trainer.generation.sampler import Sampler
 
 __all__ = ["RESCORE_ROUND", "decision_flips", "flip_counts", "pick_groups", "rescore"]
 
@@ -70,9 +73,10 @@ def pick_groups(generated: Sequence[B.Group], per_kind: int, seed: int) -> list[
     return [g for pool in (kept, dropped) for g in rng.sample(pool, min(per_kind, len(pool)))]
 
 
-def rescore(run: Any, generated: Sequence[B.Group], step: int) -> dict[str, float]:
+def rescore(run: Sampler, generated: Sequence[B.Group], step: int) -> dict[str, float]:
     """Re-generate and re-score a sample of ``generated`` with the engines' current weights (version ``step``, after
-    the sync) and return :func:`flip_counts` of the old vs new p_hat (``eval.rescore_groups`` groups per kind)."""
+    the sync; ``run``: the run's sampler) and return :func:`flip_counts` of the old vs new p_hat
+    (``eval.rescore_groups`` groups per kind)."""
     cfg = run.cfg
     picked = pick_groups(generated, cfg.eval.rescore_groups, run.sampling_seed(step, RESCORE_ROUND))
     if not picked:

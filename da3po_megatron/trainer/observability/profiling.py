@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from da3po_megatron.ranges import PREFIX, is_active, phase, ranged, set_active
+from da3po_megatron.trainer.faults import fault_point
 
 __all__ = ["PREFIX", "StepProfiler", "cuda_memory_snapshot_supported", "engine_profiler_config", "is_active",
            "phase", "rank_ranges", "ranged", "set_active", "start_rank_profile", "stop_rank_profile",
@@ -235,3 +238,20 @@ class StepProfiler:
                 f.replace(dest / f.name)
                 moved.append(str(dest / f.name))
         return moved
+
+
+class PhaseTimer:
+    """Seconds per phase of one step (and the fault-injection points of the reliability tests, ``faults.py``; ``run``:
+    what ``fault_point`` hurts -- anything with the engines' ``rollout`` and the reward pool ``rewards``)."""
+
+    def __init__(self, run: Any = None, step: int = 0) -> None:
+        self.seconds: dict[str, float] = {}
+        self.run, self.step = run, step
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        fault_point(name, self.step, self.run)
+        t0 = time.perf_counter()
+        with phase(name):  # a named profiler range (this module); a no-op outside profiled steps
+            yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0

@@ -3,7 +3,7 @@
 ``rollout.staleness``, ``partial_rollouts``, ``late_policy``, ``max_versions_per_response`` and
 ``max_inflight_prompts`` decide what a checkpoint's generation state means: the prefetched batch of staleness 1
 (``pending``) or the producer's queue, decided groups and interrupted partials (``async_rollout``). A change is
-migrated exactly or refused before Ray starts (``config_drift._check`` calls :func:`refuse_async_changes`), naming
+migrated exactly or refused before Ray starts (``config_drift.refuse_async_changes``, with these rules), naming
 the fields; nothing is dropped silently:
 
 - staleness 1 -> the producer: **migrated**; the prefetched batch enters the producer's queue first and is trained
@@ -19,7 +19,6 @@ the fields; nothing is dropped silently:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 FIELDS = ("rollout.staleness", "rollout.partial_rollouts", "rollout.late_policy",
@@ -97,30 +96,3 @@ def async_resume_problems(old: dict[str, Any], new: dict[str, Any], state: dict[
             problems.append(f"{len(wide)} interrupted groups would span more than rollout.max_versions_per_response="
                             f"{m} versions once continued, e.g. {', '.join(wide[:3])}")
     return problems
-
-
-def refuse_async_changes(new: dict[str, Any], old: dict[str, Any], changes: list[dict[str, Any]], path: Path,
-                         log=print) -> None:
-    """Before Ray starts: when ``changes`` touch :data:`FIELDS`, read the checkpoint ``path``'s trainer state and
-    raise ``ConfigDriftError`` naming the fields if :func:`async_resume_problems` finds any (``--allow-config-change``
-    does not override it: the state would be dropped); else say what is migrated."""
-    from da3po_megatron.megatron.checkpoint import safe_load
-    from da3po_megatron.trainer.resume.config_drift import ConfigDriftError
-
-    touched = [c for c in changes if c["key"] in FIELDS]
-    if not touched:
-        return
-    try:
-        state = safe_load(Path(path) / "trainer_state.pt")
-    except Exception:  # noqa: BLE001 - unreadable: the verification falls back; AsyncRollout re-checks the bound
-        return
-    names = "; ".join(f"{c['key']}: {c['old']!r} -> {c['new']!r}" for c in touched)
-    problems = async_resume_problems(old, new, state if isinstance(state, dict) else {})
-    if problems:
-        raise ConfigDriftError(
-            f"resuming from {Path(path).name} with {names} would drop or break saved generation state: "
-            + "; ".join(problems) + ". Resume with the checkpoint's values of these fields (docs/async.md "
-            "'Resuming with other settings'), or start another trainer.run_dir.")
-    if state.get("pending") or state.get("async_rollout"):
-        log(f"note: resume changes {names}: the saved generation state is migrated (docs/async.md 'Resuming with "
-            "other settings')")

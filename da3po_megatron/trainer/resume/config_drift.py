@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from da3po_megatron.config import Config, to_dict
+from da3po_megatron.trainer.resume.async_resume import FIELDS, async_resume_problems
 
 CHANGES_FILE = "config_changes.jsonl"
 RECORD_FILE = "config.yaml"
@@ -225,6 +226,33 @@ def adopt_checkpoint_record(run_dir: str | Path) -> bool:
     return True
 
 
+def refuse_async_changes(new: dict[str, Any], old: dict[str, Any], changes: list[dict[str, Any]], path: Path,
+                         log=print) -> None:
+    """Before Ray starts: when ``changes`` touch the asynchronous settings (``async_resume.FIELDS``), read the
+    checkpoint ``path``'s trainer state and raise :class:`ConfigDriftError` naming the fields if
+    ``async_resume_problems`` finds any (``--allow-config-change`` does not override it: the state would be dropped);
+    else say what is migrated. (Moved here from ``async_resume.py``, which keeps the pure rules: issue 56.)"""
+    from da3po_megatron.megatron.checkpoint import safe_load
+
+    touched = [c for c in changes if c["key"] in FIELDS]
+    if not touched:
+        return
+    try:
+        state = safe_load(Path(path) / "trainer_state.pt")
+    except Exception:  # noqa: BLE001 - unreadable: the verification falls back; AsyncRollout re-checks the bound
+        return
+    names = "; ".join(f"{c['key']}: {c['old']!r} -> {c['new']!r}" for c in touched)
+    problems = async_resume_problems(old, new, state if isinstance(state, dict) else {})
+    if problems:
+        raise ConfigDriftError(
+            f"resuming from {Path(path).name} with {names} would drop or break saved generation state: "
+            + "; ".join(problems) + ". Resume with the checkpoint's values of these fields (docs/async.md "
+            "'Resuming with other settings'), or start another trainer.run_dir.")
+    if state.get("pending") or state.get("async_rollout"):
+        log(f"note: resume changes {names}: the saved generation state is migrated (docs/async.md 'Resuming with "
+            "other settings')")
+
+
 # ---------------------------------------------------------------------------------------------------- the checks
 def _check(cfg: Config, old: dict[str, Any], name: str, step: int, allow: bool, log, against: str
            ) -> list[dict[str, Any]]:
@@ -232,10 +260,6 @@ def _check(cfg: Config, old: dict[str, Any], name: str, step: int, allow: bool, 
     changes = config_changes(old, to_dict(cfg))
     if not changes:
         return []
-    from da3po_megatron.trainer.resume.async_resume import (
-        refuse_async_changes,  # the generation state: migrated or refused
-    )
-
     refuse_async_changes(to_dict(cfg), old, changes, Path(cfg.trainer.run_dir) / "checkpoints" / name, log)
     defining = [c for c in changes if c["kind"] == "defining"]
     if defining and not allow:
