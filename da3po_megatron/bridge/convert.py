@@ -17,7 +17,8 @@ training). A checkpoint saved at any TP x PP x EP converts back to HF (and so to
 are per-expert tensors in both formats (docs/moe.md).
 
 hf-to-megatron spawns TP x PP processes (gloo on CPU, NCCL on GPU); each builds its GPTModel stage, reads only its
-slices of the HF safetensors and saves its shard. Peak memory per process: its shard + one tensor slice.
+slices of the HF safetensors and saves its shard (what one rank does: :mod:`da3po_megatron.bridge.convert_worker`).
+Peak memory per process: its shard + one tensor slice.
 megatron-to-hf reads a checkpoint saved at *any* TP x PP in one process, without building a model: it streams
 one layer at a time out of the checkpoint (PyTorch DCP slice reads) through the same HF export stream as the weight
 sync (:mod:`da3po_megatron.bridge.export`) and writes safetensors shards of at most ``--max-shard-size``. Peak
@@ -35,32 +36,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from da3po_megatron.bridge import mapping
+from da3po_megatron.bridge.convert_worker import DTYPES, say, worker
 from da3po_megatron.bridge.hf_config import gpt_arch, load_hf_config, model_family
 from da3po_megatron.bridge.hf_io import ShardedSafetensorsWriter, copy_side_files, parse_size
 
 FORMAT = "da3po-megatron/1"  # same as da3po_megatron.megatron.checkpoint.FORMAT
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ConversionError(RuntimeError):
     """A user-facing conversion failure (bad input, existing output, failed verification)."""
-
-
-def _say(msg: str) -> None:
-    print(f"[convert] {msg}", flush=True)
 
 
 def hf_dtype_name(hf: dict[str, Any]) -> str | None:
@@ -78,7 +73,7 @@ def resolve_hf_dir(spec: str | Path) -> Path:
     if re.fullmatch(r"[\w.-]+/[\w.-]+", str(spec)) and not p.exists():
         from huggingface_hub import snapshot_download
 
-        _say(f"{spec} is not a directory: resolving it as a Hugging Face Hub id")
+        say(f"{spec} is not a directory: resolving it as a Hugging Face Hub id")
         return Path(snapshot_download(str(spec), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
                                                                  "*.jinja", "*.tiktoken"]))
     raise ConversionError(f"HF checkpoint {spec} is not a directory")
@@ -134,119 +129,6 @@ def check_hf_checkpoint(hf_dir: str | Path, hf: dict[str, Any] | None = None) ->
     return sorted(set(reader.names()) - used)
 
 
-# ------------------------------------------------------------------------------------------- worker processes
-
-
-def _forward_logits(model, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocabulary logits [b, s, V_padded] of a (TP x PP) GPTModel on every rank of the last stage, else None."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    b, s = tokens.shape
-    device = next(model.parameters()).device
-    tokens = tokens.to(device)
-    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
-
-    def step(_data, m):
-        return m(tokens, pos, None), (lambda out, non_loss_data=False: out)
-
-    with torch.no_grad():
-        out = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([None]), model=[model], num_microbatches=1, seq_length=s,
-            micro_batch_size=b, forward_only=True, collect_non_loss_data=True)
-    if not ps.is_pipeline_last_stage():
-        return None
-    return gather_from_tensor_model_parallel_region(out[0]).float().cpu()
-
-
-def _verify_rank(model, task: dict[str, Any]) -> None:
-    """On the last stage: compare Megatron logits with transformers' on ``task['hf_dir']``; TP rank 0 writes JSON."""
-    from megatron.core import parallel_state as ps
-
-    vocab = gpt_arch(task["hf_dir"]).vocab_size
-    gen = torch.Generator().manual_seed(task.get("seed", 0))
-    tokens = torch.randint(0, vocab, (task.get("batch", 3), task.get("seq_len", 24)), generator=gen)
-    logits = _forward_logits(model, tokens)
-    if logits is None or ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
-        return
-    from transformers import AutoModelForCausalLM
-
-    ref_model = AutoModelForCausalLM.from_pretrained(task["hf_dir"], dtype=torch.float32)
-    with torch.no_grad():  # the weights as the checkpoint holds them (no-op for float32 or bf16 sources)
-        for p in ref_model.parameters():
-            p.copy_(p.to(DTYPES[task["params_dtype"]]).float())
-        ref = ref_model(tokens).logits.float()
-    del ref_model
-    mine = logits[..., : ref.shape[-1]]
-    result = {"max_abs_diff": float((mine - ref).abs().max()), "max_abs_logit": float(ref.abs().max()),
-              "tokens": list(tokens.shape), "padded_vocab": int(logits.shape[-1])}
-    Path(task["result"]).write_text(json.dumps(result))
-
-
-def _verify_export(model, task: dict[str, Any], rank: int) -> None:
-    """The weight sync's stream (:func:`~da3po_megatron.bridge.export.export_model`: TP gather + mapping) must give
-    back the source HF tensors."""
-    from da3po_megatron.bridge.export import export_model
-    from da3po_megatron.bridge.hf_io import SafetensorsReader
-
-    reader = SafetensorsReader(task["hf_dir"])
-    checked, bad = 0, []
-    for hf_name, t in export_model(model, task["hf_dir"], owner_only=True):
-        src = reader.read(hf_name).to(DTYPES[task["params_dtype"]]).to(t.dtype)
-        checked += 1
-        if not torch.equal(t.cpu(), src):
-            bad.append(hf_name)
-    if checked:
-        Path(task["result"]).with_name(f"export_{rank}.json").write_text(json.dumps({"checked": checked,
-                                                                                       "mismatched": bad}))
-
-
-def _worker(rank: int, world: int, port: int, task: dict[str, Any]) -> None:
-    from da3po_megatron.bridge.megatron_io import load_hf_weights
-    from da3po_megatron.config import ModelConfig
-    from da3po_megatron.megatron.checkpoint import load_model, save_model
-    from da3po_megatron.megatron.model import build_gpt_model, import_megatron_core
-
-    import_megatron_core()  # before megatron-core is first imported here: a broken Transformer-Engine is hidden
-    from da3po_megatron.megatron.runtime import ParallelLayout, destroy_parallel, init_parallel, join_rendezvous
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    tp, pp = task["tp"], task["pp"]
-    init_parallel(ParallelLayout(tp, pp, 1, task.get("ep", 1), task.get("etp")), rank=rank, world_size=world,
-                  store=join_rendezvous("127.0.0.1", port))  # the parent serves the store (_spawn)
-    try:
-        # Verification always computes in float32 (see below); only the conversion builds in the saved dtype.
-        options = ModelConfig(params_dtype=task["params_dtype"] if task["mode"] == "hf-to-megatron" else "float32",
-                              make_vocab_size_divisible_by=task["make_vocab_size_divisible_by"])
-        arch = gpt_arch(task["config_dir"])
-        model = build_gpt_model(arch, options)
-        model.eval()
-        t0 = time.perf_counter()
-        if task["mode"] == "hf-to-megatron":
-            n = load_hf_weights(model, task["hf_dir"])
-            if rank == 0:
-                _say(f"rank 0: loaded {n} parameters from {task['hf_dir']} in {time.perf_counter() - t0:.2f}s")
-            save_model(model, task["model_dir"])
-            if rank == 0:
-                _say(f"saved {task['model_dir']} (TP={tp} PP={pp}) in {time.perf_counter() - t0:.2f}s")
-        if task.get("verify"):
-            # Re-read what was written (verification checks the files, not memory), into a float32 model: a bf16
-            # checkpoint is compared with transformers on the same bf16-rounded weights, both computing in float32.
-            if options.params_dtype != "float32":
-                del model
-                model = build_gpt_model(arch, replace(options, params_dtype="float32")).eval()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.zero_()
-            load_model(model, task["model_dir"])
-            _verify_rank(model, task)
-            if task["mode"] == "hf-to-megatron":
-                _verify_export(model, task, rank)
-    finally:
-        destroy_parallel()
-
-
 def conversion_world(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
     """Processes of a conversion: PP x lcm(TP, EP x ETP) (one DP replica unless the experts need more ranks)."""
     import math
@@ -265,7 +147,7 @@ def _spawn(task: dict[str, Any]) -> None:
                               "visible")
     store = bind_rendezvous()  # bound before the workers are told its port: no probe-then-bind race
     try:
-        mp.start_processes(_worker, args=(world, store.port, task), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(worker, args=(world, store.port, task), nprocs=world, join=True, start_method="spawn")
     except mp.ProcessRaisedException as e:  # the worker's traceback is in the message; its last line is the error
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         raise ConversionError(f"a conversion process failed: {lines[-1] if lines else e}") from e
@@ -292,7 +174,7 @@ def _check_verify(result_file: Path, tol: float | None, num_layers: int) -> dict
         raise ConversionError("verification produced no result (see worker output above)")
     r = json.loads(result_file.read_text())
     limit = verify_tolerance(r["max_abs_logit"], num_layers) if tol is None else tol
-    _say(f"verify: max |logits_megatron - logits_transformers| = {r['max_abs_diff']:.3g} "
+    say(f"verify: max |logits_megatron - logits_transformers| = {r['max_abs_diff']:.3g} "
          f"(max |logit| {r['max_abs_logit']:.3g}, tokens {r['tokens']}, tolerance {limit:.3g}"
          f"{' from --verify-tol' if tol is not None else ' relative: 32 eps_fp32 sqrt(layers) max|logit|'})")
     r["tolerance"] = limit
@@ -317,13 +199,13 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     world = conversion_world(tp, pp, ep, etp)
     dropped = check_hf_checkpoint(hf_dir, hf)
     if dropped:
-        _say(f"note: {len(dropped)} HF tensors are not used by the mapping and are dropped: {dropped[:4]}")
+        say(f"note: {len(dropped)} HF tensors are not used by the mapping and are dropped: {dropped[:4]}")
     dtype = params_dtype or ("bfloat16" if hf_dtype_name(hf) == "bfloat16" else "float32")
     if dtype not in ("float32", "bfloat16"):
         raise ConversionError(f"--params-dtype must be float32 or bfloat16, got {dtype!r}")
     _prepare_out(out, force, [hf_dir])
     copied = copy_side_files(hf_dir, out / "hf")
-    _say(f"{hf.get('architectures', [family])[0]} ({family}): {arch.num_layers} layers, hidden "
+    say(f"{hf.get('architectures', [family])[0]} ({family}): {arch.num_layers} layers, hidden "
          f"{arch.hidden_size} -> {out} at TP={tp} PP={pp}{f' EP={ep} ETP={etp or tp}' if arch.is_moe else ''}, "
          f"params {dtype}; copied {len(copied)} HF side files")
     with tempfile.TemporaryDirectory() as tmp:
@@ -352,13 +234,13 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
             meta["verify"] = _check_verify(Path(task["result"]), verify_tol, arch.num_layers)
             exports = [json.loads(p.read_text()) for p in Path(tmp).glob("export_*.json")]
             checked, bad = sum(e["checked"] for e in exports), [b for e in exports for b in e["mismatched"]]
-            _say(f"verify: export stream (TP gather + mapping) reproduced {checked - len(bad)}/{checked} HF "
+            say(f"verify: export stream (TP gather + mapping) reproduced {checked - len(bad)}/{checked} HF "
                  f"tensors exactly")
             meta["verify"]["export_checked"] = checked
             if bad or not checked:
                 raise ConversionError(f"verification failed: exported tensors differ from the HF source: {bad[:6]}")
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    _say(f"done in {time.perf_counter() - t0:.1f}s")
+    say(f"done in {time.perf_counter() - t0:.1f}s")
     return meta
 
 
@@ -397,11 +279,11 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
         cfg["dtype"] = dtype
         cfg.pop("torch_dtype", None)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    _say(f"{ckpt} -> {out}: {arch.num_layers} layers, saved {str(saved_dtype).replace('torch.', '')} -> "
+    say(f"{ckpt} -> {out}: {arch.num_layers} layers, saved {str(saved_dtype).replace('torch.', '')} -> "
          f"{str(out_dtype).replace('torch.', '')}, shards <= {max_shard_size}")
-    writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size), out_dtype, progress=_say)
+    writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size), out_dtype, progress=say)
     n = 0
-    for hf_name, t in export_checkpoint(ckpt / "model", arch, progress=_say):  # the weight sync's stream, from disk
+    for hf_name, t in export_checkpoint(ckpt / "model", arch, progress=say):  # the weight sync's stream, from disk
         writer.add(hf_name, t)
         n += 1
     files = writer.close()
@@ -409,7 +291,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
     missing = sorted(expected - writer.seen)
     if missing:
         raise ConversionError(f"checkpoint {ckpt / 'model'} lacks tensors for HF {missing[:6]}")
-    _say(f"wrote {n} tensors ({writer.total_bytes / 2**20:.1f} MiB) in {len(files)} file(s) in "
+    say(f"wrote {n} tensors ({writer.total_bytes / 2**20:.1f} MiB) in {len(files)} file(s) in "
          f"{time.perf_counter() - t0:.1f}s")
     result: dict[str, Any] = {"tensors": n, "files": files, "bytes": writer.total_bytes}
     if verify:
@@ -419,7 +301,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, force: bool = False, ve
                         model_dir=str(ckpt / "model"), verify=True, result=str(Path(tmp) / "verify.json"),
                         params_dtype="bfloat16" if saved_dtype == torch.bfloat16 else "float32",  # verify in fp32
                         make_vocab_size_divisible_by=padded // verify_tp)
-            _say(f"verify: loading {ckpt / 'model'} at TP={verify_tp} PP={verify_pp}"
+            say(f"verify: loading {ckpt / 'model'} at TP={verify_tp} PP={verify_pp}"
                  + (f" EP={verify_ep}" if arch.is_moe else ""))
             _spawn(task)
             result["verify"] = _check_verify(Path(task["result"]), verify_tol, arch.num_layers)
