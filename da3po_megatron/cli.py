@@ -16,7 +16,7 @@ import sys
 # name -> (module with main(argv), one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("da3po_megatron.trainer.main", "run RL training (DA3PO / DAPO / GRPO / GSPO) from a YAML config"),
-    "eval": ("da3po_megatron.eval.runner", "evaluate a checkpoint: avg@k / pass@k on math benchmarks"),
+    "eval": ("da3po_megatron.eval.command", "evaluate a checkpoint: avg@k / pass@k on math benchmarks"),
     "convert": ("da3po_megatron.bridge.convert", "convert checkpoints between Hugging Face and Megatron"),
     "bench": ("da3po_megatron.bench", "run a throughput / memory benchmark"),
     "theory": ("da3po_megatron.algorithms.theory", "print alpha+, alpha-, gamma of Theorem 3.1 for given p and G"),

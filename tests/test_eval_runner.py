@@ -157,7 +157,7 @@ def test_eval_engine_device_decisions_follow_the_engines_not_the_drivers_cuda():
     """``da3po eval --ray``: the engines' dtype, per-request seeds and batch size follow what the engines will see
     (GPUs on the Ray cluster), not the driver's CUDA -- a driver on a CPU-only login node evaluating on GPU engines
     gets bf16 GPU engines (27dab78 decided from ``torch.cuda.is_available()`` in the driver: float32)."""
-    from da3po_megatron.eval.runner import _build_parser, _engine_config, engines_see_cuda
+    from da3po_megatron.eval.command import _build_parser, _engine_config, engines_see_cuda
 
     assert engines_see_cuda(True, cluster_gpus=8.0) and not engines_see_cuda(True, cluster_gpus=0.0)
     assert engines_see_cuda(False) is False  # in-process engines: this (CPU) process's device

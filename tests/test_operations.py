@@ -200,7 +200,7 @@ def test_hf_weights_at_save_time_load_in_transformers_and_vllm_and_give_the_poli
     from transformers import AutoModelForCausalLM
 
     from da3po_megatron.bridge.convert import megatron_to_hf
-    from da3po_megatron.eval.runner import resolve_checkpoint
+    from da3po_megatron.eval.command import resolve_checkpoint
     from da3po_megatron.rollout import EngineConfig, RolloutClient, SamplingConfig
 
     ck = ops_run["dir"] / "checkpoints"

@@ -1,5 +1,6 @@
-"""Evaluation: avg@k and unbiased pass@k (``metrics``), the benchmark runner behind `da3po eval` (``runner``) and
-paper-style Markdown tables (``tables``). Benchmark files and the paper's protocol live in ``data.benchmarks``."""
+"""Evaluation: avg@k and unbiased pass@k (``metrics``), the benchmark runner (``runner``: ``evaluate``, also the
+trainer's periodic evaluation), the `da3po eval` command (``command``) and paper-style Markdown tables (``tables``).
+Benchmark files and the paper's protocol live in ``data.benchmarks``."""
 
 from da3po_megatron.eval.metrics import (
     BenchmarkScore,
