@@ -108,7 +108,7 @@ def _score(uid: str) -> float:
 def _drive(sel: SelectingPrompts, steps: int, start: int = 0, totals: dict[str, float] | None = None,
            rounds: int = 1) -> list[list[str]]:
     """Per step, ``rounds`` times: take 3 prompts and score them by a fixed rule (``_score``); then complete the step
-    (``drain``, as ``Run.step_completed`` does), adding its counters to ``totals``."""
+    (``drain``, as ``RunState.step_completed`` does), adding its counters to ``totals``."""
     out = []
     for _ in range(start, steps):
         step: list[str] = []

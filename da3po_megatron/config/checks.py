@@ -125,17 +125,8 @@ def validate(cfg: Config) -> None:
            f"not 'ipc' with parallel.expert_tensor_parallel_size = {p.expert_tensor_parallel_size} (with EP > 1 the "
            "IPC transport passes each EP rank's whole experts round its EP group; an expert split over GPUs is not "
            "gathered: use 'bytes' or 'collective', docs/moe.md)")
-    if r.weight_transfer == "ipc":  # the IPC routing of the first sync, on the layout the run will have (issue 34)
-        from da3po_megatron.rollout.ipc_routing import check_colocated_layout
-
-        try:  # any policy TP x PP (x EP) is served (issue 49); an engine GPU without a policy rank is not
-            check_colocated_layout(cfg.policy_world_size, p.tensor_model_parallel_size,
-                                   p.pipeline_model_parallel_size, r.num_engines, p.context_parallel_size,
-                                   r.tensor_parallel_size)
-        except ValueError as e:
-            raise ConfigError(f"rollout.weight_transfer = 'ipc' with {cfg.policy_world_size} policy ranks and "
-                              f"rollout.num_engines = {r.num_engines} x rollout.tensor_parallel_size = "
-                              f"{r.tensor_parallel_size}: {e}") from None
+    # the colocated IPC layout (engine GPUs without a policy rank) is a placement rule: trainer/cluster/placement.py
+    # check_colocated_ipc, before Ray starts (issue 56: config validation imports nothing above config)
     _check(r.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", r.weight_sync_timeout_s, "> 0")
     _check(cfg.actor.offload == "none" or r.staleness == 0, "actor.offload", cfg.actor.offload,
            f"'none' with rollout.staleness={r.staleness} (the engines generate while the policy trains: its memory "

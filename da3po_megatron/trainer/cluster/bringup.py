@@ -150,8 +150,9 @@ def engine_config(cfg: Config, engine_cuda: bool = False, moe: bool = False) -> 
 
 
 def preflight(cfg: Config) -> GPTArch:
-    """The policy's architecture, read through the bridge from the model's config.json, and the check that needs it,
-    before the run writes or starts anything: the parallel sizes divide the model (heads, query groups, MLP, layers).
+    """The policy's architecture, read through the bridge from the model's config.json, and the checks of the layout,
+    before the run writes or starts anything: the parallel sizes divide the model (heads, query groups, MLP, layers);
+    an explicit ``rollout.weight_transfer=ipc`` can serve the colocated layout (``placement.check_colocated_ipc``).
     A config the bridge cannot read as a ``GPTArch`` is an ``InputError`` (exit 2), like a damaged one. (The memory
     check needs to know the ranks' device: :func:`memory_preflight`, once the placement is reserved.)"""
     from da3po_megatron.bridge.hf_config import gpt_arch
@@ -168,6 +169,10 @@ def preflight(cfg: Config) -> GPTArch:
                                   p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     except ValueError as e:
         raise ValueError(f"parallel: {e} ({config})") from None
+    if cfg.rollout.weight_transfer == "ipc":  # explicit: the colocated layout's gate, before Ray (auto: at planning)
+        from da3po_megatron.trainer.cluster.placement import check_colocated_ipc, ipc_layout
+
+        check_colocated_ipc(ipc_layout(cfg))
     return arch
 
 

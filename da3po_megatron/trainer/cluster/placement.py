@@ -237,21 +237,33 @@ def check_totals(need: Resources, nodes: Sequence[Node]) -> None:
 
 
 def check_colocated_ipc(need: Resources) -> None:
-    """Colocated on GPUs, ``rollout.weight_transfer`` auto or ipc syncs through CUDA IPC
-    (``weight_sync.choose_transport``), which maps memory on the same GPU only: every engine's GPU must hold a policy
-    rank with a full copy of every PP stage. Checked here, on the layout the plan will reserve
-    (``ipc_routing.check_colocated_layout``: the routing decision of the first sync), so policy TP > 1 with engines
-    on TP-rank-1 GPUs, or PP > 1, is a PlacementError in seconds rather than a failure at the first weight sync."""
+    """The one gate of the colocated IPC layout rule. ``rollout.weight_transfer`` ipc (or auto, colocated on GPUs)
+    syncs through CUDA IPC (``weight_sync.choose_transport``), which maps memory on the same GPU only: every engine
+    GPU must hold a policy rank (``ipc_routing.check_colocated_layout``: the routing decision of the first sync, on
+    the layout the plan will reserve). Called before Ray starts for an explicit 'ipc' (``bringup.preflight``, with
+    :func:`ipc_layout`) and at planning for auto on GPUs (:func:`plan_placement`): a PlacementError (exit 2) in
+    seconds rather than a failure at the first weight sync. (Until issue 56 the explicit case was a second gate in
+    the config checks, which made the config layer import rollout.)"""
     from da3po_megatron.rollout.ipc_routing import check_colocated_layout
 
     try:
         check_colocated_layout(need.world_size, need.tp, need.pp, need.num_engines, need.cp, need.engine_tp)
     except ValueError as e:
-        raise PlacementError(f"rollout.colocate=true on GPUs syncs the weights through CUDA IPC "
-                             f"(rollout.weight_transfer={need.weight_transfer}), which this layout cannot serve: "
-                             f"policy TP={need.tp}, PP={need.pp}, {need.num_engines} engine(s) of TP "
+        raise PlacementError(f"rollout.weight_transfer={need.weight_transfer} with rollout.colocate=true syncs the "
+                             f"weights through CUDA IPC, which this layout cannot serve: {need.world_size} policy "
+                             f"ranks (TP={need.tp}, PP={need.pp}), {need.num_engines} engine(s) of TP "
                              f"{need.engine_tp} in policy ranks 0..{need.num_engines * need.engine_tp - 1}'s "
                              f"bundles: {e}") from None
+
+
+def ipc_layout(cfg: Any) -> Resources:
+    """The layout of a run config as :func:`check_colocated_ipc` reads it, before any cluster is known (one GPU per
+    rank and engine worker, as colocation places them; nothing else of the resources is resolved)."""
+    r, p = cfg.rollout, cfg.parallel
+    return Resources(world_size=cfg.policy_world_size, tp=p.tensor_model_parallel_size, cpus_per_rank=0.0,
+                     gpus_per_rank=1.0, num_engines=r.num_engines, cpus_per_engine=0.0, gpus_per_engine=1.0,
+                     colocate=r.colocate, device="gpu", pp=p.pipeline_model_parallel_size,
+                     cp=p.context_parallel_size, weight_transfer=r.weight_transfer, engine_tp=r.tensor_parallel_size)
 
 
 def plan_placement(need: Resources, nodes: Sequence[Node]) -> Plan:

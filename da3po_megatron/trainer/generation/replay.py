@@ -15,7 +15,7 @@ it -- the
   they are ignored on replay.
 
 ``dump_dir/manifest.json`` says what produced the dump: the resolved config, the config identity (the run record's
-defining fields, ``trainer/resume/config_drift.py``), the model's and the tokenizer's identity (sha256 of
+defining fields, ``config/diff.py``), the model's and the tokenizer's identity (sha256 of
 ``config.json`` and of each tokenizer file; each weight file's name, size and safetensors header -- names, dtypes,
 shapes, offsets; the values themselves are not hashed, which would read the whole model), the data (the iterator's
 fingerprint of the prompts in order, their number, seed and shuffle), the seeds and the format version.
@@ -67,7 +67,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d{6,})\.pt$")
 # fields that may differ between the dumping run and the replay: where things are, and the layout (replay across
-# layouts is a use of it: tools/studies/replay_layouts.py); checked against config_drift's defining fields otherwise
+# layouts is a use of it: tools/studies/replay_layouts.py); checked against config/diff.py's defining fields otherwise
 FREE = ("model.path", "data.train_files", "trainer.run_dir", "parallel.", "rollout.dump_", "rollout.replay_")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja")
@@ -145,9 +145,9 @@ def make_manifest(cfg: Config, prompts_state: dict[str, Any]) -> dict[str, Any]:
 
 def manifest_differences(dumped: dict[str, Any], here: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(refused, warned): what differs between the dump's manifest and this run's, one line each. Refused: the
-    format, the model and tokenizer identity, the data, and the config's defining fields (``config_drift.DEFINING``)
+    format, the model and tokenizer identity, the data, and the config's defining fields (``config/diff.py: DEFINING``)
     but for :data:`FREE`; warned: other config fields that change what a step computes (``kind == 'changed'``)."""
-    from da3po_megatron.trainer.resume.config_drift import config_changes
+    from da3po_megatron.config.diff import config_changes
 
     refused: list[str] = []
     if dumped.get("format") != here["format"]:

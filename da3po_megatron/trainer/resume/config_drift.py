@@ -1,6 +1,8 @@
 """Config changes on resume: said, recorded, or refused.
 
-Every checkpoint holds the resolved config it was trained with (``trainer_state.pt["config"]``, every preset value
+Which fields define a run, and the field-by-field diff, are pure config facts: ``config/diff.py`` (this module reads
+checkpoints and run records and decides what to say or refuse). Every checkpoint holds the resolved config it was
+trained with (``trainer_state.pt["config"]``, every preset value
 filled in). On resume the trainer compares it with the config of the new command, field by field, and
 
 - **refuses** (exit 2, every such field listed with its old and new value) changes to what defines the run: the
@@ -49,70 +51,18 @@ from pathlib import Path
 from typing import Any
 
 from da3po_megatron.config import Config, to_dict
+from da3po_megatron.config.diff import config_changes
 from da3po_megatron.trainer.resume.async_resume import FIELDS, async_resume_problems
 
 CHANGES_FILE = "config_changes.jsonl"
 RECORD_FILE = "config.yaml"
 
-# what defines the run: a change is refused without --allow-config-change (prefixes of dotted keys)
-DEFINING = ("model.path", "model.params_dtype", "model.make_vocab_size_divisible_by", "algorithm.", "daa.", "data.",
-            "reward.kind", "trainer.seed", "rollout.n", "rollout.temperature", "rollout.top_p",
-            "rollout.max_prompt_length", "rollout.max_response_length", "parallel.tensor_model_parallel_size",
-            "parallel.pipeline_model_parallel_size", "parallel.context_parallel_size")
-DEFINING_EXCEPT = ("algorithm.max_generation_rounds", "data.on_bad_row")
-# cannot change what a step computes: a one-line notice
-HARMLESS = ("trainer.total_steps", "trainer.run_dir", "trainer.resume", "trainer.save_every", "trainer.keep_last",
-            "trainer.keep_best_metric", "trainer.keep_best_mode", "trainer.async_save",
-            "trainer.save_hf_every", "trainer.profile.", "trainer.tensorboard", "trainer.wandb_project",
-            "trainer.experiment_name", "trainer.lock_lease_s", "trainer.max_consecutive_skipped_updates",
-            "trainer.max_update_ratio", "eval.", "ray.", "rollout.num_engines", "rollout.gpu_memory_utilization",
-            "rollout.kv_cache_memory_bytes", "rollout.weight_sync_bucket_mb", "rollout.weight_transfer",
-            "rollout.weight_sync_timeout_s", "rollout.num_cpus_per_engine", "rollout.restart_on_failure",
-            "rollout.logprob_drift_factor", "rollout.engine_placement", "rollout.colocate",
-            "actor.max_tokens_per_microbatch", "actor.logprob_max_tokens_per_microbatch", "actor.memory_check",
-            "actor.entropy", "model.recompute_", "reward.num_workers", "reward.timeout_s", "rollout.dump_",
-            "rollout.replay_match_threshold",
-            "algorithm.max_generation_rounds", "data.on_bad_row")
+# the LR schedule: megatron-core restores it from the checkpoint (see the module docstring)
 SCHEDULE = ("optim.lr", "optim.min_lr", "optim.lr_warmup_steps", "optim.lr_schedule", "optim.weight_decay")
 
 
 class ConfigDriftError(RuntimeError):
     """A resume would change what defines the run (the message lists the fields)."""
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def kind_of(key: str) -> str:
-    """'defining', 'harmless' or 'changed' (see the module docstring)."""
-    if key.startswith(DEFINING) and not key.startswith(DEFINING_EXCEPT):
-        return "defining"
-    if key.startswith(HARMLESS):
-        return "harmless"
-    return "changed"
-
-
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every field whose value differs between the checkpoint's config ``old`` and the new one, with its kind. A field
-    the checkpoint does not know (written by an older version) counts as harmless."""
-    a, b = _flat(old), _flat(new)
-    changes = []
-    for key in sorted(set(a) | set(b)):
-        if key in a and key in b and a[key] == b[key]:
-            continue
-        if key not in a or key not in b:
-            kind = "harmless"
-        else:
-            kind = kind_of(key)
-        changes.append({"key": key, "old": a.get(key, "<absent>"), "new": b.get(key, "<absent>"), "kind": kind})
-    return changes
 
 
 def _line(c: dict[str, Any]) -> str:
