@@ -157,3 +157,18 @@ def test_the_preflight_budgets_training_beside_an_awake_engine_when_the_engines_
     assert not engines_sleep_while_training(cfg) and engines_sleep_while_training(recipe()[0])
     with pytest.raises(MemoryBudgetError, match=r"colocated beside an awake engine"):
         check_policy_memory(cfg, arch, available=H200, device="cuda", te=True, total=H200, log=lambda m: None)
+
+
+def test_the_report_prints_the_recipes_table_and_fails_on_todays_order(tmp_path, capsys):
+    """``python -m da3po_megatron.megatron.timeline_report`` (docs/colocation.md's table): exit 0 on the fixed order
+    of the 8B colocated recipe on an H200, 1 on today's, naming the violations."""
+    import json
+
+    from da3po_megatron.megatron.timeline_report import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(QWEN3_8B))
+    assert main([str(RECIPE), "--hf-config", str(cfg), "--device", "h200", "--order", "fixed"]) == 0
+    assert "peak per phase (GiB of 140.4): start-up 130.1" in capsys.readouterr().out
+    assert main([str(RECIPE), "--hf-config", str(cfg), "--device", "h200", "--order", "today"]) == 1
+    assert "VIOLATION" in capsys.readouterr().out
