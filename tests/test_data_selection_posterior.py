@@ -153,6 +153,13 @@ def test_floors_and_the_all_wrong_back_off_as_in_the_streak_rule():
         assert (p_keep == 1.0) is surely, (z, skips, p_keep)
 
 
+def test_nothing_is_skipped_before_the_runs_first_group():
+    post = PassRatePosteriors(PP)
+    assert post.keep("u0", 0, 0.5) == (1.0, 0.0, 0.0)
+    post.observe("u1", 1.0, 0)
+    assert post.keep("u0", 0, 0.5)[0] < 1.0  # now the dataset's mean is its prior
+
+
 def test_group_size_is_learnt_from_the_p_hats():
     assert infer_group_size(0, 0.375) == 8
     assert infer_group_size(infer_group_size(0, 0.5), 0.25) == 4

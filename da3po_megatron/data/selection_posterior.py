@@ -168,7 +168,10 @@ class PassRatePosteriors:
 
     def keep(self, uid: str, step: int, guard_min: float, all_wrong_streak: int = 0, skips: int = 0
              ) -> tuple[float, float, float]:
-        """(P(keep), P(all correct), P(all wrong)) of ``uid``'s next group at ``step`` (Eq. P4, P5)."""
+        """(P(keep), P(all correct), P(all wrong)) of ``uid``'s next group at ``step`` (Eq. P4, P5); before the run's
+        first group there is no evidence at all, not even a dataset mean: kept (1, 0, 0)."""
+        if not self.means:
+            return 1.0, 0.0, 0.0
         a, b = self.beta(uid, step)
         return posterior_keep_probability(a, b, self.g(), self.params, guard_min, all_wrong_streak, skips)
 
