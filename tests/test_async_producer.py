@@ -26,7 +26,9 @@ from da3po_megatron.rollout.types import Completion
 from da3po_megatron.testing.standin_engines import StandInStreamEngines
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.batch import StepRollout
-from da3po_megatron.trainer.generation.async_rollout import AsyncRollout, EngineFailure, Partial
+from da3po_megatron.trainer.generation.async_engines import EngineFailure
+from da3po_megatron.trainer.generation.async_partial import Partial
+from da3po_megatron.trainer.generation.async_rollout import AsyncRollout
 
 
 def within(seconds: float, fn):
@@ -243,9 +245,9 @@ def test_an_engine_failure_checkpoints_the_last_completed_step_and_stops_fake(mo
     from da3po_megatron.trainer import loop
 
     calls = []
-    fake = SimpleNamespace(save_checkpoint=lambda: calls.append("save"),
-                           poll_checkpoint=lambda wait=False: calls.append(f"poll wait={wait}"),
-                           close=lambda: calls.append("close"), preempted=lambda: False)
+    state = SimpleNamespace(save_checkpoint=lambda: calls.append("save"),  # run.state (resume/run_state.py)
+                            poll_checkpoint=lambda wait=False: calls.append(f"poll wait={wait}"))
+    fake = SimpleNamespace(state=state, close=lambda: calls.append("close"), preempted=lambda: False)
     monkeypatch.setattr(loop, "Run", lambda cfg, allow=False: fake)
 
     def failing(run):

@@ -16,14 +16,8 @@ from da3po_megatron.config import ConfigError, load_config
 from da3po_megatron.data.datasets import Example, PromptDataset
 from da3po_megatron.rollout.types import Completion
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.generation.async_rollout import (
-    AsyncRollout,
-    Partial,
-    admissible,
-    continuation_seed,
-    uses_producer,
-    versions_spanned,
-)
+from da3po_megatron.trainer.generation.async_partial import Partial, continuation_seed, versions_spanned
+from da3po_megatron.trainer.generation.async_rollout import AsyncRollout, admissible, uses_producer
 
 G = 2
 

@@ -31,14 +31,9 @@ import time
 from da3po_megatron.config import Config
 from da3po_megatron.ranges import phase as named_range
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.generation.async_rollout import (
-    AsyncRollout,
-    EngineFailure,
-    Prefetch,
-    ProducerStalled,
-    uses_producer,
-)
-from da3po_megatron.trainer.generation.collect import DynamicSamplingError, collect
+from da3po_megatron.trainer.generation.async_engines import EngineFailure
+from da3po_megatron.trainer.generation.async_rollout import AsyncRollout, ProducerStalled, uses_producer
+from da3po_megatron.trainer.generation.collect import DynamicSamplingError, Prefetch, collect
 from da3po_megatron.trainer.generation.rescore import rescore
 from da3po_megatron.trainer.observability.profiling import PhaseTimer
 from da3po_megatron.trainer.observability.step_metrics import step_metrics

@@ -89,7 +89,8 @@ def _train(cfg, args: argparse.Namespace) -> int:
     from da3po_megatron.megatron.memory import MemoryBudgetError
     from da3po_megatron.rewards import RewardPoolError
     from da3po_megatron.trainer.cluster.placement import PlacementError
-    from da3po_megatron.trainer.generation.async_rollout import EngineFailure, ProducerStalled
+    from da3po_megatron.trainer.generation.async_engines import EngineFailure
+    from da3po_megatron.trainer.generation.async_rollout import ProducerStalled
     from da3po_megatron.trainer.generation.collect import DynamicSamplingError
     from da3po_megatron.trainer.inputs import InputError
     from da3po_megatron.trainer.loop import train

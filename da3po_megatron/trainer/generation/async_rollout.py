@@ -1,13 +1,8 @@
-"""Generation beside the loop: the one-step-off prefetch (``rollout.staleness=1``) and the asynchronous producer
-(``rollout.staleness >= 2`` or ``rollout.partial_rollouts``), issues 37 and 47. ``trainer/loop.py`` only calls
-:meth:`AsyncRollout.take` / :meth:`~AsyncRollout.pause` / :meth:`~AsyncRollout.resume`; docs/async.md is the guide.
-The producer's engine side is ``trainer/generation/async_engines.py``, its per-group state and checkpoint snapshot
-``trainer/generation/async_partial.py``.
-
-**Prefetch** (``rollout.staleness=1``; verl's one-step-off-policy recipe, AReaL's staleness bound 1): the batch of step
-t+1 is collected in a driver thread -- the engines generate, the reward pool scores -- while the policy computes pi_old
-and trains step t. The loop joins it before the weight sync, so weights never change under a running request, and
-every group records ``weight_step``, the policy step whose weights generated it. Exactly reproducible (seeds alone).
+"""Generation beside the loop: the asynchronous producer (``rollout.staleness >= 2`` or ``rollout.partial_rollouts``),
+issues 37 and 47. ``trainer/loop.py`` only calls :meth:`AsyncRollout.take` / :meth:`~AsyncRollout.pause` /
+:meth:`~AsyncRollout.resume`; docs/async.md is the guide. The producer's engine side is ``async_engines.py``, its
+per-group state and checkpoint snapshot ``async_partial.py``; the one-step-off prefetch of ``rollout.staleness=1``
+is ``collect.py``'s :class:`~da3po_megatron.trainer.generation.collect.Prefetch`.
 
 **The asynchronous producer** (:class:`AsyncRollout`). A driver thread keeps the engines generating continuously
 over the streaming engine API (``RolloutClient.stream_start``, two calls in flight per engine): it admits prompts one
@@ -57,24 +52,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from da3po_megatron.trainer import batch as B
-from da3po_megatron.trainer.batch import StepRollout
 from da3po_megatron.trainer.faults import fault_point
-from da3po_megatron.trainer.generation.async_engines import EngineCalls, EngineFailure, EngineSide
-from da3po_megatron.trainer.generation.async_partial import (
-    Partial,
-    ProducerSnapshot,
-    continuation_seed,
-    trace_batch,
-    versions_spanned,
-)
+from da3po_megatron.trainer.generation.async_engines import EngineCalls, EngineSide
+from da3po_megatron.trainer.generation.async_partial import Partial, ProducerSnapshot, trace_batch
 from da3po_megatron.trainer.generation.collect import DynamicSamplingError, token_stats
 
 if TYPE_CHECKING:
     from da3po_megatron.config import Config
     from da3po_megatron.trainer.generation.sampler import Sampler
 
-__all__ = ["AsyncRollout", "EngineFailure", "Partial", "Prefetch", "ProducerStalled", "admissible",
-           "continuation_seed", "uses_producer", "versions_spanned"]
+__all__ = ["AsyncRollout", "ProducerStalled", "admissible", "uses_producer"]
 
 
 def uses_producer(cfg: Config) -> bool:
@@ -91,8 +78,7 @@ def admissible(p_max: int, version: int, first_version: int, batch_size: int, k:
 
 
 class ProducerStalled(RuntimeError):
-    """The loop waited for the producer (a batch, a pause) while it made no progress for 2 x
-    ``rollout.producer_timeout_s``."""
+    """The loop waited for the producer (a batch, a pause) with no progress for 2 x ``rollout.producer_timeout_s``."""
 
 
 class AsyncRollout(EngineSide):
@@ -114,7 +100,7 @@ class AsyncRollout(EngineSide):
     producer's while it runs, the loop's weight sync's while paused)."""
 
     def __init__(self, sampler: Sampler, version: int, state: dict[str, Any] | None = None,
-                 prefetched: list[StepRollout] | None = None) -> None:
+                 prefetched: list[B.StepRollout] | None = None) -> None:
         cfg = sampler.cfg
         r = cfg.rollout
         self.sampler, self.client = sampler, sampler.rollout
@@ -161,7 +147,7 @@ class AsyncRollout(EngineSide):
         self._thread.start()
 
     # ------------------------------------------------------------------------------------------ the loop's side
-    def take(self, step: int) -> StepRollout:
+    def take(self, step: int) -> B.StepRollout:
         """The batch of ``step``: the next ``data.train_batch_size`` kept groups in FIFO order (waits for them)."""
         t0 = time.perf_counter()
         with self._cv:
@@ -194,7 +180,7 @@ class AsyncRollout(EngineSide):
         weight_step = min(g.weight_step for g in groups)
         # generate / reward: the producer's time waiting for engine calls / scoring since the previous take (beside
         # training, not on the step's critical path); wait_rollout: what the loop waited for this batch
-        return StepRollout(groups, generated, stats, weight_step, {**seconds, "wait_rollout": waited})
+        return B.StepRollout(groups, generated, stats, weight_step, {**seconds, "wait_rollout": waited})
 
     def _cut(self) -> int:
         """How many released groups form the next batch: up to and including its B-th kept one."""
@@ -302,7 +288,7 @@ class AsyncRollout(EngineSide):
         for p in self.partials.values():  # saved after the sync, before resume(): they continue under new weights
             p.span += 1
 
-    def _adopt(self, r: StepRollout) -> None:
+    def _adopt(self, r: B.StepRollout) -> None:
         """A prefetched batch of a staleness-1 checkpoint (issue 47, point 1): its B kept groups enter the queue
         first, so the next take trains exactly them, at ``first_version`` as the prefetch would have (admission counts
         them: the bound holds for everything admitted after); its filtered groups follow (reported with the next
@@ -462,29 +448,3 @@ class AsyncRollout(EngineSide):
                     "Raise algorithm.max_generation_rounds, lower data.train_batch_size, or use easier/harder prompts.",
                     {"dynamic_sampling/generated_groups": float(len(self.released)),
                      "dynamic_sampling/kept_groups": float(kept)})
-
-
-class Prefetch:
-    """Collect the next step's batch in a driver thread (``rollout.staleness=1``); :meth:`join` returns it (or
-    re-raises its error) and how long the caller waited for it."""
-
-    def __init__(self, collect: Callable[[], StepRollout]) -> None:
-        self._result: StepRollout | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(collect,), name="da3po-prefetch", daemon=True)
-        self._thread.start()
-
-    def _run(self, collect: Callable[[], StepRollout]) -> None:
-        try:
-            self._result = collect()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by join()
-            self._error = e
-
-    def join(self) -> tuple[StepRollout, float]:
-        t0 = time.perf_counter()
-        self._thread.join()
-        waited = time.perf_counter() - t0
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result, waited

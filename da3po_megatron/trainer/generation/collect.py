@@ -5,6 +5,12 @@ Both pipelines (``trainer/loop.py`` step 1, and the prefetch / asynchronous prod
 engines, rewards, buffer), never the run; the step's data (:class:`~da3po_megatron.trainer.batch.StepRollout`) is in
 ``trainer/batch.py`` and the phase timer in ``observability/profiling.py``, below both.
 
+**Prefetch** (``rollout.staleness=1``; verl's one-step-off-policy recipe, AReaL's staleness bound 1; :class:`Prefetch`):
+the batch of step t+1 is collected in a driver thread -- the engines generate, the reward pool scores -- while the
+policy computes pi_old and trains step t. The loop joins it before the weight sync, so weights never change under a
+running request, and every group records ``weight_step``, the policy step whose weights generated it. Exactly
+reproducible (seeds alone). (Moved here from ``async_rollout.py``, the producer's module: issue 56.)
+
 **Rounds** (``rollout.mode=rounds``, the paper's dynamic sampling): :func:`fill_batch` generates whole rounds until the
 dynamic-sampling buffer holds the batch.
 
@@ -33,7 +39,9 @@ from __future__ import annotations
 import bisect
 import collections
 import math
+import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from da3po_megatron.ranges import phase as named_range
@@ -241,3 +249,28 @@ def _collect(run: Sampler, step: int) -> StepRollout:
             return stream_batch(run, step)
     return fill_batch(run, step)
 
+
+class Prefetch:
+    """Collect the next step's batch in a driver thread (``rollout.staleness=1``); :meth:`join` returns it (or
+    re-raises its error) and how long the caller waited for it."""
+
+    def __init__(self, collect: Callable[[], StepRollout]) -> None:
+        self._result: StepRollout | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(collect,), name="da3po-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, collect: Callable[[], StepRollout]) -> None:
+        try:
+            self._result = collect()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by join()
+            self._error = e
+
+    def join(self) -> tuple[StepRollout, float]:
+        t0 = time.perf_counter()
+        self._thread.join()
+        waited = time.perf_counter() - t0
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result, waited
