@@ -35,6 +35,7 @@ def test_a_collective_sender_binds_its_store_before_it_hands_out_the_port():
     import socket
 
     import da3po_megatron.rollout.collective as collective
+    from da3po_megatron.rollout.collective_send import CollectiveSender
 
     with socket.socket() as taken:
         taken.bind(("", 0))
@@ -42,7 +43,7 @@ def test_a_collective_sender_binds_its_store_before_it_hands_out_the_port():
         port = taken.getsockname()[1]
         real, collective.free_port = collective.free_port, lambda *a, **k: port  # noqa: ARG005
         try:
-            sender = collective.CollectiveSender("race", 2, "gloo", 10.0, host="127.0.0.1")
+            sender = CollectiveSender("race", 2, "gloo", 10.0, host="127.0.0.1")
         finally:
             collective.free_port = real
         assert sender.port != port and sender.store.port == sender.port

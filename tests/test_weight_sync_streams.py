@@ -22,8 +22,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from da3po_megatron.rollout.collective import CollectiveSender, destroy_group, make_group
+from da3po_megatron.rollout.collective import destroy_group, make_group
 from da3po_megatron.rollout.collective_receive import receive_stage
+from da3po_megatron.rollout.collective_send import CollectiveSender
 from da3po_megatron.rollout.stream_order import DeviceOrder
 
 

@@ -10,7 +10,7 @@ is a real change); every sync ends with the engines serving the new weights (ses
 - ``bytes``: buckets of ``--bucket-mb`` packed into flat buffers, ``ray.put`` once, pulled by every engine
   (:meth:`RolloutClient.update_weights`);
 - ``collective``: a private gloo (CPU) / NCCL (CUDA) group from the sender to every engine worker, flat buckets
-  broadcast (:class:`~da3po_megatron.rollout.collective.CollectiveTransport`).
+  broadcast (:class:`~da3po_megatron.rollout.collective_transport.CollectiveTransport`).
 
 Physical references measured in the same run: ``link`` = one broadcast of a single buffer over the collective group
 (what the group's link moves at best; the model's size, at most ``--link-probe-mb``: every receiver allocates it,

@@ -1,9 +1,9 @@
 """Worker side of the "collective" weight transport (:mod:`~da3po_megatron.rollout.collective` holds the groups, the
-wire format, the packing and the sender): a vLLM worker joins each PP stage's group (one per EP rank of the stage
-with expert parallelism) and receives the stages' streams into its open layerwise-reload session, a receiving
-thread fetching bucket k+1 while the worker's thread loads bucket k -- both on the worker thread's current CUDA
-stream (:mod:`~da3po_megatron.rollout.stream_order`), and a pooled buffer reused only after an event recorded behind
-its last load.
+wire format and the packing, :mod:`~da3po_megatron.rollout.collective_send` the sender): a vLLM worker joins each PP
+stage's group (one per EP rank of the stage with expert parallelism) and receives the stages' streams into its open
+layerwise-reload session, a receiving thread fetching bucket k+1 while the worker's thread loads bucket k -- both on
+the worker thread's current CUDA stream (:mod:`~da3po_megatron.rollout.stream_order`), and a pooled buffer reused
+only after an event recorded behind its last load.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Driver side of the "collective" weight transport (:mod:`da3po_megatron.rollout.collective` holds the group, the
-packing, the sender and the worker-side receiver): :class:`CollectiveTransport` builds one group per PP stage (per
-PP stage and EP rank with expert parallelism) from the senders to every engine worker, runs a sync (engines receive
-in Ray calls while the senders broadcast), rebuilds the groups after an engine restart or a failed sync, and
-measures the link for the benchmark.
+"""Driver side of the "collective" weight transport (:mod:`da3po_megatron.rollout.collective` holds the groups, the wire
+format and the packing, :mod:`~da3po_megatron.rollout.collective_send` the sender and
+:mod:`~da3po_megatron.rollout.collective_receive` the worker-side receiver): :class:`CollectiveTransport` builds one
+group per PP stage (per PP stage and EP rank with expert parallelism) from the senders to every engine worker, runs a
+sync (engines receive in Ray calls while the senders broadcast), rebuilds the groups after an engine restart or a
+failed sync, and measures the link for the benchmark.
 
 The senders are reached through a :data:`SendersFn` -- ``PolicyGroup.run_on_all`` for the policy ranks (each rank
 decides with :func:`sender_slot` whether and on which group it sends), :meth:`StreamSender.run`
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from da3po_megatron.rollout.collective import _SENDERS, close_sender, get_sender, open_sender
+from da3po_megatron.rollout.collective_send import _SENDERS, close_sender, get_sender, open_sender
 
 
 class StreamSender:

@@ -36,7 +36,7 @@ def tensors(n: int, numel: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def sender(q, n: int, numel: int, bucket_bytes: int) -> None:
-    from da3po_megatron.rollout.collective import CollectiveSender
+    from da3po_megatron.rollout.collective_send import CollectiveSender
 
     s = CollectiveSender("cuda_check", 2, "gloo", 120, host="127.0.0.1")
     q.put(s.port)
