@@ -9,8 +9,8 @@ the routes would replay other experts and change the log-probs -- and each step'
 recorded (the same pairs must be counted once with SP as without).
 
 megatron-core refuses to TRAIN a MoE layer at TP > 1 without SP (``transformer/moe/moe_layer.py`` 379-383; the
-project's start-up check refuses that layout too, ``policy.validate_config``, lifted here for the SP-off worker so
-that it can be built): for ``--moe`` at TP > 1 the SP-off worker computes the log-probs (eval passes run) and records
+project's start-up check refuses that layout too, ``policy_config.validate_config``, lifted here for the SP-off worker
+so that it can be built): for ``--moe`` at TP > 1 the SP-off worker computes the log-probs (eval passes run) and records
 the refusal of its first train step; the training reference is the same job at ``--tp 1`` (TP 1 x EP 2 on 2 ranks: the
 same DP 2 split, no sequence to split). Rank 0 writes the JSON.
 
@@ -54,17 +54,17 @@ def main() -> int:
     common = (f"parallel.expert_model_parallel_size={args.ep}",
               *(["parallel.expert_tensor_parallel_size=1", "moe.routing_replay=rollout"] if args.moe else []))
     workers = {}
-    if args.moe:  # the SP-off MoE reference: our own start-up check refuses it too (policy.validate_config)
+    if args.moe:  # the SP-off MoE reference: our own start-up check refuses it too (policy_config.validate_config)
         from dataclasses import replace
 
-        from da3po_megatron.megatron import policy
+        from da3po_megatron.megatron import policy_config
 
-        real = policy.validate_config
+        real = policy_config.validate_config
 
         def validate_as_if_sequence_parallel_for_the_reference(cfg, *a, **kw):
             return real(replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=True)), *a, **kw)
 
-        policy.validate_config = validate_as_if_sequence_parallel_for_the_reference
+        policy_config.validate_config = validate_as_if_sequence_parallel_for_the_reference
     for sp in (False, True) if args.tp > 1 else (False,):  # (TP 1: the single-rank-TP reference, by hand)
         workers[sp] = small_policy(args.hf, args.tp, overrides=(*common, f"parallel.sequence_parallel={sp}",
                                                                 f"parallel.data_parallel_size={world // args.tp}"))

@@ -22,7 +22,8 @@ from _ray import local_ray
 
 from da3po_megatron.bridge.hf_config import gpt_arch
 from da3po_megatron.megatron.batching import PolicyBatch
-from da3po_megatron.megatron.policy import PolicyWorker, validate_config
+from da3po_megatron.megatron.policy import PolicyWorker
+from da3po_megatron.megatron.policy_config import validate_config
 from da3po_megatron.megatron.runtime import free_port
 from da3po_megatron.testing.policy_job import ADVANTAGES, small_policy_config
 from da3po_megatron.testing.policy_job import launch as _launch
@@ -250,7 +251,7 @@ def test_the_drivers_check_of_the_policy_config_does_not_import_megatron_core(ti
     """The driver validates the policy config before any actor starts, without megatron-core: importing it cost every
     launch ~14 CPU-seconds next to the starting actors. A fresh interpreter, so nothing imported it before."""
     code = ("import sys; from da3po_megatron.config import load_config; from da3po_megatron.bridge.hf_config import "
-            "gpt_arch; from da3po_megatron.megatron.policy import validate_config; "
+            "gpt_arch; from da3po_megatron.megatron.policy_config import validate_config; "
             f"cfg = load_config({str(EXAMPLE)!r}, ['model.path={tiny_hf}']); "
             f"validate_config(cfg, gpt_arch({str(tiny_hf)!r}), 1, megatron_config=False); "
             "print(sorted(m for m in sys.modules if m.startswith(('megatron', 'vllm'))))")

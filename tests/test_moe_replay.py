@@ -184,7 +184,7 @@ def test_routing_replay_is_refused_where_it_cannot_work(tmp_path):
     from da3po_megatron.bridge.hf_config import gpt_arch
     from da3po_megatron.config import load_config
     from da3po_megatron.config.io import ConfigError
-    from da3po_megatron.megatron.policy import validate_config
+    from da3po_megatron.megatron.policy_config import validate_config
 
     recipe, base = ROOT / "examples/tiny_cpu_moe.yaml", ["model.path=/x", f"trainer.run_dir={tmp_path}",
                                                           "moe.routing_replay=rollout"]

@@ -225,7 +225,7 @@ def test_fused_linear_train_step_equals_the_kernel_backend(fused_linear_run, alg
 
 def test_actor_loss_backend_fused_linear_reaches_the_policy():
     from da3po_megatron.config import load_config
-    from da3po_megatron.megatron.policy import loss_setup
+    from da3po_megatron.megatron.policy_config import loss_setup
 
     loss = loss_setup(load_config(EXAMPLE, ["actor.loss_backend=fused_linear"]))
     assert (loss["backend"], loss["kernel_backend"]) == ("fused_linear", "auto")
@@ -246,7 +246,7 @@ def test_loss_backends_are_registered_by_name_and_a_new_one_is_chosen_without_ed
         make_loss_backend,
         register_loss_backend,
     )
-    from da3po_megatron.megatron.policy import loss_setup
+    from da3po_megatron.megatron.policy_config import loss_setup
 
     assert {"torch", "kernel", "fused_linear"} <= set(LOSS_BACKENDS)
     shard = VocabShard(tp_rank=1, tp_size=2, tp_group=None, vocab=90, padded_vocab=96)

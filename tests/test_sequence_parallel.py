@@ -60,7 +60,7 @@ def test_sequence_parallel_defaults_on_at_tp_above_one_and_explicit_values_are_k
 def test_moe_at_tp2_without_sequence_parallel_is_refused_at_start_naming_the_field(tmp_path):
     from da3po_megatron import tiny
     from da3po_megatron.bridge.hf_config import gpt_arch
-    from da3po_megatron.megatron.policy import validate_config
+    from da3po_megatron.megatron.policy_config import validate_config
 
     hf = tiny.build_moe_model(tmp_path / "moe", seed=3)
     base = ["parallel.tensor_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"]

@@ -59,7 +59,7 @@ class PolicyGroup:
                  rank_hosts: list[str] | None = None) -> None:
         import ray
 
-        from da3po_megatron.megatron.policy import validate_config
+        from da3po_megatron.megatron.policy_config import validate_config
 
         if not ray.is_initialized():
             raise RuntimeError("PolicyGroup needs ray.init() first")

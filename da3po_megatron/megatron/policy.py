@@ -7,6 +7,8 @@ driver reads rank 0's. It is configured by the run config's own sections (:class
 
 One concern per module (paper equations as in DESIGN.md):
 
+- the run config as the policy reads it, and its start-up check against the world and the model
+  (:mod:`.policy_config`: ``loss_setup``, ``validate_config``);
 - set-up (here): process groups (:mod:`.runtime`), the GPTModel stage of the caller's :class:`~.arch.GPTArch`
   (:mod:`.model`; randomly initialised, the HF weights come through the bridge), then Megatron DDP + distributed
   Adam + the LR schedule (:mod:`.optimizer`);
@@ -16,8 +18,9 @@ One concern per module (paper equations as in DESIGN.md):
 - log-probs and the loss (:mod:`.loss_backends`): "torch" (Megatron's ``vocab_parallel_cross_entropy`` +
   ``algorithms.losses``), "kernel" (the fused DAA-loss kernel on the logits) and "fused_linear" (from the final
   hidden states, no ``[tokens x vocab]`` logits), registered by name behind one interface and chosen by
-  ``actor.loss_backend`` (:func:`loss_setup`). Sampling temperature (``rollout.temperature``): pi is softmax(z / T),
-  the distribution the engines sample from, in log-probs, entropy and loss alike (as verl and slime do);
+  ``actor.loss_backend`` (:func:`.policy_config.loss_setup`). Sampling temperature (``rollout.temperature``): pi is
+  softmax(z / T), the distribution the engines sample from, in log-probs, entropy and loss alike (as verl and slime
+  do);
 - ``train_step`` (here): one RL update, the clipped surrogate of Eq. 5/11 with the algorithm's aggregation (GRPO
   Eq. 4, DAPO / DA3PO token-level Eq. 9, GSPO sequence ratio). DAA (Eq. 14) is applied by the trainer to the
   advantages it sends; the policy does not amplify again. Optional per-token weights (``PolicyBatch.token_weights``,
@@ -49,110 +52,23 @@ import torch
 import torch.distributed as dist
 
 from da3po_megatron.config import AlgorithmConfig, Config, to_dict
-from da3po_megatron.kernels import BACKENDS as KERNEL_BACKENDS
-from da3po_megatron.megatron import cpu_compat
+from da3po_megatron.megatron import cpu_compat, policy_config
 from da3po_megatron.megatron.arch import GPTArch
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.loss_backends import (
-    LOSS_BACKENDS,
     LossBackend,
     VocabShard,
     make_loss_backend,
     microbatch_loss,
 )
-from da3po_megatron.megatron.model import build_gpt_model, transformer_config, use_te
+from da3po_megatron.megatron.model import build_gpt_model, use_te
 from da3po_megatron.megatron.optimizer import build_ddp_optimizer
-from da3po_megatron.megatron.runtime import ParallelLayout, bind_rendezvous, init_parallel, join_rendezvous, node_ip
+from da3po_megatron.megatron.runtime import bind_rendezvous, init_parallel, join_rendezvous, node_ip
 from da3po_megatron.megatron.schedule import ForwardSchedule
 from da3po_megatron.megatron.update_guard import check_finite_weights, guarded_step
 from da3po_megatron.ranges import ranged
 
 log = logging.getLogger(__name__)
-
-
-
-def loss_setup(cfg: Config) -> dict[str, Any]:
-    """What the loss code reads, derived from the run config (nothing here has a default of its own).
-
-    The resolved algorithm fields (``ratio_level``, ``loss_agg_mode``, ``clip_ratio_low/high``; the registry filled
-    them at load), the custom loss ``algorithm.policy_loss_fn`` imported (None = ``losses.policy_loss``), and which
-    implementation computes log-probs and loss from ``actor.loss_backend``: "torch" (Megatron's vocab-parallel cross
-    entropy + ``losses.policy_loss``), "fused_linear" (from the final hidden states, no logits tensor), otherwise
-    "kernel" with that kernel backend (auto | triton | chunked | reference). ``rollout.temperature`` divides every
-    logit (the distribution the engines sampled from); ``actor.entropy`` turns the entropy metric on.
-    """
-    from da3po_megatron.algorithms.registry import POLICY_LOSS_FN_ARGS, load_function
-
-    a, b = cfg.algorithm, cfg.actor.loss_backend
-    unset = [k for k in ("ratio_level", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high") if getattr(a, k) is None]
-    if unset:
-        raise ValueError(f"algorithm.{', algorithm.'.join(unset)} unset: resolve the run config first "
-                         "(da3po_megatron.config.load_config or resolve)")
-    if not cfg.rollout.temperature > 0:
-        raise ValueError(f"rollout.temperature must be > 0 (the sampling temperature), got {cfg.rollout.temperature}")
-    backend = "kernel" if b in KERNEL_BACKENDS else b  # a kernel backend's name means the kernel loss backend
-    if backend not in LOSS_BACKENDS or backend == "kernel" and b not in KERNEL_BACKENDS:
-        names = sorted(set(LOSS_BACKENDS) - {"kernel"}) + list(KERNEL_BACKENDS)
-        raise ValueError(f"actor.loss_backend={b!r} is not one of {', '.join(names)}")
-    fn = load_function(a.policy_loss_fn, POLICY_LOSS_FN_ARGS, "algorithm.policy_loss_fn") if a.policy_loss_fn else None
-    return dict(algorithm=a.name, ratio_level=a.ratio_level, loss_agg_mode=a.loss_agg_mode,
-                clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, policy_loss_fn=fn,
-                backend=backend, kernel_backend=b if backend == "kernel" else "auto",
-                temperature=cfg.rollout.temperature, entropy=cfg.actor.entropy)
-
-
-def layout_of(cfg: Config) -> ParallelLayout:
-    """The process-group layout of ``cfg.parallel`` (DP follows from the world size)."""
-    p = cfg.parallel
-    return ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
-                          p.expert_model_parallel_size, p.expert_tensor_parallel_size)
-
-
-def validate_config(cfg: Config, arch: GPTArch, world_size: int, *, megatron_config: bool = True) -> None:
-    """Check the run config against the world and the model (``arch``) before any process group exists.
-
-    Raises ValueError naming the numbers: a world that is not ``cfg.policy_world_size``; world not divisible by
-    TP x PP (x CP), heads / query groups not divisible by TP, layers not divisible by PP; an invalid loss set-up.
-    With ``megatron_config`` (every policy rank, before it joins a group) also megatron-core's own ``TransformerConfig``
-    checks (recomputation options and the like). The driver passes False: importing megatron-core costs a process
-    ~14 CPU-seconds on our 2-core machines (2026-12-01), which the driver spent next to its starting actors in every
-    launch; a config that only megatron-core rejects then fails in the ranks' start-up, with megatron's message.
-    """
-    if not isinstance(arch, GPTArch):
-        raise TypeError(f"the policy is built from a megatron.arch.GPTArch (the bridge's gpt_arch(model_path) gives "
-                        f"it), got {type(arch).__name__}")
-    layout = layout_of(cfg)
-    layout.validate(world_size)
-    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-    ep, etp = layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
-    arch.check_parallel_sizes(tp, pp, ep, etp)
-    if cfg.moe.routing_replay != "none" and not arch.is_moe:
-        raise ValueError(f"moe.routing_replay={cfg.moe.routing_replay!r} needs a Mixture-of-Experts model; "
-                         f"{cfg.model.path} is dense (no experts: nothing to route); use moe.routing_replay=none")
-    sp = sequence_parallel_of(cfg)
-    if arch.is_moe and tp > 1 and not sp:
-        raise ValueError(f"{cfg.model.path} is a Mixture-of-Experts model: training it at "
-                         f"parallel.tensor_model_parallel_size = {tp} needs parallel.sequence_parallel (megatron-core "
-                         "0.16.1 transformer/moe/moe_layer.py 379-383 refuses a training forward without it); use "
-                         "parallel.sequence_parallel=null (on at TP > 1) or true")
-    if megatron_config:
-        transformer_config(arch, cfg.model, tp, pp, layout.context_parallel_size, ep, etp, moe=cfg.moe,
-                           sequence_parallel=sp)
-    if world_size != cfg.policy_world_size:
-        p = cfg.parallel
-        raise ValueError(f"world size {world_size} != parallel.tensor_model_parallel_size "
-                         f"({p.tensor_model_parallel_size}) x pipeline_model_parallel_size "
-                         f"({p.pipeline_model_parallel_size}) x context_parallel_size ({p.context_parallel_size}) x "
-                         f"data_parallel_size ({p.data_parallel_size}) = {cfg.policy_world_size}")
-    loss_setup(cfg)
-
-
-def sequence_parallel_of(cfg: Config) -> bool:
-    """``parallel.sequence_parallel`` as resolved at load (None, in a config built in code and not resolved: on
-    whenever TP > 1, the same rule as ``config.resolve``); only ever True with TP > 1."""
-    p = cfg.parallel
-    sp = p.tensor_model_parallel_size > 1 if p.sequence_parallel is None else bool(p.sequence_parallel)
-    return sp and p.tensor_model_parallel_size > 1
 
 
 class PolicyWorker:
@@ -192,14 +108,14 @@ class PolicyWorker:
         from megatron.core import parallel_state as ps
 
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-        validate_config(cfg, arch, world_size)
+        policy_config.validate_config(cfg, arch, world_size)
         self.cfg, self.arch = cfg, arch
-        self.loss_params = loss_setup(cfg)
+        self.loss_params = policy_config.loss_setup(cfg)
         store = self._rendezvous if rank == 0 else None
         if store is None and master_port and world_size > 1:  # a port handed over without rendezvous_address()
             store = (bind_rendezvous(port=master_port) if rank == 0
                      else join_rendezvous(master_addr or "127.0.0.1", master_port))
-        init_parallel(layout_of(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
+        init_parallel(policy_config.layout_of(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
                       master_port=master_port, store=store, seed=cfg.trainer.seed)
         self._rendezvous = None  # the world's default group holds the store from here on
         self.tp = ps.get_tensor_model_parallel_world_size()
@@ -219,7 +135,7 @@ class PolicyWorker:
         self.thd = self.te and cfg.actor.packing
         self.pad_id = arch.pad_token_id
 
-        self.sequence_parallel = sequence_parallel_of(cfg)
+        self.sequence_parallel = policy_config.sequence_parallel_of(cfg)
         model = self._gpt = build_gpt_model(arch, cfg.model, moe=cfg.moe, sequence_parallel=self.sequence_parallel)
         self.model, self.optimizer, self.scheduler = build_ddp_optimizer(
             model, cfg.optim, total_steps=cfg.optimizer_steps, lr_decay_style=cfg.optim.lr_schedule)
@@ -260,7 +176,7 @@ class PolicyWorker:
             cfg = replace(cfg, actor=replace(cfg.actor, loss_backend=loss_backend))
         if temperature is not None:
             cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=temperature))
-        self.loss_params = loss_setup(cfg)
+        self.loss_params = policy_config.loss_setup(cfg)
         self.cfg = cfg
         self.loss_backend = self._make_loss_backend()
 
@@ -273,7 +189,7 @@ class PolicyWorker:
         return self.offloader.reload()
 
     def _make_loss_backend(self) -> LossBackend:
-        """The loss backend ``loss_setup`` named, for this rank's model stage and vocab shard."""
+        """The loss backend ``policy_config.loss_setup`` named, for this rank's model stage and vocab shard."""
         p = self.loss_params
         shard = VocabShard(self.tp_rank, self.tp, self.tp_group, self.vocab, self.padded_vocab)
         return make_loss_backend(p["backend"], self._gpt, shard, p["temperature"], p["kernel_backend"])

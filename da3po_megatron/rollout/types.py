@@ -81,7 +81,7 @@ class EngineConfig:
     """Which distribution the returned log-probs come from. "raw_logprobs" (vLLM's default): log softmax(z), before
     temperature and top-k/top-p. "processed_logprobs": the distribution the token was sampled from,
     log softmax(z / T) restricted and renormalised to the top-k / top-p set -- what the trainer's engines use, since
-    the policy scores softmax(z / T) too (``rollout.temperature``, read by ``megatron.policy.loss_setup``). With
+    the policy scores softmax(z / T) too (``rollout.temperature``, read by ``megatron.policy_config.loss_setup``). With
     top_p < 1 (or top_k) the two still differ by the nucleus renormalisation (engine >= policy log-prob; the policy
     scores the whole vocabulary), which shows in ``rollout/logprob_diff_*`` and in TIS weights below 1. Raw stays the
     default for engines that do not need log-probs (``da3po eval``): on CUDA, processed log-probs rule out
