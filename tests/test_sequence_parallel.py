@@ -22,11 +22,10 @@ JOB = Path(__file__).with_name("_policy_sp.py")
 
 
 def _launch(nproc: int, out: Path, *args: str) -> dict:
-    from da3po_megatron.megatron.runtime import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), str(JOB), "--out", str(out), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+           str(JOB), "--out", str(out), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=JOB.parent)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
