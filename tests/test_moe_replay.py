@@ -207,7 +207,8 @@ def test_gpu_engines_ask_vllm_for_routes_and_keep_the_moe_layers_columns_with_st
     from types import SimpleNamespace
 
     from da3po_megatron.rollout import EngineConfig
-    from da3po_megatron.rollout.engine import llm_kwargs, route_source, vllm_routes
+    from da3po_megatron.rollout.engine_routes import route_source, vllm_routes
+    from da3po_megatron.rollout.engine_setup import llm_kwargs
 
     cfg = EngineConfig(model_path=str(tied_moe), return_routed_experts=True)
     assert llm_kwargs(cfg, has_cuda=True)["enable_return_routed_experts"] is True

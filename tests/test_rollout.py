@@ -15,7 +15,8 @@ import torch
 
 from da3po_megatron.rollout import Completion, EngineConfig, RolloutClient, RolloutError, SamplingConfig
 from da3po_megatron.rollout.client import assemble, iter_buckets, serialize_bucket
-from da3po_megatron.rollout.engine import engine_env, llm_kwargs, resolve_transfer_backend, seed_for
+from da3po_megatron.rollout.engine_setup import engine_env, llm_kwargs, resolve_transfer_backend
+from da3po_megatron.rollout.stream import seed_for
 
 LOGPROB_TOL = 1e-4
 PROMPTS = ["What is 2+3?", "Solve x+1=4.", "hello world", "7*6=?", "Name a prime."]
@@ -258,7 +259,7 @@ def test_consistency_metrics_are_mean_and_max_abs_over_tokens():
 
 
 def test_the_installed_vllm_has_what_every_transport_needs_and_ipc_refuses_cpu():
-    from da3po_megatron.rollout.engine import check_vllm_support
+    from da3po_megatron.rollout.engine_setup import check_vllm_support
     from da3po_megatron.rollout.ipc import require_ipc
 
     for transport in ("auto", "bytes", "collective", "ipc"):

