@@ -3,10 +3,11 @@
 ``da3po bench control-plane --size paper|4x|16x [--scale F]`` (or ``python -m da3po_megatron.bench.control_plane``) runs
 the driver's own code of one step of Algorithm 1 -- :meth:`RolloutClient.generate` with its ``assemble``, the reward
 pool (:class:`RewardPool`, real worker processes, the ``coin`` reward of ``da3po_megatron/bench/rl_step.py``),
-``Run.score`` / ``make_groups`` with overlong shaping, the dynamic-sampling buffer over generation rounds (over-sampled
-as ``Run.prompts_for_round`` does), ``compute_advantages`` with DAA, ``policy_batch``, ``Run.old_logprobs`` (the
-policy's ``compute_logprobs``, the mismatch metrics), ``PolicyGroup.train_step``, ``Run.step_metrics`` and
-``Run.trainer_state`` written with ``torch.save`` -- against stand-ins that do no model compute:
+``Sampler.score`` / ``make_groups`` with overlong shaping, the dynamic-sampling buffer over generation rounds
+(over-sampled as ``Sampler.prompts_for_round`` does), ``compute_advantages`` with DAA, ``policy_batch``,
+``old_logprobs`` (the policy's ``compute_logprobs``, the mismatch metrics), ``PolicyGroup.train_step``,
+``step_metrics`` and ``RunState.trainer_state`` written with ``torch.save`` -- against stand-ins that do no model
+compute:
 
 - engines (:class:`StandInEngine`): real Ray actors that return :class:`Completion` objects of the recorded shape:
   response lengths gamma-distributed (shape 2) and capped at the size's L_max (``finish_reason="length"`` there),
@@ -224,8 +225,12 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     from da3po_megatron.rollout.consistency import DriftMonitor
     from da3po_megatron.rollout.types import EngineConfig
     from da3po_megatron.trainer import batch as B
-    from da3po_megatron.trainer.generation.collect import StepRollout, token_stats
-    from da3po_megatron.trainer.run import Run
+    from da3po_megatron.trainer.batch import StepRollout
+    from da3po_megatron.trainer.generation.collect import token_stats
+    from da3po_megatron.trainer.generation.sampler import GENERATION_TOTALS, Sampler
+    from da3po_megatron.trainer.observability.step_metrics import step_metrics
+    from da3po_megatron.trainer.old_logprobs import old_logprobs
+    from da3po_megatron.trainer.resume.run_state import RunState
 
     prompts = max(1, round(size.prompts * scale))
     dp = dp or ranks_actual
@@ -241,13 +246,15 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     rollout = RolloutClient(EngineConfig(model_path="stand-in"), engines, mode="ray")
     policy = make_policy_group(cfg, ranks, infos)
     rewards = RewardPool(num_workers=reward_workers, timeout_s=10.0)
-    run = SimpleNamespace(cfg=cfg, rewards=rewards, policy=policy, step=0, data_skipped_rows=0,
-                          drift=DriftMonitor(0.0), pending=[], engine_weight_step=0,
-                          buffer=DynamicSamplingBuffer(prompts, surplus="carry", group_size=size.group),
-                          prompts=SimpleNamespace(state_dict=lambda: {"position": 0}), selection_metrics={},
-                          totals={"samples": 0, "tokens": 0, "groups": 0, "kept_groups": 0, "reward_timeouts": 0,
-                                  "reward_errors": 0, "skipped_updates": 0})
-    run.totals.update(groups=10 * prompts, kept_groups=7 * prompts)  # steady state: the keep rate of earlier steps
+    sampler = Sampler.__new__(Sampler)  # the trainer's sampler over stand-in parts (no dataset, no tokenizer)
+    sampler.__dict__.update(cfg=cfg, rewards=rewards, rollout=rollout, data_skipped_rows=0, engine_weight_step=0,
+                            buffer=DynamicSamplingBuffer(prompts, surplus="carry", group_size=size.group),
+                            prompts=SimpleNamespace(state_dict=lambda: {"position": 0}), selection_metrics={},
+                            totals=dict.fromkeys(GENERATION_TOTALS, 0))
+    sampler.totals.update(groups=10 * prompts, kept_groups=7 * prompts)  # steady state: earlier steps' keep rate
+    drift = DriftMonitor(0.0)
+    state = RunState(cfg, None, None, sampler, drift)  # type: ignore[arg-type] - no checkpoint manager needed
+    run = SimpleNamespace(cfg=cfg, policy=policy, drift=drift, state=state, buffer=sampler.buffer)
     sampling_seed = 1
     from da3po_megatron.rollout.types import SamplingConfig
 
@@ -262,21 +269,21 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     for round_ in range(cfg.algorithm.max_generation_rounds):
         if run.buffer.is_full:
             break
-        k = Run.prompts_for_round(run, prompts - len(run.buffer))
+        k = sampler.prompts_for_round(prompts - len(run.buffer))
         examples = [Example(uid=f"p{uid + i}", prompt="", source="bench",  # coin reward: correct w.p. p
                             answer=f"coin:{np.random.default_rng(uid + i).beta(0.4, 0.6):.6f}") for i in range(k)]
         token_prompts = [[uid + i] + [7] * (size.prompt_len - 1) for i in range(k)]
         uid += k
         with phases("generate"):
-            comps = rollout.generate(token_prompts, Run.sampling_config(run, sampling_seed + round_))
+            comps = rollout.generate(token_prompts, sampler.sampling_config(sampling_seed + round_))
         sample = [c for cs in comps[:8] for c in cs]
         phases.add_bytes("generate", sum(ray_bytes(c) for c in sample) * len(comps) * size.group / len(sample))
         with phases("reward"):
-            groups = Run.score(run, examples, comps)
+            groups = sampler.score(examples, comps)
         with phases("dynamic_sampling"):
             generated += groups
-            run.totals["groups"] += len(groups)
-            run.totals["kept_groups"] += run.buffer.add(groups, [g.p_hat for g in groups])
+            sampler.totals["groups"] += len(groups)
+            sampler.totals["kept_groups"] += run.buffer.add(groups, [g.p_hat for g in groups])
         del comps
     with phases("dynamic_sampling"):
         batch_groups = run.buffer.take()
@@ -289,18 +296,18 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     batch_bytes = ray_bytes(batch)
     route_bytes = 0 if batch.routed_experts is None else int(batch.routed_experts.values.nbytes)
     with phases("old_logprobs"):
-        batch, mismatch = Run.old_logprobs(run, batch, fresh=True)
+        batch, mismatch = old_logprobs(run, batch, fresh=True)
     with phases("train"):
         train_metrics = policy.train_step(batch)
     reports = ray.get([r.report.remote() for r in ranks])
     with phases("metrics"):
         ro = StepRollout(batch_groups, generated, stats, 0, {})
-        metrics = Run.step_metrics(run, ro, daa, mismatch, train_metrics, {}, {}, time.perf_counter() - t_step)
+        metrics = step_metrics(cfg, 0, ro, daa, mismatch, train_metrics, {}, {}, time.perf_counter() - t_step,
+                               {**sampler.totals, **state.update_totals})
     with phases("checkpoint"):
-        run.buffer = run.buffer  # the leftover (carried) groups are the driver state that grows with the batch
-        state = Run.trainer_state(run)
+        # the leftover (carried) groups are the driver state that grows with the batch
         path = tmp / "trainer_state.pt"
-        torch.save(state, path)
+        torch.save(state.trainer_state(), path)
     phases.add_bytes("checkpoint", path.stat().st_size)
     store_peak = poll.stop()
     rewards.close()

@@ -119,13 +119,14 @@ def install_timers() -> None:
     ROWS.append({"phase": "import trainer", "start": t0, "seconds": _now() - t0})
     run = "da3po_megatron.trainer.run"
     for attr, label in [("load_train_data", "data"), ("preflight", "preflight (arch, sizes)"),
-                        ("init_ray", "ray.init"), ("plan_for_cluster", "placement plan"),
-                        ("memory_preflight", "memory plan")]:
+                        ("init_ray", "ray.init")]:
         _patch(run, attr, label)
+    for attr, label in [("plan_for_cluster", "placement plan"), ("memory_preflight", "memory plan")]:
+        _patch("da3po_megatron.trainer.cluster.bringup", attr, label)  # called by bring-up's Cluster.start
     _patch("da3po_megatron.trainer.inputs", "load_tokenizer", "tokenizer")
     _patch("da3po_megatron.trainer.inputs", "check_prompts", "check prompts")
-    _patch("da3po_megatron.trainer.cluster.placement", "reserve", "placement groups")
-    _patch("da3po_megatron.trainer.cluster.placement", "probe_devices", "device probes")
+    _patch("da3po_megatron.trainer.cluster.placement_ray", "reserve", "placement groups")
+    _patch("da3po_megatron.trainer.cluster.placement_ray", "probe_devices", "device probes")
     _patch("da3po_megatron.megatron.actor_group", "PolicyGroup.from_config", "policy actors scheduled")
     _patch("da3po_megatron.megatron.actor_group", "PolicyGroup.wait_ready", "policy ready (wait)", once=True)
     _patch("da3po_megatron.megatron.actor_group", "PolicyGroup.run_on_all", "policy", arg_label=True)
