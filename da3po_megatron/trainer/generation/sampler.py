@@ -37,8 +37,9 @@ class Sampler:
     def __init__(self, cfg: Config, tokenizer: Any, dataset: PromptDataset, rewards: Any = None) -> None:
         self.cfg, self.tokenizer, self.dataset = cfg, tokenizer, dataset
         self.data_skipped_rows = dataset.stats.skipped if dataset.stats is not None else 0
+        # data.selection: skips by each prompt's history (data/selection.py); the posterior rule needs G and DAA's tau
         self.prompts = selecting(dataset.iterator(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle), cfg.data,
-                                 cfg.trainer.seed)  # data.selection: skips by each prompt's history (data/selection.py)
+                                 cfg.trainer.seed, group_size=cfg.rollout.n, tau=cfg.daa.tau)
         self.selection_metrics: dict[str, float] = {}  # drained when a step completes (resume/run_state.py)
         self.buffer = DynamicSamplingBuffer(cfg.data.train_batch_size, cfg.algorithm.surplus, cfg.rollout.n)
         if rewards is None:
