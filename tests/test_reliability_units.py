@@ -241,6 +241,23 @@ def test_bad_input_files_end_in_one_line_and_exit_2_before_any_actor(tmp_path, t
     assert p.returncode == 2 and "optim.lr = inf is not a finite number" in p.stderr
 
 
+def test_an_output_directory_that_cannot_be_made_is_one_line_exit_2_and_nothing_is_written(tmp_path):
+    """Issue 58 point 7: a ``rollout.dump_dir`` under a file ended in a raw ``NotADirectoryError`` traceback (exit 1)
+    after the run directory was made. Now: the field named, exit 2, no run directory."""
+    from da3po_megatron.config import load_config
+    from da3po_megatron.trainer.inputs import InputError, check_output_dirs
+
+    afile = tmp_path / "a_file"
+    afile.write_text("")
+    p = _train(tmp_path, f"rollout.dump_dir={afile / 'dump'}")
+    _one_line_exit_2(p, "rollout.dump_dir", "is not a directory")
+    assert not (tmp_path / "run").exists()
+    cfg = load_config(ROOT / "examples/tiny_cpu_da3po.yaml", [f"trainer.run_dir={afile / 'run'}"])
+    with pytest.raises(InputError, match="trainer.run_dir"):
+        check_output_dirs(cfg)
+    check_output_dirs(load_config(ROOT / "examples/tiny_cpu_da3po.yaml", [f"trainer.run_dir={tmp_path / 'a/b'}"]))
+
+
 def test_long_prompts_are_skipped_and_counted_with_on_bad_row_skip(tmp_path, tiny_model):
     from da3po_megatron.config import load_config
     from da3po_megatron.trainer.inputs import check_prompts, load_tokenizer, load_train_data

@@ -244,6 +244,8 @@ class RolloutClient(WeightUpdates):
         except Exception:  # noqa: BLE001 - already dead
             pass
         self.restarts += 1
+        print(f"rollout: engine {index} lost ({type(cause).__name__}: {str(cause)[:200]}); restarting it "
+              f"(rollout.restart_on_failure; restart {self.restarts} of this run)", flush=True)
         handle = self._start_actor(index)
         self.engines[index] = handle
         self._await_start([(index, handle.health.remote())], "restart")

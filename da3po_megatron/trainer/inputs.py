@@ -26,6 +26,32 @@ class InputError(ValueError):
     """A bad input file (model config, tokenizer, data) found before any actor starts."""
 
 
+OUTPUT_DIRS = ("trainer.run_dir", "rollout.dump_dir")  # the directories a run writes into, when set
+
+
+def check_output_dirs(cfg: Config) -> None:
+    """Every directory the run will write (``trainer.run_dir``; ``rollout.dump_dir`` when set) can be made: its
+    nearest existing ancestor is a directory this process may write into (or the directory exists and is writable).
+    Called before the run directory's lock is taken, so a bad path ends in one line naming the field, exit 2, with
+    nothing written (a ``dump_dir`` under a file used to end in a ``NotADirectoryError`` traceback after the run
+    directory was made)."""
+    import os
+
+    for field in OUTPUT_DIRS:
+        section, name = field.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not value:
+            continue
+        path = Path(value).absolute()
+        probe = path
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise InputError(f"{field} = {value!r}: {probe} is not a directory, so {path} cannot be made")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise InputError(f"{field} = {value!r}: {probe} is not writable by this user")
+
+
 def load_tokenizer(cfg: Config) -> Any:
     """The model directory's tokenizer, after checking that its ``config.json`` is there and parses."""
     path = Path(cfg.model.path)

@@ -57,10 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
+    from da3po_megatron.trainer.inputs import InputError, check_output_dirs
     from da3po_megatron.trainer.resume.config_drift import ConfigDriftError, check_resume_config
     from da3po_megatron.trainer.resume.history import move_previous_run_aside
     from da3po_megatron.trainer.resume.lock import RunDirLock, RunDirLocked
 
+    try:  # nothing is written yet: a run or dump directory that cannot be made is one line, exit 2
+        check_output_dirs(cfg)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     lock = RunDirLock(cfg.trainer.run_dir, lease_s=cfg.trainer.lock_lease_s)
     try:  # before anything of the run is read or written
         lock.acquire(force=args.force_unlock)
