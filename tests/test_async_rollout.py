@@ -17,7 +17,8 @@ from da3po_megatron.data.datasets import Example, PromptDataset
 from da3po_megatron.rollout.types import Completion
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.generation.async_partial import Partial, continuation_seed, versions_spanned
-from da3po_megatron.trainer.generation.async_rollout import AsyncRollout, admissible, uses_producer
+from da3po_megatron.trainer.generation.async_rollout import AsyncRollout, uses_producer
+from da3po_megatron.trainer.generation.release import admissible
 
 G = 2
 

@@ -83,6 +83,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--standin-sync-ms", type=float, default=50.0, help="stand-in weight sync")
     ap.add_argument("--standin-groups", type=int, default=4, help="groups in flight per engine (= batch / engines)")
     ap.add_argument("--standin-steps-per-call", type=int, default=8, help="rollout.stream_steps_per_call")
+    ap.add_argument("--standin-order", default="fifo", choices=["fifo", "oldest_decided"],
+                    help="rollout.release_order of the stand-in producer (issue 58)")
     ap.add_argument("extra", nargs="*", help="section.key=value overrides for every run")
     args = ap.parse_args(argv)
     if args.small:
@@ -175,12 +177,13 @@ def standin_table(args: argparse.Namespace) -> int:
             rows.append(bench_standin(n, partial, groups_per_engine=args.standin_groups, step_s=args.standin_step_ms
                                       / 1e3, train_s=args.standin_train_ms / 1e3, sync_s=args.standin_sync_ms / 1e3,
                                       steps=args.steps, warmup=args.warmup,
-                                      steps_per_call=args.standin_steps_per_call, seed=args.seed))
+                                      steps_per_call=args.standin_steps_per_call, seed=args.seed,
+                                      release_order=args.standin_order))
             print(f"{rows[-1]['engines']} engines, partial {partial}: {rows[-1]['step_s']:.2f} s/step", flush=True)
     print(f"\nasync producer with stand-in engines (NOT vLLM): staleness 2, {args.standin_groups} groups x 8 responses "
           f"in flight per engine (batch = that x engines), engine step {args.standin_step_ms:g} ms, train "
           f"{args.standin_train_ms:g} ms, sync {args.standin_sync_ms:g} ms, stream_steps_per_call "
-          f"{args.standin_steps_per_call}, {args.steps} "
+          f"{args.standin_steps_per_call}, release order {args.standin_order}, {args.steps} "
           f"steps after {args.warmup} warm-up (means per step)\n")
     print("| engines | pause | pause s / sync (mean, max) | vs 1 engine | drain floor s (vs 1 engine) | engine idle "
           "(outside pause) | driver-side idle | of it: the bound held admission | trained tok/s | step s |")

@@ -111,6 +111,11 @@ def validate(cfg: Config) -> None:
                "behaviour correction); rollout.allow_uncorrected=true opts out")
     _check(r.late_policy == "pace" or r.staleness >= 2 or r.partial_rollouts, "rollout.late_policy", r.late_policy,
            "'pace' unless the asynchronous producer runs (rollout.staleness >= 2 or rollout.partial_rollouts)")
+    _check(r.release_order in ("fifo", "oldest_decided"), "rollout.release_order", r.release_order,
+           "'fifo' or 'oldest_decided'")
+    _check(r.release_order == "fifo" or (r.late_policy == "pace" and (r.staleness >= 2 or r.partial_rollouts)),
+           "rollout.release_order", r.release_order, "'fifo' unless the asynchronous producer runs (rollout.staleness "
+           ">= 2 or rollout.partial_rollouts) with rollout.late_policy='pace' (discard releases in completion order)")
     _check(r.stream_steps_per_call >= 1, "rollout.stream_steps_per_call", r.stream_steps_per_call, ">= 1")
     _check(r.mode == "rounds" or a.surplus == "drop", "algorithm.surplus", a.surplus, "'drop' with rollout.mode="
            "streaming (it aborts the surplus instead of generating it)")

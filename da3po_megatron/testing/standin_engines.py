@@ -1,16 +1,16 @@
 """Stand-in stream engines (NOT vLLM) for the asynchronous producer's tests and ``da3po bench async --standin``.
 
-``StandInStreamEngines(num_engines, n, step_s)`` has the ``RolloutClient`` surface the producer uses
-(``num_engines``, ``stream_start`` / ``stream_wait``, ``restart_on_failure`` / ``_restart`` / ``resync``) and
-behaves like ``rollout/stream.py`` on a Ray actor with ``max_concurrency=1``: each engine has one worker thread, so
-calls on different engines run at once and calls on one engine queue behind each other; ``stream_start`` returns a
-``concurrent.futures.Future``. One engine step sleeps ``step_s`` (the GIL is released, as a real engine waits for its
-device) and decodes one token of every running sample; a sample of the prompt ``L<n>:<kind>`` finishes after n
-tokens (token id 9, log-prob -1). ``interrupt`` keeps the decoded tokens and, as the real engine, ignores keys it
-does not run. Faults: ``die_at[engine] = (call, steps)`` -- the engine's first call from number ``call`` on that
-runs groups raises ``EngineDeadError`` after ``steps`` engine steps, and the engine stays dead until restarted;
-``replayable=False``: a restarted engine's weights cannot be replayed here (``resync`` is called, as
-``RolloutClient._restart`` does for weights pushed by the policy ranks); ``hang_at[(engine, call)]`` -- that call
+``StandInStreamEngines(num_engines, n, step_s)`` has the ``RolloutClient`` surface the producer uses (``num_engines``,
+``stream_start`` / ``stream_wait``, ``restart_on_failure`` / ``_restart`` / ``resync``) and behaves like
+``rollout/stream.py`` on a Ray actor with ``max_concurrency=1``: each engine has one worker thread, so calls on
+different engines run at once and calls on one engine queue behind each other; ``stream_start`` returns a
+``concurrent.futures.Future``. One engine step sleeps ``step_s`` (a list: per engine, engines of different speeds; the
+GIL is released, as a real engine waits for its device) and decodes one token of every running sample; a sample of the
+prompt ``L<n>:<kind>`` finishes after n tokens (token id 9, log-prob -1). ``interrupt`` keeps the decoded tokens and, as
+the real engine, ignores keys it does not run. Faults: ``die_at[engine] = (call, steps)`` -- the engine's first call
+from number ``call`` on that runs groups raises ``EngineDeadError`` after ``steps`` engine steps, and the engine stays
+dead until restarted; ``replayable=False``: a restarted engine's weights cannot be replayed here (``resync`` is called,
+as ``RolloutClient._restart`` does for weights pushed by the policy ranks); ``hang_at[(engine, call)]`` -- that call
 blocks (until ``release`` is set, at most 60 s). ``busy_s[e]``: seconds engine e spent inside calls.
 """
 
@@ -27,7 +27,7 @@ from da3po_megatron.rollout.types import Completion, EngineDeadError
 class StandInStreamEngines:
     mode = "local"
 
-    def __init__(self, num_engines: int, n: int, step_s: float = 0.0, restart_on_failure: bool = False,
+    def __init__(self, num_engines: int, n: int, step_s: float | list[float] = 0.0, restart_on_failure: bool = False,
                  replayable: bool = True) -> None:
         self.num_engines, self.n, self.step_s, self.replayable = num_engines, n, step_s, replayable
         self.restart_on_failure, self.resync, self.restarts, self.weights_version = restart_on_failure, None, 0, 0
@@ -82,7 +82,10 @@ class StandInStreamEngines:
     def mean_step_s(self) -> float:
         """The mean wall time of an engine step so far (``step_s`` plus what the machine's load adds)."""
         with self.lock:
-            return self.step_s_sum / self.step_count if self.step_count else self.step_s
+            return self.step_s_sum / self.step_count if self.step_count else self._step_s(0)
+
+    def _step_s(self, e: int) -> float:
+        return self.step_s[e] if isinstance(self.step_s, list) else self.step_s
 
     def shutdown(self) -> None:
         self.release.set()
@@ -132,8 +135,8 @@ class StandInStreamEngines:
                 raise EngineDeadError(e, f"stand-in engine killed during stream (call {call}, after {steps} steps)")
             steps += 1
             t_step = time.perf_counter()
-            if self.step_s:
-                time.sleep(self.step_s)
+            if self._step_s(e):
+                time.sleep(self._step_s(e))
             for key in list(run):
                 g = run[key]
                 for j in range(self.n):
@@ -157,7 +160,7 @@ class StandInStreamEngines:
 
 # ------------------------------------------------------------------------------------------- the bench (stand-ins)
 def standin_run(engines: StandInStreamEngines, lengths: list[int], batch: int, k: int, partial: bool,
-                inflight: int, steps_per_call: int, seed: int = 1) -> Any:
+                inflight: int, steps_per_call: int, seed: int = 1, release_order: str = "fifo") -> Any:
     """A run object with what :class:`AsyncRollout` reads (config, prompt stream, stand-in reward): prompt i has
     ``lengths[i]`` tokens per response; the stand-in reward makes a group informative unless i % 5 == 4."""
     from types import SimpleNamespace
@@ -171,7 +174,7 @@ def standin_run(engines: StandInStreamEngines, lengths: list[int], batch: int, k
                              f"rollout.staleness={k}", f"rollout.partial_rollouts={str(partial).lower()}",
                              f"rollout.max_inflight_prompts={inflight}", "algorithm.name=dapo",
                              "algorithm.rollout_correction=tis", f"rollout.stream_steps_per_call={steps_per_call}",
-                             "algorithm.max_generation_rounds=64"])
+                             "algorithm.max_generation_rounds=64", f"rollout.release_order={release_order}"])
     data = PromptDataset([Example(f"u{i:05d}", [{"role": "user", "content": f"L{n}:{'all' if i % 5 == 4 else 'mix'}"}],
                                   "all" if i % 5 == 4 else "mix", "s", {"bucket": n}) for i, n in enumerate(lengths)])
     prompts = data.iterator(shuffle=False)
@@ -189,7 +192,8 @@ def standin_run(engines: StandInStreamEngines, lengths: list[int], batch: int, k
 
 def bench_standin(num_engines: int, partial: bool, *, groups_per_engine: int = 4, n: int = 8, k: int = 2,
                   step_s: float = 0.002, train_s: float = 0.05, sync_s: float = 0.02, steps: int = 8,
-                  warmup: int = 2, steps_per_call: int = 4, seed: int = 1) -> dict[str, float]:
+                  warmup: int = 2, steps_per_call: int = 4, seed: int = 1, release_order: str = "fifo"
+                  ) -> dict[str, float]:
     """The producer (``trainer/generation/async_rollout.py``, the real code) against ``num_engines`` stand-in engines
     and a stand-in trainer (``train_s`` of sleep per step, ``sync_s`` per weight sync): batch = groups_per_engine x
     engines kept groups, as many in flight. Per measured step: the pause before the sync, the engines' idle fraction
@@ -207,7 +211,7 @@ def bench_standin(num_engines: int, partial: bool, *, groups_per_engine: int = 4
     lengths = [max(4, min(400, int(rng.lognormvariate(3.6, 0.7)))) for _ in range(20000)]  # median ~37, long tail
     engines = StandInStreamEngines(num_engines, n, step_s)
     batch = groups_per_engine * num_engines
-    run = standin_run(engines, lengths, batch, k, partial, batch, steps_per_call, seed)
+    run = standin_run(engines, lengths, batch, k, partial, batch, steps_per_call, seed, release_order)
     producer = AsyncRollout(run, 0)
     pause_s, floor_s, windows, driver_idle, bound_idle, tokens, wall = [], [], [], [], [], 0, 0.0
     try:

@@ -192,6 +192,22 @@ class EngineSide:
         self._finished(e, res)
         return e, res
 
+    def _resync(self) -> None:
+        """Under the lock, in the loop's thread while it waits for a batch (the policy idle, its weights = the
+        engines' version): sync every engine (``client.resync``, the trainer's sync_weights), then let the restarted
+        ones work. Only when every engine waits for weights (none runs a request); otherwise the next sync does it."""
+        resync = getattr(self.client, "resync", None)
+        if resync is None:
+            raise RuntimeError("every rollout engine was restarted without its weights and nothing can re-sync them")
+        self._cv.release()
+        try:
+            resync()
+        finally:
+            self._cv.acquire()
+        self._stale.clear()
+        self._beat = time.monotonic()
+        self._cv.notify_all()
+
     def _engine_failed(self, failure: EngineFailure) -> None:
         """A dead or timed-out engine: restarted and re-synced (``rollout.restart_on_failure``, else the error
         stops the run), the groups it ran resubmitted from their prefixes (the lost segment is generated again)."""

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from da3po_megatron.trainer import batch as B
+from da3po_megatron.trainer.generation.collect import token_stats
 
 
 def continuation_seed(seed: int | None, segment: int) -> int | None:
@@ -48,6 +49,25 @@ def trace_batch(step: int, trained: list[B.Group], released: list[B.Group]) -> N
         with open(path, "a") as f:
             f.write(json.dumps({"step": int(step), "trained": [g.example.uid for g in trained],
                                 "released": [g.example.uid for g in released]}) + "\n")
+
+
+def take_stats(groups: list[B.Group], generated: list[B.Group], filter_groups: bool, counters: dict[str, float],
+               gauges: dict[str, float]) -> dict[str, float]:
+    """The statistics of one batch the producer's ``take`` returns: dynamic sampling over the groups released with
+    it (``generated``; ``groups`` = its kept ones), decode tokens, and ``rollout/async/*`` -- the per-take
+    ``counters`` and the ``gauges`` (queued and in-flight groups, engine idle fractions)."""
+    filtered = [g for g in generated if filter_groups and not 0.0 < g.p_hat < 1.0]
+    stats = {"dynamic_sampling/generated_groups": float(len(generated)),
+             "dynamic_sampling/kept_groups": float(len(groups)),
+             "dynamic_sampling/discarded_all_correct_groups": float(sum(g.p_hat >= 1.0 for g in filtered)),
+             "dynamic_sampling/discarded_all_wrong_groups": float(sum(g.p_hat <= 0.0 for g in filtered)),
+             "dynamic_sampling/discarded_surplus_groups": 0.0, "dynamic_sampling/rounds": 1.0,
+             "dynamic_sampling/kept_frac": len(groups) / max(len(generated), 1),
+             "dynamic_sampling/aborted_groups": 0.0, "rollout/consumed_prompts": float(len(generated)),
+             **{f"rollout/async/{k}": float(v) for k, v in gauges.items()},
+             **{f"rollout/async/{k}": float(v) for k, v in sorted(counters.items())}}
+    stats.update(token_stats(groups, generated))
+    return stats
 
 
 def index_of(key: str) -> int:

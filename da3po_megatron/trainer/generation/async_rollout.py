@@ -7,31 +7,26 @@ is ``collect.py``'s :class:`~da3po_megatron.trainer.generation.collect.Prefetch`
 **The asynchronous producer** (:class:`AsyncRollout`). A driver thread keeps the engines generating continuously
 over the streaming engine API (``RolloutClient.stream_start``, two calls in flight per engine): it admits prompts one
 group at a time (at most ``rollout.max_inflight_prompts`` in flight), hands each group to a scorer thread (the reward
-pool) the moment its G responses are done, filters it (0 < p_hat < 1), and releases decided groups in *submission*
-(FIFO) order -- a long, hard group holds back the ones admitted after it, it is never overtaken -- into the queue the
-loop's :meth:`~AsyncRollout.take` fills batches from (exactly ``data.train_batch_size`` kept groups each).
+pool) the moment its G responses are done, filters it (0 < p_hat < 1), and the loop's :meth:`~AsyncRollout.take`
+takes exactly ``data.train_batch_size`` kept decided groups per batch, in the order ``rollout.release_order`` says:
+``fifo`` (submission order: a long, hard group holds back the ones admitted after it) or ``oldest_decided`` (out of
+order, oldest first, unless an older running group needs the slot for its deadline; issue 58).
 
-- **Bounded staleness by admission** (:func:`admissible`): the next batch the loop takes trains at ``first_version``
-  on the next B kept groups in FIFO order. A group admitted now, under engine weights ``version``, may end up at any
-  FIFO position up to ``p_max`` = kept groups released + kept groups decided + every undecided group (all counted as
-  kept), so it is admitted only if ``first_version + p_max // B <= version + k``; otherwise admission waits for the next
-  weight update (pacing). A group is never discarded for being late: the bound holds by construction.
+- **Bounded staleness by admission, a deadline per group** (``release.py``, whose docstring states the invariant
+  with a picture): a group started under version v is trained at a version <= v + k; admission waits (pacing).
 - ``rollout.late_policy=discard`` / ``discard_unpaced`` (for comparison only; the design of systems that bound
   staleness by discarding): groups are released in *completion* order, so short groups overtake long ones, and a kept
   group that would be trained more than k versions after it started is thrown away when released, counted as
-  ``rollout/async/discarded_late_groups`` and per difficulty bucket. ``discard`` still paces admission like ``pace``;
-  ``discard_unpaced`` does not (only ``rollout.max_inflight_prompts`` bounds the engines).
+  ``rollout/async/discarded_late_groups`` and per bucket. ``discard_unpaced`` does not even pace admission.
 - **Weight updates** (:meth:`~AsyncRollout.pause` before the sync, :meth:`~AsyncRollout.resume` after): without
   partial rollouts every running group is finished (drained), so weights never change under a running request. With
   ``rollout.partial_rollouts`` the running groups are interrupted -- aborted on the engine with their tokens kept --
   and continued after the sync from prompt + tokens so far, except groups already spanning
   ``rollout.max_versions_per_response`` versions (drained). Collecting, interrupting and draining run on every engine
   at once, so the pause lasts as long as the slowest engine's part, not the sum.
-- **Per-token versions**: each response token records the version that sampled it (``Completion.versions``) next to
-  its behaviour log-prob: TIS and the drift check use them per token (``trainer/old_logprobs.py``).
-- **Seeds**: prompt J (a run-wide admission counter) samples j = 0..G-1 with the request seed
-  ``s = sampling_seed(0, 0) + J * G + j``; segment m >= 1 of a continued response gets :func:`continuation_seed`
-  (s, m): a fresh, reproducible seed per segment, never a replay of the first segment's random stream.
+- **Per-token versions** (``Completion.versions``) next to the behaviour log-probs: TIS and the drift check use them.
+- **Seeds**: prompt J (a run-wide admission counter) samples j with seed ``sampling_seed(0, 0) + J * G + j``; a
+  continued segment gets a fresh one (``async_partial.continuation_seed``).
 - **Faults**: every engine wait is bounded by ``rollout.producer_timeout_s``; a dead or timed-out engine is restarted
   and re-synced (``rollout.restart_on_failure``) and the groups it ran are resubmitted from their prefixes, else the
   error names the engine and the loop checkpoints the last completed step and stops.
@@ -54,27 +49,20 @@ from typing import TYPE_CHECKING, Any
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.faults import fault_point
 from da3po_megatron.trainer.generation.async_engines import EngineCalls, EngineSide
-from da3po_megatron.trainer.generation.async_partial import Partial, ProducerSnapshot, trace_batch
-from da3po_megatron.trainer.generation.collect import DynamicSamplingError, token_stats
+from da3po_megatron.trainer.generation.async_partial import Partial, ProducerSnapshot, take_stats, trace_batch
+from da3po_megatron.trainer.generation.collect import DynamicSamplingError
+from da3po_megatron.trainer.generation.release import FILTERED, KEPT, UNDECIDED, Entry, admissible, at_deadline, pick
 
 if TYPE_CHECKING:
     from da3po_megatron.config import Config
     from da3po_megatron.trainer.generation.sampler import Sampler
 
-__all__ = ["AsyncRollout", "ProducerStalled", "admissible", "uses_producer"]
+__all__ = ["AsyncRollout", "ProducerStalled", "uses_producer"]
 
 
 def uses_producer(cfg: Config) -> bool:
     """Whether the run's batches come from :class:`AsyncRollout` (else: collected per step, maybe prefetched)."""
     return cfg.rollout.staleness >= 2 or bool(cfg.rollout.partial_rollouts)
-
-
-def admissible(p_max: int, version: int, first_version: int, batch_size: int, k: int) -> bool:
-    """Admission bound of rollout.staleness = k: a group admitted now, under engine weights ``version``, lands at FIFO
-    position <= ``p_max`` among the kept groups (counted from the batch the loop takes next, trained at
-    ``first_version``), so it is trained at version <= first_version + p_max // batch_size; admit only if that is
-    <= version + k."""
-    return first_version + p_max // batch_size <= version + k
 
 
 class ProducerStalled(RuntimeError):
@@ -92,12 +80,12 @@ class AsyncRollout(EngineSide):
     **Locking** (the one place it is stated). One condition variable, ``self._cv``, guards every field two threads
     touch: the versions (``version``, ``first_version``), admission (``next_j``, ``prompts_exhausted``, ``_held``,
     ``_waiting``, ``_running``, ``_stale``), the groups (``partials`` and their segments, ``_scoring``, ``decided``,
-    ``decided_kept``, ``release_j``, ``released``, ``released_kept``), the per-take ``counters``, ``seconds`` and
-    ``_idle``, and the handshake (``_want_pause``, ``_paused``, ``_stop``, ``_error``, ``_beat``). It is never held
-    across an engine call, a reward call or a wait for one. Owned by one thread, without the lock: the engine calls in
-    flight (``_calls``, the producer thread), the reward pool (the scorer thread, fed through ``_scores``), the prompt
-    stream (the producer thread while it runs; the loop reads its position only while paused), and the engines (the
-    producer's while it runs, the loop's weight sync's while paused)."""
+    ``decided_kept``, ``release_j``, ``released``, ``released_kept``, ``_tried``), the per-take ``counters``,
+    ``seconds`` and ``_idle``, and the handshake (``_want_pause``, ``_paused``, ``_stop``, ``_error``, ``_beat``). It is
+    never held across an engine call, a reward call or a wait for one. Owned by one thread, without the lock: the engine
+    calls in flight (``_calls``, the producer thread), the reward pool (the scorer thread, fed through ``_scores``), the
+    prompt stream (the producer thread while it runs; the loop reads its position only while paused), and the engines
+    (the producer's while it runs, the loop's weight sync's while paused)."""
 
     def __init__(self, sampler: Sampler, version: int, state: dict[str, Any] | None = None,
                  prefetched: list[B.StepRollout] | None = None) -> None:
@@ -109,6 +97,7 @@ class AsyncRollout(EngineSide):
         self.filter = bool(cfg.algorithm.filter_groups)
         self.discard = r.late_policy != "pace"  # comparison only: completion order, late kept groups thrown away
         self.paced = r.late_policy != "discard_unpaced"  # discard_unpaced: admission ignores the bound (issue 47)
+        self.order = "fifo" if self.discard else r.release_order  # which decided groups a batch takes (release.py)
         self.n_eng = n_eng = self.client.num_engines
         self.per_engine = max(1, math.ceil((r.max_inflight_prompts or self.B) / n_eng))
         self.budget = cfg.algorithm.max_generation_rounds * self.B  # groups one batch may try before giving up
@@ -116,12 +105,13 @@ class AsyncRollout(EngineSide):
         self.timeout_s = float(r.producer_timeout_s)
         self.version = self.first_version = int(version)  # engines' weights; the version the next take trains at
         self.next_j = 0  # run-wide admission counter (key "a{j}", seed base + j * n)
-        self.release_j = 0  # every j < release_j is released (kept or filtered)
+        self.release_j = 0  # every j < release_j is released, or taken out of order (oldest_decided)
         self.partials: dict[int, Partial] = {}  # admitted, undecided: running, interrupted/waiting, or being scored
         self.decided: dict[int, B.Group] = {}  # scored, waiting for an earlier j to be released
         self.decided_kept = 0
         self.released: list[B.Group] = []  # released, not yet taken, in FIFO order (kept and filtered)
         self.released_kept = 0  # kept groups among them (FIFO positions 0.. from the next batch's first)
+        self._tried: tuple | None = None  # the state a take last found no batch in (re-picked only when it changes)
         self.counters: collections.Counter = collections.Counter()  # per-take counts (rollout/async/*)
         self.seconds = {"generate": 0.0, "reward": 0.0}  # per-take producer time (time/generate, time/reward)
         self._idle = [0.0, 0.0, 0.0]  # per take: engine-idle s (summed over engines), of it held by the bound, measured
@@ -148,48 +138,63 @@ class AsyncRollout(EngineSide):
 
     # ------------------------------------------------------------------------------------------ the loop's side
     def take(self, step: int) -> B.StepRollout:
-        """The batch of ``step``: the next ``data.train_batch_size`` kept groups in FIFO order (waits for them)."""
+        """The batch of ``step``: ``data.train_batch_size`` kept groups in ``rollout.release_order`` (waits for
+        them; :func:`~da3po_megatron.trainer.generation.release.pick`), with the filtered groups released before."""
         t0 = time.perf_counter()
         with self._cv:
-            self._wait_for(lambda: self.released_kept >= self.B, f"the batch of step {step}")
-            cut = self._cut()
-            generated, self.released = self.released[:cut], self.released[cut:]
+            keys: list = []
+            self._wait_for(lambda: self._pick(keys), f"the batch of step {step}")
+            generated = self._remove(keys[0])
             groups = [g for g in generated if self.keeps(g)]
-            self.released_kept -= len(groups)
             counters, self.counters = self.counters, collections.Counter()
             seconds, self.seconds = self.seconds, {"generate": 0.0, "reward": 0.0}
             (idle, held, measured), self._idle = self._idle, [0.0, 0.0, 0.0]
-            queued, inflight = self.released_kept, len(self.partials)
+            queued, inflight = self.released_kept + self.decided_kept * (self.order != "fifo"), len(self.partials)
             self.first_version += 1
             self._cv.notify_all()
         waited = time.perf_counter() - t0
         trace_batch(step, groups, generated)
-        filtered = [g for g in generated if self.filter and not 0.0 < g.p_hat < 1.0]
-        stats = {"dynamic_sampling/generated_groups": float(len(generated)),
-                 "dynamic_sampling/kept_groups": float(len(groups)),
-                 "dynamic_sampling/discarded_all_correct_groups": float(sum(g.p_hat >= 1.0 for g in filtered)),
-                 "dynamic_sampling/discarded_all_wrong_groups": float(sum(g.p_hat <= 0.0 for g in filtered)),
-                 "dynamic_sampling/discarded_surplus_groups": 0.0, "dynamic_sampling/rounds": 1.0,
-                 "dynamic_sampling/kept_frac": len(groups) / max(len(generated), 1),
-                 "dynamic_sampling/aborted_groups": 0.0, "rollout/consumed_prompts": float(len(generated)),
-                 "rollout/async/queued_groups": float(queued), "rollout/async/inflight_groups": float(inflight),
-                 "rollout/async/engine_idle_frac": idle / (measured * self.n_eng) if measured else 0.0,
-                 "rollout/async/engine_idle_bound_frac": held / (measured * self.n_eng) if measured else 0.0,
-                 **{f"rollout/async/{k}": float(v) for k, v in sorted(counters.items())}}
-        stats.update(token_stats(groups, generated))
+        share = measured * self.n_eng
+        stats = take_stats(groups, generated, self.filter, counters, {
+            "queued_groups": queued, "inflight_groups": inflight, "engine_idle_frac": idle / share if share else 0.0,
+            "engine_idle_bound_frac": held / share if share else 0.0})
         weight_step = min(g.weight_step for g in groups)
         # generate / reward: the producer's time waiting for engine calls / scoring since the previous take (beside
         # training, not on the step's critical path); wait_rollout: what the loop waited for this batch
         return B.StepRollout(groups, generated, stats, weight_step, {**seconds, "wait_rollout": waited})
 
-    def _cut(self) -> int:
-        """How many released groups form the next batch: up to and including its B-th kept one."""
-        kept = 0
-        for i, g in enumerate(self.released):
-            kept += self.keeps(g)
-            if kept == self.B:
-                return i + 1
-        raise AssertionError("fewer than B kept groups released")
+    def _pick(self, box: list) -> bool:
+        """Under the lock: whether the next batch can be taken; its keys (``("r", i)``: ``released[i]``, ``("d",
+        j)``: ``decided[j]``) appended to ``box``. Released groups are the oldest (all before ``release_j``)."""
+        ready = self.released_kept + self.decided_kept * (self.order != "fifo")
+        stamp = (len(self.released), len(self.decided), len(self.partials), self.next_j, self.first_version)
+        if ready < self.B or stamp == self._tried:
+            return False
+        state, n = (lambda g: KEPT if self.keeps(g) else FILTERED), len(self.released)
+        entries = [Entry(("r", i), g.weight_step, i - n, state(g)) for i, g in enumerate(self.released)]
+        entries += [Entry(("d", j), g.weight_step, j, state(g)) for j, g in self.decided.items()]
+        entries += [Entry(("p", j), p.start_version, j, UNDECIDED) for j, p in self.partials.items()]
+        keys = pick(self.order, entries, self.first_version, self.B, self.k)
+        self._tried = stamp if keys is None else None
+        box.extend([] if keys is None else [keys])
+        return keys is not None
+
+    def _remove(self, keys: list[tuple[str, int]]) -> list[B.Group]:
+        """Under the lock: take the groups of ``keys`` (from :meth:`_pick`) out of the queue, in that order; count
+        the kept ones taken ahead of an older group still in flight (``rollout/async/out_of_order_groups``)."""
+        oldest = min(self.partials, default=None)
+        out, taken = [], {i for t, i in keys if t == "r"}
+        for t, i in keys:
+            g = self.released[i] if t == "r" else self.decided.pop(i)
+            keep = self.keeps(g)
+            if t == "r":
+                self.released_kept -= keep
+            else:
+                self.decided_kept -= keep
+                self.counters["out_of_order_groups"] += keep and oldest is not None and i > oldest
+            out.append(g)
+        self.released = [g for i, g in enumerate(self.released) if i not in taken]
+        return out
 
     def keeps(self, g: B.Group) -> bool:
         """The DAPO filter: 0 < p_hat < 1 (every group without algorithm.filter_groups)."""
@@ -212,22 +217,6 @@ class AsyncRollout(EngineSide):
             self._cv.wait(0.5)
         if self._error is not None:
             raise self._error
-
-    def _resync(self) -> None:
-        """Under the lock, in the loop's thread while it waits for a batch (the policy idle, its weights = the
-        engines' version): sync every engine (``client.resync``, the trainer's sync_weights), then let the restarted
-        ones work. Only when every engine waits for weights (none runs a request); otherwise the next sync does it."""
-        resync = getattr(self.client, "resync", None)
-        if resync is None:
-            raise RuntimeError("every rollout engine was restarted without its weights and nothing can re-sync them")
-        self._cv.release()
-        try:
-            resync()
-        finally:
-            self._cv.acquire()
-        self._stale.clear()
-        self._beat = time.monotonic()
-        self._cv.notify_all()
 
     def pause(self) -> dict[str, float]:
         """Before a weight sync (and a checkpoint / evaluation): no request runs on the engines when this returns.
@@ -287,6 +276,7 @@ class AsyncRollout(EngineSide):
         self.counters = collections.Counter(s.get("counters", {}))
         for p in self.partials.values():  # saved after the sync, before resume(): they continue under new weights
             p.span += 1
+        self._release()  # an oldest_decided state resumed under fifo: pass over the j's its batches took early
 
     def _adopt(self, r: B.StepRollout) -> None:
         """A prefetched batch of a staleness-1 checkpoint (issue 47, point 1): its B kept groups enter the queue
@@ -379,9 +369,15 @@ class AsyncRollout(EngineSide):
                 p.start_version, p.span = self.version, 1
                 out.append((p.key, render, p.j, cap))
             self._running[e].add(p.j)
+        due = self.order != "fifo" and at_deadline([p.start_version for p in self.partials.values()],
+                                                   self.first_version, self.k)
         while len(self._running[e]) < self.per_engine and not self.prompts_exhausted:
             if self.paced and not admissible(self._p_max(), self.version, self.first_version, self.B, self.k):
-                self.counters["admission_waits"] += not self._held  # times admission began to wait (pacing)
+                hold = "admission_waits"
+            else:  # oldest_decided: a group in flight is at its deadline (verl's wait; release.py)
+                hold = "deadline_waits" if due else ""
+            if hold:
+                self.counters[hold] += not self._held  # times admission began to wait (pacing)
                 self._held = True
                 break
             self._held = False
@@ -424,8 +420,12 @@ class AsyncRollout(EngineSide):
                 return
 
     def _release(self) -> None:
-        """Move decided groups to the queue in submission order (under the lock)."""
-        while self.decided if self.discard else self.release_j in self.decided:
+        """Move decided groups to the queue in submission order (under the lock), passing over those a batch
+        already took out of order (``oldest_decided``: neither in flight nor decided)."""
+        while self.decided if self.discard else self.release_j < self.next_j and self.release_j not in self.partials:
+            if not self.discard and self.release_j not in self.decided:
+                self.release_j += 1
+                continue
             # FIFO (pace): the next j in submission order; discard: whichever finished first (insertion order)
             g = self.decided.pop(next(iter(self.decided)) if self.discard else self.release_j)
             self.release_j += 1

@@ -5,7 +5,11 @@ throughput, selection. Testable alone; split from ``Run.step_metrics`` (issue 56
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from da3po_megatron.config import Config
 from da3po_megatron.data.selection import selection_batch_metrics
@@ -32,6 +36,8 @@ def step_metrics(cfg: Config, step: int, rollout: StepRollout, daa: dict[str, fl
     m["rollout/weight_step_min"], m["rollout/weight_step_max"] = float(min(versions)), float(max(versions))
     m["rollout/staleness"] = float(step - 1 - min(versions))  # policy step trained from - generating step
     m.update(B.version_stats(groups, step - 1, cfg.rollout.staleness, cfg.rollout.max_versions_per_response))
+    if cfg.rollout.staleness >= 1 or cfg.rollout.partial_rollouts:  # at staleness 0 every one is 0: not logged
+        m.update(staleness_by_difficulty(groups, step - 1))
     m["gen/rounds"] = s["dynamic_sampling/rounds"]
     m["gen/groups"] = s["dynamic_sampling/generated_groups"]
     m["filter/kept_groups"] = s["dynamic_sampling/kept_groups"]
@@ -58,3 +64,35 @@ def step_metrics(cfg: Config, step: int, rollout: StepRollout, daa: dict[str, fl
     m.update(selection_batch_metrics([g.bucket for g in groups], len(generated), n_tok))
     m.update(selection_metrics or {})  # data.selection: skipped prompts per tail, exploration rates
     return m
+
+
+def p_hat_band(p: float) -> str:
+    """The quarter of [0, 1] p_hat falls in, as ``lo-hi`` (kept groups: 0 < p_hat < 1; DAA's tau = 0.5 is a border)."""
+    lo = min(int(p * 4), 3) / 4
+    return f"{lo:.2f}-{lo + 0.25:.2f}"
+
+
+def staleness_by_difficulty(groups: Sequence[B.Group], trained_version: int) -> dict[str, float]:
+    """Issue 58 point 2: per difficulty bucket (``Group.bucket``) and per p_hat band (:func:`p_hat_band`) of the
+    batch's groups, ``rollout/staleness_{bucket,p_hat}/<key>`` = the mean staleness in versions (``trained_version`` -
+    the version the group started under) and ``rollout/behaviour_age_{bucket,p_hat}/<key>`` = the mean age in
+    versions of the behaviour policy of its response tokens (``trained_version`` - the version that sampled each
+    token: per token with partial rollouts, else the group's start), token-weighted. Out-of-order release
+    (``rollout.release_order=oldest_decided``) makes long, hard groups the stalest; these say by how much."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # groups, staleness, tokens, age
+    for g in groups:
+        behind = trained_version - g.weight_step
+        if g.token_versions is not None:
+            tokens = float(sum(len(v) for v in g.token_versions))
+            age = float(sum(trained_version * len(v) - int(np.sum(v, dtype=np.int64)) for v in g.token_versions))
+        else:
+            tokens = float(sum(len(r) for r in g.response_ids))
+            age = behind * tokens
+        for key in (f"bucket/{g.bucket}", f"p_hat/{p_hat_band(g.p_hat)}"):
+            a = acc[key]
+            a[0], a[1], a[2], a[3] = a[0] + 1, a[1] + behind, a[2] + tokens, a[3] + age
+    out = {}
+    for key, (n, behind, tokens, age) in sorted(acc.items()):
+        out[f"rollout/staleness_{key}"] = behind / n
+        out[f"rollout/behaviour_age_{key}"] = age / tokens if tokens else behind / n
+    return out

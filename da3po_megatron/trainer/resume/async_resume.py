@@ -1,6 +1,6 @@
 """A resume that changes the asynchronous settings (issue 47, point 1; docs/async.md "Resuming with other settings").
 
-``rollout.staleness``, ``partial_rollouts``, ``late_policy``, ``max_versions_per_response`` and
+``rollout.staleness``, ``partial_rollouts``, ``late_policy``, ``release_order``, ``max_versions_per_response`` and
 ``max_inflight_prompts`` decide what a checkpoint's generation state means: the prefetched batch of staleness 1
 (``pending``) or the producer's queue, decided groups and interrupted partials (``async_rollout``). A change is
 migrated exactly or refused before Ray starts (``config_drift.refuse_async_changes``, with these rules), naming
@@ -13,7 +13,13 @@ the fields; nothing is dropped silently:
 - the producer with k raised, partial rollouts on or off, another late_policy or max_inflight_prompts: **migrated**
   as saved (bounds only loosen; a partial continues, and without partial rollouts is drained at the next sync);
 - the producer with k lowered: **refused** when a saved group could be trained more than the new k versions after
-  it started (the admission rule's worst case: every undecided group counted as kept, FIFO order), else migrated;
+  it started (the admission rule's worst case: every undecided group counted as kept, in the new release order),
+  else migrated;
+- ``release_order`` fifo -> oldest_decided (issue 58): **migrated** -- the saved state has one format for both
+  orders, and a state within the bound in admission order is within it earliest deadline first (the order that
+  meets every deadline if any does: ``generation/release.py``); oldest_decided -> fifo: **refused**, naming
+  ``rollout.release_order``, when a saved group would be trained late in admission order (a group restarted from
+  scratch after an engine failure has a later deadline than younger ones), else migrated;
 - max_versions_per_response lowered: **refused** when a saved partial would span more versions once continued.
 """
 
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
-FIELDS = ("rollout.staleness", "rollout.partial_rollouts", "rollout.late_policy",
+from da3po_megatron.trainer.generation.release import late
+
+FIELDS = ("rollout.staleness", "rollout.partial_rollouts", "rollout.late_policy", "rollout.release_order",
           "rollout.max_versions_per_response", "rollout.max_inflight_prompts")
 
 
@@ -36,33 +44,27 @@ def _keeps(g: dict[str, Any], filter_groups: bool) -> bool:
 
 
 def over_bound(state: dict[str, Any], k: int, batch_size: int, first_version: int, filter_groups: bool,
-               fifo: bool = True) -> list[str]:
+               order: str = "fifo") -> list[str]:
     """Groups of a producer state (``AsyncRollout.state_dict``) that could be trained more than ``k`` versions after
-    they started, each as ``uid (started v, trained <= w)``. Positions: the released kept groups in order, then (FIFO
-    release, ``fifo``) the decided and undecided groups by admission index, every undecided one counted as kept;
-    the next batch trains at ``first_version``. Without FIFO (late_policy discard*) only the released queue is
-    checked: a later group over the bound is discarded and counted, never trained."""
-    out, pos = [], 0
-
-    def check(uid: str, start: int) -> None:
-        nonlocal pos
-        trained = first_version + pos // batch_size
-        if trained - start > k:
-            out.append(f"{uid} (started at version {start}, trained at version {trained})")
-        pos += 1
-
-    for g in state.get("released", []):
-        if _keeps(g, filter_groups):
-            check(g["example"]["uid"], int(g["weight_step"]))
-    if not fifo:
-        return out
-    later = [(int(j), "d", g) for j, g in state.get("decided", [])] + \
-            [(int(p["j"]), "p", p) for p in state.get("partials", [])]
-    for _, kind, x in sorted(later, key=lambda t: t[0]):
-        if kind == "d" and not _keeps(x, filter_groups):
-            continue
-        check(x["example"]["uid"], int(x["weight_step"] if kind == "d" else x["start_version"]))
-    return out
+    they started, each as ``uid (started v, trained <= w)``; the next batch trains at ``first_version``; every
+    undecided group counted as kept. ``order``: ``fifo`` (the released kept groups in order, then the decided and
+    undecided ones by admission index), ``oldest_decided`` (all of them earliest deadline first: by start version,
+    then admission order, :func:`~da3po_megatron.trainer.generation.release.oldest_first`) or ``discard``
+    (late_policy discard*: only the released queue; a later group over the bound is discarded and counted, never
+    trained)."""
+    rel = state.get("released", [])
+    seq = [(g["example"]["uid"], int(g["weight_step"]), i - len(rel)) for i, g in enumerate(rel)
+           if _keeps(g, filter_groups)]
+    if order != "discard":
+        later = [(g["example"]["uid"], int(g["weight_step"]), int(j)) for j, g in state.get("decided", [])
+                 if _keeps(g, filter_groups)]
+        later += [(p["example"]["uid"], int(p["start_version"]), int(p["j"])) for p in state.get("partials", [])]
+        if order == "fifo":
+            seq += sorted(later, key=lambda t: t[2])
+        else:
+            seq = sorted(seq + later, key=lambda t: (t[1], t[2]))
+    return [f"{uid} (started at version {start}, trained at version {trained})"
+            for uid, start, trained in late([(u, s) for u, s, _ in seq], first_version, batch_size, k)]
 
 
 def async_resume_problems(old: dict[str, Any], new: dict[str, Any], state: dict[str, Any]) -> list[str]:
@@ -85,10 +87,13 @@ def async_resume_problems(old: dict[str, Any], new: dict[str, Any], state: dict[
         k, batch = int(n["staleness"]), int(new["data"]["train_batch_size"])
         first = int(producer_state.get("first_version", state.get("step", 0)))
         filt = bool(new["algorithm"]["filter_groups"])
-        late = over_bound(producer_state, k, batch, first, filt, fifo=n["late_policy"] == "pace")
-        if late:
-            problems.append(f"{len(late)} admitted groups could be trained more than rollout.staleness={k} versions "
-                            f"after they started, e.g. {', '.join(late[:3])}")
+        order = n.get("release_order", "fifo") if n["late_policy"] == "pace" else "discard"
+        over = over_bound(producer_state, k, batch, first, filt, order)
+        if over:
+            was, now = o.get("release_order", "fifo"), n.get("release_order", "fifo")
+            named = f" under rollout.release_order={now} (the checkpoint's run: {was})" if now != was else ""
+            problems.append(f"{len(over)} admitted groups could be trained more than rollout.staleness={k} versions "
+                            f"after they started{named}, e.g. {', '.join(over[:3])}")
         m = int(n["max_versions_per_response"])
         wide = [p["example"]["uid"] for p in producer_state.get("partials", []) if n["partial_rollouts"] and
                 int(p["span"]) + 1 > m]
