@@ -132,19 +132,21 @@ def test_pinned_host_buffers_are_counted_as_allocated_rounded_to_powers_of_two_p
 
 
 def test_the_memory_preflight_replays_the_trainers_order_and_refuses_today_naming_phase_and_field(monkeypatch):
-    """``check_policy_memory(..., total=)`` (the probe's ``total_bytes``): the engine's share is util x total, and the
-    timeline of the trainer's order (``memory_timeline_calls.TRAINER_ORDER``) is printed and refused: today P1; once
-    the trainer's order is the fixed one, the recipe passes on an H200."""
+    """``check_policy_memory(..., total=)`` (the probe's ``total_bytes``, passed by bring-up's memory preflight): the
+    engine's share is util x total, and the timeline of the trainer's order (``memory_timeline_calls.TRAINER_ORDER``,
+    "fixed" since the trainer-side fixes of P1 and P2) is printed: the recipe passes on an H200; the order before the
+    fixes ("today") is refused naming P1."""
     from da3po_megatron.megatron import memory_timeline_calls
     from da3po_megatron.megatron.memory import MemoryBudgetError, check_policy_memory
 
+    assert memory_timeline_calls.TRAINER_ORDER == "fixed"
     cfg, arch = recipe()
     kw = {"available": H200 - 2 * 2**30, "device": "cuda", "te": True, "total": H200}
     logs: list[str] = []
-    with pytest.raises(MemoryBudgetError, match=r"start-up: engines:start: vLLM refuses to start"):
-        check_policy_memory(cfg, arch, log=logs.append, **kw)
-    monkeypatch.setattr(memory_timeline_calls, "TRAINER_ORDER", "fixed")
     assert check_policy_memory(cfg, arch, log=logs.append, **kw) == cfg.actor.max_tokens_per_microbatch
+    monkeypatch.setattr(memory_timeline_calls, "TRAINER_ORDER", "today")
+    with pytest.raises(MemoryBudgetError, match=r"start-up: engines:start: vLLM refuses to start"):
+        check_policy_memory(cfg, arch, log=lambda m: None, **kw)
     line = next(m for m in logs if "device timeline per GPU (fixed call order" in m)
     print(line)
     assert "start-up 130.1" in line and "train 82.8" in line and "resync 132.4" in line
@@ -160,11 +162,11 @@ def test_the_preflight_budgets_training_beside_an_awake_engine_when_the_engines_
 
 
 def test_the_report_prints_the_recipes_table_and_fails_on_todays_order(tmp_path, capsys):
-    """``python -m da3po_megatron.megatron.timeline_report`` (docs/colocation.md's table): exit 0 on the fixed order
-    of the 8B colocated recipe on an H200, 1 on today's, naming the violations."""
+    """``python -m da3po_megatron.trainer.cluster.timeline_report`` (docs/colocation.md's table): exit 0 on the fixed
+    order of the 8B colocated recipe on an H200, 1 on today's, naming the violations."""
     import json
 
-    from da3po_megatron.megatron.timeline_report import main
+    from da3po_megatron.trainer.cluster.timeline_report import main
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(QWEN3_8B))

@@ -1,8 +1,10 @@
-"""The device-memory timeline of a shipped recipe, printed: ``python -m da3po_megatron.megatron.timeline_report``.
+"""The device-memory timeline of a shipped recipe, printed:
+``python -m da3po_megatron.trainer.cluster.timeline_report RECIPE --hf-config config.json``.
 
-A command on top of the plan (:mod:`.memory`) and the timeline (:mod:`.memory_timeline`), so that neither imports the
-other's face: the plan replays the timeline in its preflight, and this report needs the plan's estimate. The table of
-docs/colocation.md ("The device-memory timeline") is its output.
+A command on top of the plan (``megatron/memory.py``) and the timeline (``megatron/memory_timeline.py``), so that
+neither imports the other (the plan replays the timeline in its preflight; this report needs the plan's estimate),
+and above the bridge, which reads the model's HF config into a ``GPTArch`` (``megatron/`` never imports the bridge).
+The table of docs/colocation.md ("The device-memory timeline") is its output.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from da3po_megatron.megatron.memory_timeline_calls import call_sequence
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m da3po_megatron.megatron.timeline_report RECIPE --hf-config config.json [--device h200|80gb|MiB]
-    [--order today|fixed] [overrides ...]``: the timeline table of one GPU of the recipe (a resume, an engine restart,
-    an asynchronous save with its HF copy included) and its violations; exit status 1 when it does not fit."""
+    """``RECIPE --hf-config config.json [--device h200|80gb|MiB] [--order today|fixed] [overrides ...]``: the
+    timeline table of one GPU of the recipe (a resume, an engine restart, an asynchronous save with its HF copy
+    included) and its violations; exit status 1 when it does not fit."""
     import argparse
     import json
 
