@@ -102,7 +102,7 @@ def test_handles_merge_by_gpu_and_a_worker_picks_its_own_or_names_the_gpus_that_
 
 
 def test_handles_cross_vllms_msgpack_hop_to_an_out_of_process_core_only_as_bytes():
-    """P3 of issue 57 in milliseconds (the engine of TP 2 itself: tests/test_ipc_engine_tp.py): the utility call a
+    """P3 of issue 57 in milliseconds (the TP 2 engine itself: tests/test_weight_sync_collective.py): the utility call a
     ``collective_rpc("da3po_ipc_load", ...)`` becomes (``v1/engine/core_client.py:1010-1014, 1091-1098``), encoded
     by vLLM's own ``MsgpackEncoder``: refused with a CUDA tensor's ``reduce_tensor`` args shaped as
     ``reductions.py:357-375`` builds them (class, ``torch.Size``, ``torch.dtype``), carried as ``handles_to_wire``'s

@@ -7,7 +7,8 @@ them agree. Tolerance (float32 both sides): max |log pi_vllm - log pi_megatron| 
 Order (module-scoped engines, one group reused): PP=2 policy sync -> match; train step -> second sync follows the new
 weights through the same group; TP=2 policy sync (group rebuilt for its senders); an engine killed during generation
 is restarted, rejoins and gets the weights again; a sender that dies mid-sync fails it naming engine and bucket and
-the engines refuse to generate until a complete sync; engine TP=2 (two vLLM workers, two group ranks per engine).
+the engines refuse to generate until a complete sync; engine TP=2 (two vLLM workers, two group ranks per engine), which
+then also takes IPC handles through its out-of-process engine core (issue 57, P3).
 """
 
 from __future__ import annotations
@@ -171,6 +172,45 @@ def test_engine_tp2_in_its_placement_group_bundle_starts_joins_the_group_and_rec
         assert stats["buckets"] >= 4
         assert hf_max_diff(dirs[2], tp2.generate(PROMPTS, SAMPLING)) < TOL
         transport.teardown(tp2)
+        _ipc_handles_through_the_tp2_engines_core(tp2, dirs)
     finally:
         tp2.shutdown()
         reservation.close()
+
+
+def _ipc_handles_through_the_tp2_engines_core(tp2: RolloutClient, dirs: dict) -> None:
+    """IPC handles through an engine of TP > 1 (issue 57, P3), on the same TP 2 engine: the real ``reduce_tensor``
+    arguments cross the hop from the engine actor to vLLM's engine core, which runs in another process when the engine
+    has several workers. vLLM 0.32 encodes a ``collective_rpc`` call's arguments with msgpack there
+    (``v1/engine/core_client.py:1091-1098`` -> ``call_utility`` -> ``MsgpackEncoder.encode``, ``:1001-1016``), and
+    its encoder raises TypeError for anything but a tensor, an array, a slice or a multimodal item unless
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (``v1/serial_utils.py:190-225``): at f5d1453 the first bucket of the first
+    IPC sync of a colocated TP 2 engine failed ("Object of type <class 'torch._C._TensorMeta'> is not serializable").
+    The trainer's own call per bucket (``ipc_load_bucket({device: reduce_tensor(buf)[1]}, meta)``, as ``rollout/ipc.py``
+    ``_ipc_push`` ships it) with the buckets of checkpoint 0 packed on CPU (the engine holds checkpoint 2 after the
+    collective sync): each worker picks its handle, rebuilds the tensor (a host tensor's arguments carry its bytes)
+    and loads it into the layerwise-reload session; the engine's log-probs must then equal transformers' on
+    checkpoint 0. Tied model (the head must follow the embedding)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    from transformers import AutoModelForCausalLM
+
+    from da3po_megatron.rollout.collective import iter_flat_buckets
+
+    host = "host"  # the device name a worker without CUDA reports (rollout/ipc.py IpcReceiverMixin.da3po_gpu_uuid)
+    model = AutoModelForCausalLM.from_pretrained(dirs[0], dtype=torch.float32)
+    tp2.begin_weight_update()
+    loaded = 0
+    try:
+        for buf, meta in iter_flat_buckets(hf_state_tensors(model), 64 * 1024, torch.device("cpu")):
+            handles = {host: reduce_tensor(buf)[1]}  # what _ipc_push ships: {device: reduce_tensor args}
+            out = tp2._gather([(0, tp2._call(0, "ipc_load_bucket", handles, meta))], "ipc_load_bucket")[0]
+            loaded += len(meta)
+            assert out["seconds"] >= 0
+    except BaseException:
+        tp2.abort_weight_update()
+        raise
+    tp2.finish_weight_update(strict=True)
+    print(f"{loaded} tensors through ipc_load_bucket of a TP 2 engine; workers report "
+          f"{tp2.call_all('worker_gpu_uuids')}")
+    assert tp2.call_all("worker_gpu_uuids") == [[host, host]]
+    assert hf_max_diff(dirs[0], tp2.generate(PROMPTS, SAMPLING)) < TOL

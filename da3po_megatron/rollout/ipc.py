@@ -97,7 +97,7 @@ class IpcReceiverMixin:
         for the producer's IPC event first (torch/multiprocessing/reductions.py:153-200); args[6] is the storage's
         device index (reductions.py:160). On a worker without CUDA the handle is a host tensor's args (class,
         storage, metadata: reductions.py:397, its bytes inside once pickled) and ``rebuild_tensor`` rebuilds it: what
-        the CPU test of the hop through a TP 2 engine sends (tests/test_ipc_engine_tp.py)."""
+        the CPU test of the hop through a TP 2 engine sends (tests/test_weight_sync_collective.py)."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor, rebuild_tensor
 
         from da3po_megatron.rollout.collective import unpack_flat
