@@ -36,13 +36,17 @@ def test_tiers_include_the_ones_before_them_and_name_the_field():
 
 
 class RecordingPolicyStandin:
-    """Stands in for the PolicyGroup: records the offload calls into the shared log."""
+    """Stands in for the PolicyGroup: records the offload calls (and ``run_on_all``'s function) into the shared log."""
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
 
     def call_all(self, method: str, *args):
         self.log.append(f"policy.{method}{'(' + '+'.join(args[0]) + ')' if args else ''}")
+        return []
+
+    def run_on_all(self, fn, *args):
+        self.log.append(f"policy.{fn.__name__}")
         return []
 
 
@@ -57,13 +61,20 @@ class RecordingEnginesStandin:
         self.log.append(f"engines.wake_up({tags[0]})")
 
 
-def _step(cycle: OffloadCycle, engines: RecordingEnginesStandin, log: list[str], ipc: bool) -> None:
-    """One step of the loop's calls as trainer/run.py makes them: engines_idle, train, sync_weights."""
-    if ipc:
-        engines.sleep(2)
-    cycle.engines_asleep()
-    log.append("policy.train_step")
+def _cycle(log: list[str], tier: str, ipc: bool) -> tuple[OffloadCycle, RecordingEnginesStandin]:
+    """A cycle as bring-up makes it (``Cluster.start``): the tier offloaded before the engines start."""
+    from da3po_megatron.trainer.cluster.colocation import start_engines_after_policy
 
+    engines = RecordingEnginesStandin(log)
+    cycle = OffloadCycle(RecordingPolicyStandin(log), tier, engines_sleep=ipc, without_sleep=not ipc)
+    start_engines_after_policy(cycle.policy, lambda: None, lambda: log.append("engines.start") or engines,
+                               cycle.offload_before_start)
+    cycle.engines = engines
+    cycle.engines_started()
+    return cycle, engines
+
+
+def _push(engines: RecordingEnginesStandin, log: list[str], ipc: bool):
     def push(before_wake=None, before_kv_wake=None):  # ipc_sync's order (rollout/ipc.py)
         if ipc:
             before_wake()
@@ -73,28 +84,124 @@ def _step(cycle: OffloadCycle, engines: RecordingEnginesStandin, log: list[str],
             before_kv_wake()
             engines.wake_up(["kv_cache"])
         return {}
+    return push
 
-    cycle.around_sync(push, inside=ipc)
+
+def _step(cycle: OffloadCycle, engines: RecordingEnginesStandin, log: list[str], ipc: bool) -> None:
+    """One step of the loop's calls as trainer/run.py makes them: generate, engines_idle, train, sync_weights."""
     log.append("generate")
+    if ipc:
+        engines.sleep(2)
+    cycle.engines_asleep(slept=ipc)
+    log.append("policy.train_step")
+    cycle.around_sync(_push(engines, log, ipc), inside=ipc)
 
 
 @pytest.mark.parametrize("ipc", [True, False], ids=["ipc-sleeping-engines", "cpu-offload-without-sleep"])
 def test_offload_cycle_order_against_engine_sleep_and_wake(ipc):
+    """Issue 57 P1: the tier leaves the device before the engines start; then the NeMo-RL cycle per step."""
     log: list[str] = []
-    engines = RecordingEnginesStandin(log)
-    cycle = OffloadCycle(RecordingPolicyStandin(log), "all", engines_sleep=ipc, without_sleep=not ipc)
+    cycle, engines = _cycle(log, "all", ipc)
     for _ in range(2):
         _step(cycle, engines, log, ipc)
+    start = ["policy.offload_state(grads+optimizer+params)", "policy.release_cached_memory", "engines.start"]
     off1, off2 = "policy.offload_state(grads+optimizer)", "policy.offload_state(params)"
     if ipc:
-        one = ["engines.sleep(2)", "policy.reload_offloaded", "policy.train_step", off1, "engines.wake_up(weights)",
-               "push", off2, "engines.wake_up(kv_cache)", "generate"]
-        assert log == one[:1] + one[2:] + one  # nothing to reload before the first step
+        one = ["generate", "engines.sleep(2)", "policy.reload_offloaded", "policy.train_step", off1,
+               "engines.wake_up(weights)", "push", off2, "engines.wake_up(kv_cache)"]
     else:
-        one = ["policy.reload_offloaded", "policy.train_step", off1, "push", off2, "generate"]
-        assert log == one[1:] + one
-    assert cycle.calls == ["policy:offload grads+optimizer", "policy:offload params", "policy:reload",
-                           "policy:offload grads+optimizer", "policy:offload params"]
+        one = ["generate", "policy.reload_offloaded", "policy.train_step", off1, "push", off2]
+    assert log == start + one + one  # the first step reloads what the start-up offloaded
+    sync = ["policy:offload grads+optimizer", "policy:release_cached", "engines:wake weights", "sync:push",
+            "policy:offload params", "policy:release_cached", "engines:wake kv_cache"]
+    assert cycle.calls == ["policy:offload grads+optimizer+params", "engines:start"] + (
+        ["engines:sleep 2", "policy:reload"] + sync) * 2
+
+
+def _no_reload_beside_the_kv_cache(log: list[str]) -> None:
+    """Issue 57 P2's invariant: no ``policy.reload_offloaded`` between an ``engines.wake_up(kv_cache)`` (or the
+    engines' start) and the next ``engines.sleep``."""
+    awake = False
+    for i, ev in enumerate(log):
+        if ev in ("engines.wake_up(kv_cache)", "engines.start"):
+            awake = True
+        elif ev.startswith("engines.sleep"):
+            awake = False
+        elif ev.startswith("policy.reload_offloaded"):
+            assert not awake, f"{ev} beside the awake engines' KV cache (call {i}): {log}"
+
+
+@pytest.mark.parametrize("tier", ["grads+optimizer", "all"])
+def test_a_save_and_a_resync_reload_nothing_beside_the_awake_kv_cache(tier):
+    """Issue 57 P2. A checkpoint after the sync (the engines awake, the policy offloaded) runs inside
+    ``OffloadCycle.resident``: the engines sleep at level 1 first, the policy reloads, saves, offloads its tier and
+    releases its cached blocks, then the engines wake weights and KV cache. A resync after an engine restart reloads
+    the parameters only, and only at tier ``all`` (with the engines asleep first); at ``grads+optimizer`` nothing."""
+    log: list[str] = []
+    cycle, engines = _cycle(log, tier, ipc=True)
+    _step(cycle, engines, log, ipc=True)
+    mark = len(log)
+    with cycle.resident():
+        log.append("policy.save")
+    parts = tier.replace("all", "grads+optimizer+params")
+    assert log[mark:] == ["engines.sleep(1)", "policy.reload_offloaded", "policy.save",
+                          f"policy.offload_state({parts})", "policy.release_cached_memory",
+                          "engines.wake_up(weights)", "engines.wake_up(kv_cache)"]
+    mark = len(log)
+    log.append("engines.restart")
+    cycle.around_sync(_push(engines, log, True), inside=True)  # the client's resync
+    head = ["engines.sleep(1)", "policy.reload_offloaded(params)"] if tier == "all" else []
+    assert log[mark + 1:] == head + ["policy.offload_state(grads+optimizer)", "engines.wake_up(weights)", "push",
+                                     "policy.offload_state(params)", "engines.wake_up(kv_cache)"]
+    _step(cycle, engines, log, ipc=True)
+    with cycle.resident():  # the engines asleep and everything resident (not reached by the loop): nothing moves
+        pass
+    _no_reload_beside_the_kv_cache(log)
+    print(cycle.calls)
+
+
+def test_the_recorded_cycle_replays_the_timelines_fixed_order_at_the_8b_size():
+    """The cycle's own record (``OffloadCycle.calls``, in the timeline's vocabulary), made by the real cycle driven
+    in the loop's order with stand-ins, equals ``memory_timeline_calls.call_sequence("fixed")`` less what the cycle
+    does not see (phases, the policy's build / loads / forward / train step, the engines' generate and restart),
+    and replayed with those through the 8B colocated recipe's H200 figures it fits."""
+    from da3po_megatron.megatron.memory_timeline import H200, DeviceTimeline, figures_for_config
+    from da3po_megatron.megatron.memory_timeline_calls import TRAINER_ORDER, call_sequence
+
+    log: list[str] = []
+    cycle, engines = _cycle(log, "grads+optimizer", ipc=True)
+    cycle.around_sync(_push(engines, log, True), inside=True)  # a resume's sync
+    for step in (1, 2):
+        if step == 2:  # an engine restarted during generation: the client's resync
+            cycle.around_sync(_push(engines, log, True), inside=True)
+        _step(cycle, engines, log, ipc=True)
+        if step == 2:
+            with cycle.resident():
+                cycle.record("policy:save async")
+                cycle.record("policy:save_hf")
+    unseen = ("phase:", "policy:build", "policy:load", "policy:forward", "policy:train_step", "engines:generate",
+              "engines:restart")
+    written = call_sequence(TRAINER_ORDER, "grads+optimizer", steps=2, save_steps=(2,), eval_steps=(2,),
+                            resume=True, restart_at=2, async_save=True, hf=True)
+    cycle_calls = [e for e in cycle.calls if not e.startswith(("policy:release_cached", "engines:start"))]
+    assert [e for e in written if not e.startswith(unseen + ("policy:release_cached", "engines:start"))] == \
+        cycle_calls
+    assert cycle.calls[:2] == ["policy:offload grads+optimizer", "engines:start"]
+
+    from dataclasses import replace
+
+    from da3po_megatron.bridge.hf_config import gpt_arch
+    from da3po_megatron.config import load_config
+    from da3po_megatron.megatron.memory import estimate_for_config
+
+    recipe = Path(__file__).resolve().parents[1] / "examples/qwen3_8b_da3po_colocated.yaml"
+    cfg, arch = load_config(recipe, ["model.path=/x"]), gpt_arch(QWEN3_8B)
+    fig = figures_for_config(cfg, arch, H200, estimate_for_config(cfg, arch, device="cuda", te=True))
+    tl = DeviceTimeline(fig).run(written)
+    assert tl.violations == [], [str(v) for v in tl.violations]
+    tl = DeviceTimeline(replace(fig)).run(call_sequence("today", "grads+optimizer", steps=2, save_steps=(2,),
+                                                        resume=True, restart_at=2, async_save=True, hf=True))
+    assert {v.phase for v in tl.violations} >= {"start-up", "save", "resync"}
 
 
 def test_offload_is_inert_unless_the_engines_sleep_or_the_cpu_setting_asks():

@@ -10,23 +10,27 @@ The vocabulary is the trainer's own calls, one event per call that changes what 
 | ``policy:release_cached`` | ``rollout.ipc.release_cached_memory`` (``torch.cuda.empty_cache``) |
 | ``policy:offload PARTS`` | ``PolicyWorker.offload_state(parts)`` (``OffloadCycle.before_wake`` / ``after_push``) |
 | ``policy:reload [PARTS]`` | ``PolicyWorker.reload_offloaded`` (``OffloadCycle.engines_asleep``); PARTS: partial |
-| ``policy:load_checkpoint`` | ``PolicyWorker.load`` (``RunState.restore``) |
+| ``policy:load_checkpoint`` | ``PolicyWorker.load`` (``Cluster.start(checkpoint=)``; before: ``RunState.restore``) |
 | ``policy:forward`` | the old log-probs' forward (``Run.old_logprobs``) |
 | ``policy:train_step`` | ``PolicyWorker.train_step`` |
 | ``policy:save [async]`` | ``PolicyWorker.save`` (``RunState.save_checkpoint``, inside ``OffloadCycle.resident``) |
 | ``policy:save_hf`` | ``bridge.save_hf.save_policy_hf`` (``trainer.save_hf_every``) |
 | ``engines:start`` / ``restart`` | the engines start (vLLM's start-up rule) / one restarts (``RolloutClient``) |
-| ``engines:sleep LEVEL`` | ``RolloutClient.sleep(level)`` (``Run.engines_idle``) |
+| ``engines:sleep LEVEL`` | ``RolloutClient.sleep(level)``: 2 ``Run.engines_idle``, 1 ``OffloadCycle.resident`` |
 | ``engines:wake TAG`` | ``wake_up(tags=[TAG])``, TAG weights or kv_cache (``rollout.ipc.ipc_sync``) |
 | ``engines:generate`` | a generation round or an evaluation |
 | ``sync:push`` | the IPC buckets of one sync (``ipc_sync`` -> ``_ipc_push``) |
 
-:func:`call_sequence` writes the order the trainer has today (``order="today"``, read from
-``trainer/cluster/bringup.py`` ``Cluster.start``, ``trainer/run.py``, ``trainer/cluster/colocation.py`` OffloadCycle,
-``trainer/resume/run_state.py`` ``save_checkpoint`` / ``restore``, ``trainer/loop.py``) and the fixed order
-(``order="fixed"``: the tier offloaded before the engines start and a resume's load before that; the step's checkpoint
-saved between the train step and the sync, while the engines sleep; an out-of-cycle save with the engines asleep
-(level 1); a resync that reloads nothing the push does not need). A recorded CPU run gives the same strings.
+:func:`call_sequence` writes the trainer's order before the fixes of issue 57 (``order="today"``: the engines start
+beside the resident policy, a resume loads after they started, a save and a resync reload everything beside the
+awake engines) and the order the trainer makes now (``order="fixed"``, :data:`TRAINER_ORDER`; read from
+``trainer/cluster/bringup.py`` ``Cluster.start``, ``trainer/run.py``, ``trainer/cluster/colocation.py``
+``OffloadCycle``, ``trainer/resume/run_state.py``, ``trainer/loop.py``): a resume's checkpoint loaded after the HF
+load, the tier offloaded and the cached blocks released before the engines start; every checkpoint save (where the
+loop makes it, after the sync and the evaluation) with the awake engines asleep at level 1 around the reload, the save
+and the offload; a resync (and a resume's sync) that reloads the parameters only, and only when the tier offloaded
+them. ``OffloadCycle.calls`` records a real run's calls in these strings (the phases and the generate / forward /
+train events are the loop's, not recorded there).
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ from typing import Any
 
 from da3po_megatron.megatron.offload import tier_parts
 
-TRAINER_ORDER = "today"
-"""The order the trainer makes its calls in now (``memory.check_policy_memory`` replays it): "fixed" once the
-trainer offloads before the engines start and saves while they sleep (issue 57, the trainer-side edits)."""
+TRAINER_ORDER = "fixed"
+"""The order the trainer makes its calls in now (``memory.check_policy_memory`` replays it): "fixed" since the
+trainer offloads before the engines start, loads a resume's checkpoint before that, saves with the engines asleep and
+reloads only the parameters for a resync (issue 57, P1 and P2: ``trainer/cluster/bringup.py`` ``Cluster.start``,
+``trainer/cluster/colocation.py`` ``OffloadCycle``). "today" is the order before those fixes (kept: the test that
+names P1 and P2 replays it)."""
 
 
 def pow2ceil(n: int) -> int:
@@ -54,14 +61,15 @@ def _sync(order: str, tier: str, offloaded: bool) -> list[str]:
                    "policy:offload params", "policy:release_cached", "engines:wake kv_cache"]
 
 
-def _save(order: str, resident_cycle: bool, async_save: bool, hf: bool) -> list[str]:
-    """A checkpoint save (``RunState.save_checkpoint``); ``resident_cycle``: inside ``OffloadCycle.resident``."""
+def _save(order: str, tier: str, resident_cycle: bool, async_save: bool, hf: bool) -> list[str]:
+    """A checkpoint save (``RunState.save_checkpoint``); ``resident_cycle``: inside ``OffloadCycle.resident`` with the
+    policy offloaded (fixed: the awake engines sleep at level 1 first and wake after the tier is offloaded again)."""
     save = ["policy:save async" if async_save else "policy:save"] + (["policy:save_hf"] if hf else [])
     if not resident_cycle:
         return save
     if order == "today":  # resident(): engines_asleep() reloads beside the awake engines, offloads after
         return ["policy:reload", *save, "policy:offload grads+optimizer", "policy:offload params"]
-    return ["engines:sleep 1", "policy:reload", *save, "policy:offload grads+optimizer", "policy:offload params",
+    return ["engines:sleep 1", "policy:reload", *save, f"policy:offload {'+'.join(tier_parts(tier))}",
             "policy:release_cached", "engines:wake weights", "engines:wake kv_cache"]
 
 
@@ -97,16 +105,14 @@ def call_sequence(order: str = "today", tier: str = "grads+optimizer", steps: in
         ev += ["engines:sleep 2"] + (["policy:reload"] if offloaded else [])
         offloaded = False
         ev += ["phase:old-logprobs", "policy:forward", "phase:train", "policy:train_step"]
-        if order == "fixed" and step in save_steps:
-            ev += ["phase:save", *_save(order, False, async_save, hf)]
         ev += ["phase:sync", *_sync(order, tier, offloaded)]
         offloaded = off
         if step in eval_steps:
             ev += ["phase:evaluate", "engines:generate"]
-        if order == "today" and step in save_steps:
-            ev += ["phase:save", *_save(order, offloaded, async_save, hf)]
+        if step in save_steps:
+            ev += ["phase:save", *_save(order, tier, offloaded, async_save, hf)]
     if final_save and steps not in save_steps:
-        ev += ["phase:final-save", *_save(order, offloaded, async_save, hf)]
+        ev += ["phase:final-save", *_save(order, tier, offloaded, async_save, hf)]
     return ev
 
 

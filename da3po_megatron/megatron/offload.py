@@ -179,9 +179,11 @@ class PolicyOffload:
             torch.cuda.empty_cache()
         return freed
 
-    def reload(self) -> list[str]:
-        """Bring every offloaded part back (params first, gradients last), into the same storages; returns them."""
-        back = [p for p in reversed(PARTS) if p in self.offloaded]
+    def reload(self, parts: tuple[str, ...] | None = None) -> list[str]:
+        """Bring the offloaded ``parts`` (default: every offloaded part) back (params first, gradients last), into the
+        same storages; returns them. ``("params",)``: what a weight push needs (a resync after an engine restart,
+        ``trainer/cluster/colocation.py`` OffloadCycle), the gradients and optimizer state staying off the device."""
+        back = [p for p in reversed(PARTS) if p in self.offloaded and (parts is None or p in parts)]
         cuda = self.model.module.parameters().__next__().is_cuda
         for part in back:
             if part == "grads":

@@ -185,8 +185,9 @@ class PolicyWorker:
         bytes released per part. ``reload_offloaded`` brings them back."""
         return self.offloader.offload(parts)
 
-    def reload_offloaded(self) -> list[str]:
-        return self.offloader.reload()
+    def reload_offloaded(self, parts: tuple[str, ...] | None = None) -> list[str]:
+        """Bring ``parts`` (default: everything offloaded) back to the device; the parts reloaded."""
+        return self.offloader.reload(parts)
 
     def _make_loss_backend(self) -> LossBackend:
         """The loss backend ``policy_config.loss_setup`` named, for this rank's model stage and vocab shard."""
@@ -381,8 +382,9 @@ class PolicyWorker:
         """Load a checkpoint saved at any TP x PP (optimizer: same TP x PP only; see :func:`checkpoint.load_policy`)."""
         from da3po_megatron.megatron.checkpoint import load_policy
 
-        meta = load_policy(path, self.model, self.optimizer, self.scheduler, load_optimizer=load_optimizer,
-                           fully_parallel=fully_parallel)
+        with self.offloader.resident():  # never into released storages (the trainer loads before it offloads)
+            meta = load_policy(path, self.model, self.optimizer, self.scheduler, load_optimizer=load_optimizer,
+                               fully_parallel=fully_parallel)
         self.step = int(meta.get("step", 0))
         return {k: meta[k] for k in ("step", "layout", "loaded_optimizer", "restored_rng")}
 

@@ -61,7 +61,6 @@ class Run:
 
     def _start(self, cfg: Config, allow_config_change: bool) -> None:
         from da3po_megatron.rollout.consistency import DRIFT_FLOOR, DriftMonitor
-        from da3po_megatron.trainer.cluster.colocation import OffloadCycle
         from da3po_megatron.trainer.observability.profiling import StepProfiler
         from da3po_megatron.trainer.resume.config_drift import check_checkpoint_config, write_run_record
         from da3po_megatron.trainer.resume.lock import guard
@@ -100,13 +99,12 @@ class Run:
         init_ray(cfg)
         self.stop.install()  # after ray.init, which replaces the SIGTERM handler with one that exits at once
         self.cluster = Cluster(cfg)  # plan, reservation, policy ranks, engines, transport (cluster/bringup.py)
-        self.cluster.start(arch, self.run_dir, self.ckpt.root / ".prewarm")
+        # a resume's policy checkpoint is loaded there, before the offload cycle offloads and the engines start
+        self.cluster.start(arch, self.run_dir, self.ckpt.root / ".prewarm", checkpoint=latest)
         self.policy, self.rollout = self.cluster.policy, self.cluster.rollout
         self.sampler.rollout, self.state.policy = self.rollout, self.policy
         self.weight_transfer = self.cluster.weight_transfer
-        self.offload = self.state.offload = OffloadCycle(  # actor.offload around generation
-            self.policy, cfg.actor.offload, self.weight_transfer == "ipc", cfg.actor.offload_without_sleep,
-            cfg.rollout.staleness)
+        self.offload = self.state.offload = self.cluster.offload  # actor.offload around generation
         self.rollout.resync = self.sync_weights  # an engine restarted after a sync gets the weights again
         self.profiler = StepProfiler(cfg.trainer.profile, self.run_dir, self.policy, self.rollout)
         print(f"weight transfer: {self.weight_transfer} (rollout.weight_transfer={cfg.rollout.weight_transfer})",

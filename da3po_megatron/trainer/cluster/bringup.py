@@ -181,7 +181,9 @@ def memory_preflight(cfg: Config, arch: GPTArch, seen: dict[str, Any], plan: Any
     ``probe_devices`` answer: device, free memory, layer spec), before any policy actor starts
     (``actor.memory_check``; "fit" lowers ``actor.max_tokens_per_microbatch``). Returns the token budget. Then
     what host memory carries (``megatron/memory_host.py``): the MoE routes a step moves, and whether the node can
-    stage asynchronous saves (else ``trainer.async_save`` falls back to synchronous, said)."""
+    stage asynchronous saves (else ``trainer.async_save`` falls back to synchronous, said). The device's total
+    (``total_bytes``) sizes a colocated engine at ``gpu_memory_utilization x total``, vLLM's rule
+    (``vllm/v1/worker/utils.py:724-726``), and replays the device-memory timeline (issue 57, P1)."""
     from da3po_megatron.megatron.memory import check_policy_memory, estimate_for_config
     from da3po_megatron.megatron.memory_host import check_async_save_memory, route_plan_line
 
@@ -191,7 +193,7 @@ def memory_preflight(cfg: Config, arch: GPTArch, seen: dict[str, Any], plan: Any
     per_node = max(plan.rank_node.count(i) for i in set(plan.rank_node))
     device, te = "cuda" if seen["cuda"] else "cpu", seen.get("use_te", False)
     tokens = check_policy_memory(cfg, arch, available=seen["free_bytes"], where=seen["memory_where"], log=say,
-                                 device=device, te=te, local_ranks=per_node)
+                                 device=device, te=te, local_ranks=per_node, total=seen.get("total_bytes"))
     if arch.is_moe:
         say(f"memory: {route_plan_line(cfg, arch)}")
     host = seen.get("host_available_bytes", seen["free_bytes"] if device == "cpu" else None)
@@ -244,11 +246,16 @@ class Cluster:
         self.rollout: Any = None
         self.weight_transfer = "none"  # rollout.weight_transfer resolved ("none": no engines)
         self.transport: Any = None  # the "collective" group, made at the first sync (colocation.push_weights)
+        self.offload: Any = None  # the actor.offload cycle (colocation.OffloadCycle), made before the engines start
 
-    def start(self, arch: GPTArch, run_dir: Path, prewarm_dir: Path) -> None:
+    def start(self, arch: GPTArch, run_dir: Path, prewarm_dir: Path, checkpoint: Path | None = None) -> None:
         """Plan, reserve, probe, memory preflight; then the policy ranks and the engines, side by side (or the engines
-        after the policy, colocated on CUDA); HF weights in; checkpointing prewarmed into ``prewarm_dir``; CPUs
-        pinned; ``run_dir/placement.json``; the transport chosen and checked against the installed vLLM."""
+        after the policy, colocated on CUDA or with the offload cycle on); HF weights in; a resume's checkpoint
+        (``checkpoint``, the policy's part: the driver's part is ``RunState.restore``'s) loaded while the whole
+        device is the policy's; checkpointing prewarmed into ``prewarm_dir``; colocated with ``actor.offload``, the
+        tier offloaded and the cached blocks released before the engines start (issue 57, P1: :attr:`offload`
+        records the calls); CPUs pinned; ``run_dir/placement.json``; the transport chosen and checked against the
+        installed vLLM."""
         import json
         import time
 
@@ -257,8 +264,10 @@ class Cluster:
         from da3po_megatron.rollout import RolloutClient
         from da3po_megatron.rollout.weight_sync import choose_transport
         from da3po_megatron.trainer.cluster.colocation import (
+            OffloadCycle,
             engine_slots,
             engines_after_policy,
+            engines_will_sleep,
             start_engines_after_policy,
         )
         from da3po_megatron.trainer.cluster.placement_ray import (
@@ -295,20 +304,41 @@ class Cluster:
                                      start_timeout_s=cfg.ray.start_timeout_s, **engine_slots(plan, self.policy),
                                      engine_hosts=[plan.host(i) for i in plan.engine_node])
 
-        # colocated on CUDA the engines size their KV cache from free device memory: they start once the policy on
-        # their GPUs has finished allocating (cluster/colocation.py); otherwise both sides start side by side
-        after_policy = engines_after_policy(cfg.rollout.colocate, self.devices["engine"]["cuda"])
+        has_cuda = self.devices["policy"]["cuda"] and self.devices["engine"]["cuda"]  # what the actors see
+        r = cfg.rollout
+        self.offload = cycle = OffloadCycle(  # actor.offload around generation (cluster/colocation.py)
+            self.policy, cfg.actor.offload,
+            not engineless(cfg) and engines_will_sleep(r.weight_transfer, has_cuda, r.colocate),
+            cfg.actor.offload_without_sleep, r.staleness)
+        cycle.log = os.environ.get("DA3PO_MEMORY_CALLS") or None  # the recorded calls, one a line (tests, GPU runs)
+        # colocated on CUDA the engines size their KV cache from free device memory, and colocated with the offload
+        # cycle on the policy offloads its tier first: they start once the policy on their GPUs has finished
+        # allocating (cluster/colocation.py); otherwise both sides start side by side
+        after_policy = engines_after_policy(r.colocate, self.devices["engine"]["cuda"], cycle.effective)
+        cycle.record("phase:start-up")
         if not after_policy:
             self.rollout = start_engines()
+            cycle.engines_started()
         self.policy.wait_ready()
+        cycle.record("policy:build")
         if not all(self.policy.run_on_all(load_policy_hf, cfg.model.path)):  # HF weights in, through the bridge
             print(f"warning: no *.safetensors in {cfg.model.path}: the policy keeps its random initialisation",
                   flush=True)
+        cycle.record("policy:load_hf")
+        if checkpoint is not None:  # before the offload: dist_checkpointing loads into the storages as they are
+            cycle.record("phase:resume-load")
+            self.policy.load(str(checkpoint / "policy"))
+            cycle.record("policy:load_checkpoint")
+            cycle.record("phase:start-up")
         # the first checkpoint's one-time start-up (megatron-core's writer), done while the engines start
         prewarmed = self.policy.start("prewarm_checkpointing", str(prewarm_dir))
-        if after_policy:  # prewarm, the policy's cached blocks released, then the engines
-            self.rollout = start_engines_after_policy(self.policy, prewarmed, start_engines)
+        if after_policy:  # prewarm, the tier offloaded, the policy's cached blocks released, then the engines
+            self.rollout = start_engines_after_policy(self.policy, prewarmed, start_engines,
+                                                      cycle.offload_before_start)
+            cycle.record("policy:release_cached")
+            cycle.engines_started()
             prewarmed = lambda: None  # noqa: E731 - waited for above
+        cycle.engines = self.rollout
         self.rollout.wait_ready()
         prewarmed()
         print(f"policy ({cfg.policy_world_size} ranks) and {self.rollout.num_engines} engine(s) ready in "
@@ -321,11 +351,15 @@ class Cluster:
         (run_dir / "placement.json").write_text(json.dumps(record, indent=1) + "\n")
         print(f"policy loss: {self.policy.info()[0]['loss_backend']} (actor.loss_backend={cfg.actor.loss_backend})",
               flush=True)
-        has_cuda = self.devices["policy"]["cuda"] and self.devices["engine"]["cuda"]  # what the actors see
         self.weight_transfer = "none" if engineless(cfg) else choose_transport(
             cfg.rollout.weight_transfer, has_cuda=has_cuda, colocate=cfg.rollout.colocate,
             policy_hosts=[d["host"] for d in record["policy"]], engine_hosts=[d["host"] for d in record["engines"]])
         self.rollout.check_transport(self.weight_transfer)  # the installed vLLM has what it needs (names version)
+        if cycle.engines_sleep != (self.weight_transfer == "ipc"):  # engines_will_sleep is choose_transport's rule
+            assumed = "sleep" if cycle.engines_sleep else "never sleep"
+            raise RuntimeError(f"bring-up: the offload cycle assumed engines that {assumed}, but the transport is "
+                               f"{self.weight_transfer!r} (colocation.engines_will_sleep and "
+                               "weight_sync.choose_transport disagree)")
 
     def pin_cpus(self) -> None:
         """Placement for overlap: engines on ``ray.engine_cpus``, policy ranks on ``ray.policy_cpus`` (disjoint cores:

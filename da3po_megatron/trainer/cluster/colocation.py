@@ -26,24 +26,40 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from da3po_megatron.megatron.offload import PARTS, TIERS
+from da3po_megatron.megatron.offload import PARTS, TIERS, tier_parts
 
 
-def engines_after_policy(colocate: bool, engine_cuda: bool) -> bool:
+def engines_after_policy(colocate: bool, engine_cuda: bool, offload_first: bool = False) -> bool:
     """Whether the engines must wait for the policy: colocated, and the engines see CUDA (what engine bundle 0's
-    probe reported, ``placement_ray.probe_devices``), so their KV cache is sized from free device memory."""
-    return bool(colocate and engine_cuda)
+    probe reported, ``placement_ray.probe_devices``), so their KV cache is sized from free device memory -- or
+    ``offload_first``: the ``actor.offload`` cycle is on (:attr:`OffloadCycle.effective`, also on CPU with
+    ``actor.offload_without_sleep``), so the policy offloads its tier before the engines start (issue 57, P1)."""
+    return bool(colocate and (engine_cuda or offload_first))
 
 
-def start_engines_after_policy(policy: Any, prewarmed: Callable[[], Any], start_engines: Callable[[], Any]) -> Any:
-    """The colocated tail of the start-up, after the policy's build (``policy.wait_ready()``) and HF load: wait for
-    the checkpoint prewarm (``prewarmed``, the waiter of ``policy.start("prewarm_checkpointing", ...)``), have every
+def engines_will_sleep(weight_transfer: str, has_cuda: bool, colocate: bool) -> bool:
+    """Whether the engines will sleep between generations, known before they start: the transport will be "ipc"
+    (``rollout.weight_sync.choose_transport``: "ipc", or "auto" colocated on CUDA; "collective" is refused there
+    and "bytes" never sleeps). ``has_cuda``: policy rank 0's and engine 0's probes both saw CUDA."""
+    return bool(has_cuda and colocate and weight_transfer in ("ipc", "auto"))
+
+
+def start_engines_after_policy(policy: Any, prewarmed: Callable[[], Any], start_engines: Callable[[], Any],
+                               offload: Callable[[], Any] | None = None) -> Any:
+    """The colocated tail of the start-up, after the policy's build (``policy.wait_ready()``), HF load and a
+    resume's checkpoint load: wait for the checkpoint prewarm (``prewarmed``, the waiter of
+    ``policy.start("prewarm_checkpointing", ...)``), offload ``actor.offload``'s tier (``offload``:
+    :meth:`OffloadCycle.offload_before_start`; vLLM 0.32 refuses to start unless the device's free memory is at least
+    ``gpu_memory_utilization x total``, ``vllm/v1/worker/utils.py:724-726, 761-770``, and that free memory is
+    device-wide, ``vllm/utils/mem_utils.py:143``, so the policy on the same GPU counts: issue 57, P1), have every
     policy rank return its cached device blocks, then start the engines (``start_engines``: builds the
     :class:`~da3po_megatron.rollout.RolloutClient`, not waiting for it). Returns the client; the caller waits for it
     (``wait_ready``)."""
     from da3po_megatron.rollout.ipc import release_cached_memory
 
     prewarmed()
+    if offload is not None:
+        offload()
     policy.run_on_all(release_cached_memory)
     return start_engines()
 
@@ -64,27 +80,41 @@ def engine_slots(plan: Any, policy: Any) -> dict[str, Any]:
 
 class OffloadCycle:
     """The driver's side of ``actor.offload`` (tiers in ``megatron/offload.py``): when each part of the policy leaves
-    the device and comes back, against the engines' sleep and wake (NeMo-RL's order, issue 49):
+    the device and comes back, against the engines' sleep and wake (NeMo-RL's order, issue 49; issue 57 P1, P2:
+    nothing is reloaded beside an awake KV cache):
 
+    0. start-up (``Cluster.start``): after the HF load and a resume's checkpoint load, :meth:`offload_before_start`
+       offloads the tier, the policy releases its cached blocks, then the engines start (vLLM's start-up rule);
     1. the engines finished generating and sleep (``Run.engines_idle``) -> :meth:`engines_asleep`: every policy rank
        reloads what it offloaded, before its next forward (old log-probs, then the training step);
     2. the step boundary (``Run.sync_weights``): :meth:`before_wake` offloads gradients and optimizer state (a
        pending asynchronous checkpoint was staged when it was scheduled, ``megatron/checkpoint.py``), the engines
        wake their weights, the policy pushes the new weights, :meth:`after_push` offloads the parameters, the
-       engines wake their KV cache and generate beside the offloaded policy;
-    3. a checkpoint save between 2 and 1 runs inside :meth:`resident` (reloaded, saved, offloaded again).
+       engines wake their KV cache and generate beside the offloaded policy. A resync after an engine restart
+       (awake engines, policy offloaded) reloads the parameters only, and only when the tier offloaded them, with
+       the engines asleep (level 1) first;
+    3. a checkpoint save (or HF export) between 2 and 1 runs inside :meth:`resident`: awake engines sleep (level 1:
+       weights kept in host memory, ``vllm/v1/worker/gpu_worker.py:294-330``), the policy reloads, saves, offloads its
+       tier again and releases its cached blocks, then the engines wake their weights and KV cache.
 
-    ``effective``: ``actor.offload`` is not "none" and the engines sleep (``weight_transfer == "ipc"``) or
-    ``actor.offload_without_sleep`` applies the cycle anyway (CPU). ``calls`` records the cycle, in order, beside
-    the engines' ``sleep`` / ``wake_up`` (``record``), for tests and the docs.
+    ``effective``: ``actor.offload`` is not "none" and the engines sleep (``engines_sleep``: the "ipc" transport) or
+    ``actor.offload_without_sleep`` applies the cycle anyway (CPU: the engines do not sleep, so the sleep and
+    wake-up calls are skipped; the recorded sequence is the same). ``engines``: the
+    :class:`~da3po_megatron.rollout.RolloutClient`, set by bring-up once the engines exist. ``calls`` records the
+    run's calls that change what a GPU holds, in order, in the device-memory timeline's vocabulary
+    (``megatron/memory_timeline_calls.py``; bring-up records its start-up steps with :meth:`record`), so a test
+    replays a real run's sequence through ``megatron/memory_timeline.py``.
     """
 
     def __init__(self, policy: Any, tier: str, engines_sleep: bool, without_sleep: bool = False,
                  staleness: int = 0) -> None:
-        self.policy, self.tier = policy, tier
+        self.policy, self.tier, self.engines_sleep = policy, tier, engines_sleep
+        self.engines: Any = None
+        self.log: str | None = None
         # staleness >= 1: the engines generate while the policy trains (they never sleep; config/checks.py refuses it)
         self.effective = tier != "none" and (engines_sleep or without_sleep) and staleness == 0
         self.offloaded = False
+        self.awake = False  # the engines hold their KV cache (started, or woken by a sync)
         self.calls: list[str] = []
         self.seconds = {"offload_s": 0.0, "reload_s": 0.0}  # the last cycle's, logged as sync/offload_s, sync/reload_s
         if tier != "none":
@@ -96,7 +126,12 @@ class OffloadCycle:
                   flush=True)
 
     def record(self, event: str) -> None:
+        """One event of the run's calls (``calls``); with ``log`` (a path: bring-up sets it from
+        ``$DA3PO_MEMORY_CALLS``), also appended there, one a line, for a test or a GPU run to replay."""
         self.calls.append(event)
+        if self.log is not None:
+            with open(self.log, "a") as fh:
+                fh.write(event + "\n")
 
     def _offload(self, parts: tuple[str, ...]) -> None:
         if self.effective:
@@ -105,6 +140,32 @@ class OffloadCycle:
             self.seconds["offload_s"] += time.perf_counter() - t0
             self.offloaded = True
             self.record("policy:offload " + "+".join(parts))
+
+    def _release_cached(self) -> None:
+        from da3po_megatron.rollout.ipc import release_cached_memory
+
+        self.policy.run_on_all(release_cached_memory)
+        self.record("policy:release_cached")
+
+    def _sleep(self, level: int) -> None:
+        if self.engines_sleep:
+            self.engines.sleep(level=level)
+        self.awake = False
+        self.record(f"engines:sleep {level}")
+
+    def _wake(self, tag: str) -> None:
+        if self.engines_sleep:
+            self.engines.wake_up(tags=[tag])
+        self.record(f"engines:wake {tag}")
+
+    def offload_before_start(self) -> None:
+        """Start-up: the tier off the device before the engines start (issue 57, P1); the first
+        :meth:`engines_asleep` reloads it. The caller releases the cached blocks and starts the engines."""
+        self._offload(tier_parts(self.tier))
+
+    def engines_started(self) -> None:
+        self.awake = True
+        self.record("engines:start")
 
     def before_wake(self) -> None:
         """Gradients and optimizer state off the device, before the engines' weights wake up."""
@@ -116,26 +177,50 @@ class OffloadCycle:
 
     def around_sync(self, push: Callable[..., Any], inside: bool) -> Any:
         """The step boundary: ``push(before_wake, before_kv_wake)`` with the offload steps passed in (``inside``:
-        the "ipc" transport, which wakes the engines itself, ``rollout/ipc.py`` ipc_sync), else around a plain
-        ``push()`` (``actor.offload_without_sleep``: the same order without wake-ups). A resync while offloaded (an
-        engine restarted) reloads the policy first."""
-        self.engines_asleep()
+        the "ipc" transport, which wakes the engines itself, ``rollout/ipc.py`` ipc_sync: the policy's cached
+        blocks released before each wake-up), else around a plain ``push()`` (``actor.offload_without_sleep``: the
+        same order without wake-ups). A resync while offloaded (an engine restarted; the engines awake) reloads the
+        parameters only, and only when the tier offloaded them, with the engines asleep first (level 1)."""
+        if self.effective and self.offloaded and "params" in tier_parts(self.tier):
+            if self.awake:
+                self._sleep(1)
+            t0 = time.perf_counter()
+            self.policy.call_all("reload_offloaded", ("params",))
+            self.seconds["reload_s"] = time.perf_counter() - t0
+            self.record("policy:reload params")
         self.seconds["offload_s"] = 0.0
-        if inside:
-            stats = push(self.before_wake, self.after_push)
-        else:
+
+        def wake_weights() -> None:
             self.before_wake()
+            if self.effective:
+                self.record("policy:release_cached")
+                self.record("engines:wake weights")
+
+        def wake_kv() -> None:
+            if self.effective:
+                self.record("sync:push")
+            self.after_push()
+            if self.effective:
+                self.record("policy:release_cached")
+                self.record("engines:wake kv_cache")
+
+        if inside:  # ipc_sync: before_wake, release, wake weights, push, before_kv_wake, release, wake KV cache
+            stats = push(wake_weights, wake_kv)
+        else:
+            wake_weights()
             try:
                 stats = push()
             finally:
-                self.after_push()
+                wake_kv()
+        self.awake = True
         return {**stats, **self.seconds} if self.effective else stats
 
     def engines_asleep(self, slept: bool = False) -> None:
         """Everything back on the device before the policy's next forward (``slept``: the engines were just put to
-        sleep, recorded first)."""
-        if slept:
-            self.record("engines:sleep")
+        sleep at level 2, ``Run.engines_idle``; recorded first, also where the cycle skips the call on CPU)."""
+        if slept or self.effective:
+            self.awake = False
+            self.record("engines:sleep 2")
         if self.effective and self.offloaded:
             t0 = time.perf_counter()
             self.policy.call_all("reload_offloaded")
@@ -145,15 +230,30 @@ class OffloadCycle:
 
     @contextmanager
     def resident(self) -> Iterator[None]:
-        """The policy reloaded inside (a checkpoint, an HF export), offloaded again after."""
-        was = self.offloaded
-        self.engines_asleep()
+        """The policy reloaded inside (a checkpoint, an HF export), offloaded again after -- never beside an awake
+        KV cache (issue 57, P2): awake engines sleep first (level 1 keeps their weights in host memory), and wake
+        their weights and KV cache once the policy has offloaded its tier and released its cached blocks. Nothing
+        happens when nothing is offloaded."""
+        if not (self.effective and self.offloaded):
+            yield
+            return
+        slept = self.awake
+        if slept:
+            self._sleep(1)
+        t0 = time.perf_counter()
+        self.policy.call_all("reload_offloaded")
+        self.seconds["reload_s"] = time.perf_counter() - t0
+        self.offloaded = False
+        self.record("policy:reload")
         try:
             yield
         finally:
-            if was:
-                self.before_wake()
-                self.after_push()
+            self._offload(tier_parts(self.tier))
+            self._release_cached()
+            if slept:
+                self._wake("weights")
+                self._wake("kv_cache")
+                self.awake = True
 
 
 def push_weights(cluster: Any, before_wake: Callable[[], Any] | None = None,

@@ -99,14 +99,17 @@ class RunState:
                 _save_policy(p)
 
         def _save_policy(p: Path) -> None:
+            record = self.offload.record if self.offload is not None else (lambda event: None)
             if asynchronous:
                 self.policy.call("save", str(p), async_save=True)  # scheduled: megatron-core writes it meanwhile
             else:
                 self.policy.save(str(p))
+            record("policy:save async" if asynchronous else "policy:save")  # the device-memory timeline's events
             if hf:  # the weight sync's export stream, into the same temporary directory (one atomic rename)
                 from da3po_megatron.bridge.save_hf import save_policy_hf
 
                 save_policy_hf(self.policy, p.parent / "hf", self.cfg.model.path)
+                record("policy:save_hf")
             fault_point("checkpoint", step, self.sampler)
 
         if asynchronous:
@@ -184,11 +187,13 @@ class RunState:
         self.producer_state = state.get("async_rollout")
 
     def restore(self, path: Path, sync_weights: Any) -> None:
-        """Resume from the checkpoint ``path``: the policy, the driver's state, then ``sync_weights()`` (the engines
-        start from the HF weights; they get the checkpoint's)."""
+        """Resume from the checkpoint ``path``: the driver's state, then ``sync_weights()`` (the engines start from
+        the HF weights; they get the checkpoint's). The policy's part was loaded at bring-up (``Cluster.start(...,
+        checkpoint=path)``), before the ``actor.offload`` cycle offloads the tier and the colocated engines start:
+        dist_checkpointing loads into the storages as they are, and a load after the offload would need the whole
+        policy back beside the engines' KV cache (issue 57, P1)."""
         t0 = time.perf_counter()
         state = self.ckpt.load_trainer_state(path)
-        self.policy.load(str(path / "policy"))
         self.load(state)
         sync_weights()
         self.sampler.engine_weight_step = self.step
