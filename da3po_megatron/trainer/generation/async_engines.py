@@ -177,7 +177,8 @@ class EngineCalls:
 class EngineSide:
     """The producer thread's engine-facing steps, a mixin of
     :class:`~da3po_megatron.trainer.generation.async_rollout.AsyncRollout` (its fields and its locking discipline,
-    stated there): answers, failures, and the pause's collect / interrupt / drain on every engine at once."""
+    stated there): answers, failures, the pause's collect / interrupt / drain on every engine at once, and the
+    loop thread's re-sync of engines that all restarted without their weights (:meth:`_resync`)."""
 
     _calls: EngineCalls
     _cv: Any
