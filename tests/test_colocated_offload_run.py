@@ -99,3 +99,5 @@ def test_the_colocated_recipe_with_the_offload_cycle_trains_resumes_and_its_reco
             tl = DeviceTimeline(fig).run(calls)
             print(f"device {total / 2**30:.1f} GiB: " + ", ".join(f"{ph} {v / 2**30:.1f}" for ph, v, _ in tl.phases()))
             assert tl.violations == [], [str(v) for v in tl.violations]
+            assert {"start-up", "generate", "sync", "save"} <= {ph for ph, _, _ in tl.phases()}  # train: unrecorded
+    assert "resume-load" in {e.removeprefix("phase:") for e in recorded[1]} and "phase:resync" in recorded[1]

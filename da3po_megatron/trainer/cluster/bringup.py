@@ -339,6 +339,7 @@ class Cluster:
             cycle.engines_started()
             prewarmed = lambda: None  # noqa: E731 - waited for above
         cycle.engines = self.rollout
+        cycle.record("phase:generate")  # what follows the start-up (a resume's sync records its own phase)
         self.rollout.wait_ready()
         prewarmed()
         print(f"policy ({cfg.policy_world_size} ranks) and {self.rollout.num_engines} engine(s) ready in "

@@ -181,6 +181,7 @@ class OffloadCycle:
         blocks released before each wake-up), else around a plain ``push()`` (``actor.offload_without_sleep``: the
         same order without wake-ups). A resync while offloaded (an engine restarted; the engines awake) reloads the
         parameters only, and only when the tier offloaded them, with the engines asleep first (level 1)."""
+        self.record("phase:resync" if self.awake else "phase:sync")  # awake: an engine restarted, or a resume
         if self.effective and self.offloaded and "params" in tier_parts(self.tier):
             if self.awake:
                 self._sleep(1)
@@ -213,6 +214,7 @@ class OffloadCycle:
             finally:
                 wake_kv()
         self.awake = True
+        self.record("phase:generate")
         return {**stats, **self.seconds} if self.effective else stats
 
     def engines_asleep(self, slept: bool = False) -> None:
@@ -227,6 +229,7 @@ class OffloadCycle:
             self.seconds["reload_s"] = time.perf_counter() - t0
             self.offloaded = False
             self.record("policy:reload")
+        self.record("phase:train")  # the old log-probs' forward and the training step follow
 
     @contextmanager
     def resident(self) -> Iterator[None]:
@@ -238,6 +241,7 @@ class OffloadCycle:
             yield
             return
         slept = self.awake
+        self.record("phase:save")
         if slept:
             self._sleep(1)
         t0 = time.perf_counter()
@@ -254,6 +258,7 @@ class OffloadCycle:
                 self._wake("weights")
                 self._wake("kv_cache")
                 self.awake = True
+            self.record("phase:generate")
 
 
 def push_weights(cluster: Any, before_wake: Callable[[], Any] | None = None,
