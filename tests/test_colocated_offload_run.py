@@ -49,7 +49,7 @@ def _written(**kw) -> list[str]:
             if not e.startswith(NOT_RECORDED)]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # CI's long part (make test-long): ~2.5 min on 2 cores; test_offload covers the cycle in make test
 def test_the_colocated_recipe_with_the_offload_cycle_trains_resumes_and_its_recorded_calls_fit_the_8b_timeline(
         tmp_path):
     from da3po_megatron import tiny
