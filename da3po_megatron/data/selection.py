@@ -235,13 +235,13 @@ class PromptHistory:
 
 
 class SelectingPrompts:
-    """A prompt iterator that skips by the rule; a drop-in for :class:`~da3po_megatron.data.datasets.PromptIterator`
-    (``take`` / ``state_dict`` / ``load_state_dict``; the wrapped iterator's state is unchanged, so a checkpoint's
-    ``prompts`` entry reads the same with selection on or off). Thread-safe: the staleness-1 prefetch and the
-    asynchronous producer draw and score from their own threads.
+    """A prompt iterator that skips by the rule; a drop-in for
+    :class:`~da3po_megatron.data.prompt_iterator.PromptIterator` (``take`` / ``state_dict`` / ``load_state_dict``;
+    the wrapped iterator's state is unchanged, so a checkpoint's ``prompts`` entry reads the same with selection on
+    or off). Thread-safe: the staleness-1 prefetch and the asynchronous producer draw and score from their own threads.
 
-    ``observe(groups)`` (from ``Run.score``) records outcomes and adapts the rates; ``drain()`` returns and resets the
-    per-step counters."""
+    ``observe(groups)`` (from ``Sampler.score``) records outcomes and adapts the rates; ``drain()`` returns and
+    resets the per-step counters."""
 
     def __init__(self, inner: Any, params: SelectionParams, seed: int) -> None:
         self.inner, self.params, self.seed = inner, params, int(seed)

@@ -11,7 +11,7 @@ The vocabulary is the trainer's own calls, one event per call that changes what 
 | ``policy:offload PARTS`` | ``PolicyWorker.offload_state(parts)`` (``OffloadCycle.before_wake`` / ``after_push``) |
 | ``policy:reload [PARTS]`` | ``PolicyWorker.reload_offloaded`` (``OffloadCycle.engines_asleep``); PARTS: partial |
 | ``policy:load_checkpoint`` | ``PolicyWorker.load`` (``Cluster.start(checkpoint=)``; before: ``RunState.restore``) |
-| ``policy:forward`` | the old log-probs' forward (``Run.old_logprobs``) |
+| ``policy:forward`` | the old log-probs' forward (``trainer/old_logprobs.py``) |
 | ``policy:train_step`` | ``PolicyWorker.train_step`` |
 | ``policy:save [async]`` | ``PolicyWorker.save`` (``RunState.save_checkpoint``, inside ``OffloadCycle.resident``) |
 | ``policy:save_hf`` | ``bridge.save_hf.save_policy_hf`` (``trainer.save_hf_every``) |

@@ -131,7 +131,7 @@ def engine_config(cfg: Config, engine_cuda: bool = False, moe: bool = False) -> 
     """The training engines' :class:`~da3po_megatron.rollout.EngineConfig`. They return the log-probs of the
     distribution they sample from (vLLM ``processed_logprobs``: after ``rollout.temperature``, and after the nucleus
     renormalisation when ``rollout.top_p`` < 1), which the policy scores with the same temperature (see
-    ``megatron.policy.loss_setup``). ``engine_cuda``: whether an engine sees CUDA (asked of one,
+    ``megatron.policy_config.loss_setup``). ``engine_cuda``: whether an engine sees CUDA (asked of one,
     ``placement_ray.probe_devices``): with it vLLM sizes its KV cache from ``rollout.gpu_memory_utilization`` and
     colocated engines get sleep mode; without it the KV cache is capped at ``rollout.kv_cache_memory_bytes`` (vLLM's CPU
     default takes 0.9 x RAM) and there is no sleep mode (a no-op on CPU). ``moe``: the model has experts; the
