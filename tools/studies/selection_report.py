@@ -2,7 +2,9 @@
 accuracy, variant by variant, each paired by seed with the reference.
 
 Each variant is ``NAME=DIR`` as for ``tools/compare_variants.py`` (``DIR/seed<k>/metrics.jsonl`` or a report's
-``DIR/seed<k>.jsonl``); the first is the reference. Per run, over all its steps and over its second half (``late``):
+``DIR/seed<k>.jsonl``), or ``NAME=DIR1,DIR2,...`` with one directory per starting policy (warm-up): a run is then
+paired by (directory's position, seed), so independent warm-ups count as independent pairs (issue 59). The first
+variant is the reference. Per run, over all its steps and over its second half (``late``):
 generated (decoded) tokens per trained token = sum rollout/decoded_tokens / sum rollout/kept_tokens; the fraction of
 generated groups that were zero-variance (all-correct / all-wrong); the trained share of the two hardest buckets
 (mean over steps of batch/group_frac_bucket of the two largest buckets) and of every bucket; generation rounds and
@@ -12,6 +14,11 @@ reached. Each variant's difference from the reference is paired by seed (``tools
 ``paired``: the mean of the per-seed differences +- its standard error sd/sqrt(n)), screened with Student's t
 (two-sided 95 %, n - 1 degrees of freedom; ``*`` marks a significant difference). The saving is also given per seed
 as the ratio reference / variant of tokens per trained token.
+
+The ceiling (issue 59): no rule that decides before generation can save more than 1 / (1 - w), w the share of the
+reference's decoded tokens that were not trained (``rollout/wasted_tokens / rollout/decoded_tokens``). The report
+prints w and the ceiling per window of steps for the reference, and for each variant the share of the ceiling
+reached, ``(1 - 1/saving) / w``: the fraction of the reference's wasted tokens (per trained token) the rule avoided.
 
     python tools/studies/selection_report.py dapo=runs/compare/sel50_off/dapo \\
         dapo+sel=runs/compare/sel50_on/dapo --out F.md
@@ -30,6 +37,35 @@ SHARE = "batch/group_frac_bucket/"
 GEN_ACC = "gen/acc_bucket/"
 TOKENS = "gen/cumulative_tokens"
 EVAL = "eval/synthetic/"
+
+
+def load_runs(spec: str) -> tuple[str, dict[int, list[dict]]]:
+    """``NAME=DIR[,DIR...]`` -> (NAME, {key: rows}); with several directories the key is 1000 x position + seed."""
+    name, _, paths = spec.partition("=")
+    dirs = paths.split(",")
+    if len(dirs) == 1:
+        return load(spec)
+    runs: dict[int, list[dict]] = {}
+    for i, d in enumerate(dirs):
+        runs.update({1000 * i + s: rows for s, rows in load(f"{name}={d}")[1].items()})
+    return name, runs
+
+
+def ceiling_rows(runs: dict[int, list[dict]], window: int) -> list[tuple[str, float, float]]:
+    """(steps, w, 1 / (1 - w)) per window of ``window`` steps and over the run, w pooled over the runs' tokens."""
+    def w_of(rows: list[dict]) -> float:
+        dec = _sum(rows, "rollout/decoded_tokens")
+        return _sum(rows, "rollout/wasted_tokens") / dec if dec else math.nan
+    steps = [r for rows in runs.values() for r in rows]
+    last = max((r["step"] for r in steps), default=0)
+    out = []
+    for lo in range(0, last, window):
+        rows = [r for r in steps if lo < r["step"] <= lo + window]
+        w = w_of(rows)
+        out.append((f"{lo + 1}-{min(lo + window, last)}", w, 1 / (1 - w) if w < 1 else math.inf))
+    w = w_of(steps)
+    out.append(("all", w, 1 / (1 - w) if w < 1 else math.inf))
+    return out
 
 
 def _buckets(rows: list[dict]) -> list[str]:
@@ -85,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="+", help="NAME=DIR (the first is the reference)")
     ap.add_argument("--out", type=Path, default=None, help="also write the tables to this Markdown file")
+    ap.add_argument("--window", type=int, default=10, help="steps per window of the ceiling table (default 10)")
     args = ap.parse_args(argv)
-    variants = dict(load(s) for s in args.variants)
+    variants = dict(load_runs(s) for s in args.variants)
     every = [r for runs in variants.values() for rows in runs.values() for r in rows]
     buckets = _buckets(every)
     hardest = buckets[-2:]
@@ -101,17 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["tokens/trained token", "zero-var %", "all-wrong %", "hardest-2 share %", "rounds/step", "surplus/step",
             "skipped c/step", "skipped w/step", "p_c final", "p_w final"]
     paired_cols = ("tokens/trained token", "zero-var %", "hardest-2 share %")
+    lines += [f"\n**The ceiling** from {ref}: w = wasted / decoded tokens, pooled over its runs\n",
+              "| steps | w | ceiling 1/(1-w) |", "|---|---:|---:|"]
+    lines += [f"| {s} | {w:.3f} | {c:.2f}x |" for s, w, c in ceiling_rows(steps[ref], args.window)]
     for phase, pick in phases.items():
         figs = {name: {s: cost(pick(rows), hardest, buckets) for s, rows in runs.items()} for name, runs in
                 steps.items()}
         lines += [f"\n**Cost, {phase}** (mean +- sd over seeds; paired diff vs {ref})\n",
-                  "| variant | seeds | saving vs " + ref + " (per seed ratio) | " + " | ".join(cols) + " |",
-                  "|---|---:|---:|" + "---:|" * len(cols)]
+                  "| variant | runs | saving vs " + ref + " (per run ratio) | % of the ceiling reached | "
+                  + " | ".join(cols) + " |", "|---|---:|---:|---:|" + "---:|" * len(cols)]
         for name, per_seed in figs.items():
             col = {c: {s: f[c] for s, f in per_seed.items()} for c in cols}
             ratio = {s: figs[ref][s]["tokens/trained token"] / f["tokens/trained token"] for s, f in per_seed.items()
                      if s in figs[ref]}
-            cells = [_cell(ratio) + "x"]
+            reach = {s: (1 - 1 / r) / (1 - figs[ref][s]["tokens/trained token"] ** -1) for s, r in ratio.items()}
+            cells = [_cell(ratio) + "x", "-" if name == ref else _cell({s: 100 * v for s, v in reach.items()}, ".0f")]
             for c in cols:
                 cell = _cell(col[c])
                 if name != ref and c in paired_cols:
