@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from da3po_megatron.megatron.memory_timeline_calls import model_params, pinned_sizes, pow2ceil
+from da3po_megatron.megatron.memory_timeline_calls import model_params, pinned_sizes, policy_parts, pow2ceil
 from da3po_megatron.megatron.offload import PARTS, tier_parts
 
 __all__ = ["DeviceTimeline", "Figures", "TimelineError", "figures_for_config", "pow2ceil"]
@@ -332,15 +332,14 @@ def figures_for_config(cfg: Any, arch: Any, total: int, est: Any, graph_pool: in
     from da3po_megatron.megatron.offload import ipc_sync_extra_bytes
 
     pbytes = 2 if cfg.model.params_dtype in ("bfloat16", "float16") else 4
-    opt = est.static["optimizer"]
-    masters = opt // 3 if pbytes < 4 else 0  # fp32 master (4 B) of Adam's 12 B per parameter; views when fp32
+    params, masters, moments = policy_parts(cfg, est)
     c = est.components
     r = cfg.rollout
     ebytes = {"float32": 4, "bfloat16": 2}.get(r.dtype, pbytes)
     eager = r.enforce_eager if getattr(r, "enforce_eager", None) is not None else False
     bucket, full = ipc_sync_extra_bytes(arch, int(r.weight_sync_bucket_mb * 2**20), pbytes)
-    fig = Figures(total=int(total), runtime=c.get("runtime", 0), params=est.static["params"],
-                  grads=est.static["grads"], masters=masters, moments=opt - masters,
+    fig = Figures(total=int(total), runtime=c.get("runtime", 0), params=params,
+                  grads=est.static["grads"], masters=masters, moments=moments,
                   step_extra=c.get("activations", 0) + c.get("transient", 0) + c.get("logits", 0),
                   engine_budget=math.ceil(total * r.gpu_memory_utilization),
                   engine_weights=int(model_params(arch) * ebytes / r.tensor_parallel_size),

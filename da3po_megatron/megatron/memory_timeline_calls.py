@@ -140,6 +140,15 @@ def model_params(arch: Any) -> int:
     return int(sum(_tensors(arch)))
 
 
+def policy_parts(cfg: Any, est: Any) -> tuple[int, int, int]:
+    """(parameters, fp32 master weights, Adam moments) bytes per rank from the plan's static parts (``est``:
+    :func:`.memory.estimate_for_config`): with bf16 parameters the masters are separate fp32 shards, a third of
+    Adam's 12 B per parameter; with fp32 parameters they are views of the parameters (none of their own)."""
+    opt = est.static["optimizer"]
+    masters = opt // 3 if cfg.model.params_dtype in ("bfloat16", "float16") else 0
+    return est.static["params"], masters, opt - masters
+
+
 def pinned_sizes(cfg: Any, arch: Any, fig: Any, async_staging: int) -> dict[str, int]:
     """Pinned host bytes as torch's caching host allocator allocates them (each allocation rounded up to a power
     of two) for one policy rank: the parameters in one contiguous DDP buffer (distributed optimizer), the optimizer
