@@ -78,16 +78,24 @@ def route_bytes_per_step(cfg: Any, arch: GPTArch) -> int:
     return int(cfg.data.train_batch_size * r.n * frac * positions * route_bytes_per_position(arch))
 
 
-def route_plan_line(cfg: Any, arch: GPTArch) -> str:
-    """One line for the memory plan: the routes a step moves, what they are for, and the budget."""
+def route_plan_line(cfg: Any, arch: GPTArch, engine_cuda: bool = False) -> str:
+    """One line for the memory plan: the routes a step moves, what they are for, and the budget. ``engine_cuda``:
+    the engines capture through vLLM's engine-wide switch (``rollout/engine_routes.route_capture``), so for a sample
+    they still carry every route of the step in their own processes: said with its size."""
     b = route_bytes_per_step(cfg, arch)
     m = cfg.moe
     why = ("R3 replays every route" if m.routing_replay != "none" else
            f"router agreement on {m.router_agreement_fraction:g} of the completions" if b else "none read")
+    inside = ""
+    if engine_cuda and 0 < route_fraction(cfg.moe, cfg.rollout.mode == "streaming") < 1:
+        every = int(b / route_fraction(cfg.moe))
+        inside = (f"; on CUDA vLLM's capture is engine-wide (no per-request switch in 0.32): the engines carry every "
+                  f"route, up to {every / GiB:.2f} GiB per step, and drop the unread ones before the driver "
+                  "(moe.router_agreement=false turns capture off)")
     return (f"routes: up to {b / GiB:.2f} GiB per step ({why}; {route_bytes_per_position(arch)} B per position, "
             f"{cfg.data.train_batch_size} x {cfg.rollout.n} completions of <= "
             f"{cfg.rollout.max_prompt_length + cfg.rollout.max_response_length} tokens; budget without R3 "
-            f"{ROUTE_BUDGET_BYTES / GiB:.0f} GiB)")
+            f"{ROUTE_BUDGET_BYTES / GiB:.0f} GiB){inside}")
 
 
 def async_save_staging_bytes(cfg: Any, arch: GPTArch, device: str, te: bool = False) -> int:
