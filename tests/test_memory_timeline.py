@@ -131,6 +131,41 @@ def test_pinned_host_buffers_are_counted_as_allocated_rounded_to_powers_of_two_p
     assert set(tl.host) == {"masters", "moments"}  # grads are freed without a copy; params stay (the tier)
 
 
+def test_the_host_plan_counts_the_pinned_offload_buffers_and_the_staging_as_allocated_p6():
+    """P6, the host side: the async-save check (``memory_host.check_async_save_memory``, from bring-up's memory
+    preflight) budgets against host memory the probe measured before any offload buffer exists. The 8B colocated
+    recipe with ``trainer.async_save=true``, 8 ranks per node: staging 26.7 GiB per rank nominal (214 GiB per
+    node) fits 256 GiB less the 10 % reserve (230 GiB) -- what b6cc7ac concluded -- but pinned as torch allocates it
+    (powers of two) the staging is 36.5 GiB per rank and the offload buffers (grads+optimizer) take 15.7 GiB per
+    rank first: 418 GiB per node, so saves fall back to synchronous; 512 GiB holds both; 128 GiB cannot hold even
+    the offload buffers, refused naming actor.offload. The figures are the device timeline's host row."""
+    from da3po_megatron.megatron.memory import MemoryBudgetError
+    from da3po_megatron.megatron.memory_host import check_async_save_memory
+
+    GiB = 2**30
+    said: list[str] = []
+    cfg, arch = recipe("trainer.async_save=true")
+    kept = check_async_save_memory(cfg, arch, 8, 256 * GiB, "cuda", True, said.append)
+    print("\n".join(said))
+    assert not kept and not cfg.trainer.async_save and "SYNCHRONOUSLY" in said[-1]  # b6cc7ac: kept on
+    assert "pinned offload buffers (actor.offload=grads+optimizer) 15.7 GiB per rank as allocated (nominal 11.4" in \
+        said[0] and "125.3 GiB for the node's 8 rank(s), in 230.4 GiB" in said[0]
+    assert "stage ~36.5 GiB per rank as allocated (nominal 26.7)" in said[-1] and "in 105.1 GiB" in said[-1]
+    cfg, arch = recipe("trainer.async_save=true")
+    assert check_async_save_memory(cfg, arch, 8, 512 * GiB, "cuda", True, said.append) and cfg.trainer.async_save
+    with pytest.raises(MemoryBudgetError, match=r"more than the node's 115.2 GiB: lower actor.offload"):
+        check_async_save_memory(cfg, arch, 8, 128 * GiB, "cuda", True, said.append)
+
+    from da3po_megatron.megatron.memory_host import pinned_host_bytes
+
+    pinned, fig = pinned_host_bytes(cfg, arch, "cuda", te=True), figures(H200, "trainer.async_save=true")
+    assert pinned["offload"] == fig.pinned["masters"] + fig.pinned["moments"]
+    assert pinned["staging"] == fig.pinned["staging"]
+    assert pinned_host_bytes(recipe("actor.offload=none")[0], arch, "cuda", te=True)["offload"] == 0
+    assert pinned_host_bytes(recipe("actor.offload=all")[0], arch, "cuda", te=True)["offload"] == \
+        pinned["offload"] + fig.pinned["params"]
+
+
 def test_the_memory_preflight_replays_the_trainers_order_and_refuses_today_naming_phase_and_field(monkeypatch):
     """``check_policy_memory(..., total=)`` (the probe's ``total_bytes``, passed by bring-up's memory preflight): the
     engine's share is util x total, and the timeline of the trainer's order (``memory_timeline_calls.TRAINER_ORDER``,

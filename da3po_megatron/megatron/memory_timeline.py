@@ -39,7 +39,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from da3po_megatron.megatron.memory_timeline_calls import model_params, pinned_sizes, pow2ceil
+from da3po_megatron.megatron.memory_timeline_calls import (
+    kv_bytes_per_sequence,
+    model_params,
+    pinned_sizes,
+    policy_parts,
+    pow2ceil,
+)
 from da3po_megatron.megatron.offload import PARTS, tier_parts
 
 __all__ = ["DeviceTimeline", "Figures", "TimelineError", "figures_for_config", "pow2ceil"]
@@ -71,6 +77,8 @@ class Figures:
     pinned: dict[str, int] = field(default_factory=dict)  # pinned host bytes as allocated per part / "staging"
     gpus_per_node: int = 8
     util: float = 0.0
+    receive_extra: int = 0  # a split layout's engine GPU during a collective sync: the receive pool (3 buffers)
+    kv_min: int = 0  # the KV cache one request of max_model_len needs on one engine GPU (vLLM's start-up check)
 
     @property
     def engine_kv(self) -> int:
@@ -85,7 +93,7 @@ class TimelineError(ValueError):
 class Violation:
     phase: str
     event: str
-    kind: str  # "startup" (vLLM's rule), "overflow" (peak > device), "offloaded" (used while offloaded)
+    kind: str  # "startup" / "kv" (vLLM's rules), "overflow" (peak > device), "offloaded" (used while offloaded)
     need: int
     have: int
     fix: str
@@ -93,7 +101,7 @@ class Violation:
     def __str__(self) -> str:
         g = GiB
         what = {"startup": "vLLM refuses to start: free", "overflow": "device memory exceeded:",
-                "offloaded": "used while offloaded:"}[self.kind]
+                "offloaded": "used while offloaded:", "kv": "vLLM refuses to start: KV cache"}[self.kind]
         return (f"{self.phase}: {self.event}: {what} {self.have / g:.1f} GiB vs {self.need / g:.1f} GiB needed "
                 f"-> {self.fix}")
 
@@ -169,6 +177,9 @@ class DeviceTimeline:
         lower = f"or rollout.gpu_memory_utilization<={max(0.0, math.floor((f.util - over / f.total) * 100) / 100):.2f}"
         if kind == "offloaded":
             return "reload the policy before it is used (PolicyWorker.reload_offloaded; trainer order)"
+        if kind == "kv":
+            return ("raise rollout.gpu_memory_utilization, or rollout.tensor_parallel_size, or shorten "
+                    "rollout.max_prompt_length + max_response_length (one request of max_model_len must fit)")
         if kind == "startup":
             left = [p for p in tier_parts(f.tier) if p not in self.offloaded and self.on.get(_part_key(p))]
             if left:
@@ -257,6 +268,8 @@ class DeviceTimeline:
         free = self.fig.total - self.device_bytes() - self.fig.engine_context  # measured after its own context
         if free < self.fig.engine_budget:
             self._violate("engines:start", "startup", self.fig.engine_budget, free)
+        elif self.fig.engine_kv < self.fig.kv_min:  # weights + graph pool leave too little for one request
+            self._violate("engines:start", "kv", self.fig.kv_min, self.fig.engine_kv)
         self.engine = "awake"
 
     def _engines_restart(self, arg: str) -> None:
@@ -275,6 +288,10 @@ class DeviceTimeline:
 
     def _engines_generate(self, _: str) -> None:
         return None
+
+    def _sync_receive(self, _: str) -> int:
+        """A collective sync's receive pool on an engine GPU, beside the awake engine (outside vLLM's budget)."""
+        return self.fig.receive_extra
 
     def _sync_push(self, _: str) -> int:
         self._require("sync:push", ("params",))
@@ -328,24 +345,31 @@ def figures_for_config(cfg: Any, arch: Any, total: int, est: Any, graph_pool: in
     """The per-GPU figures of a colocated run config on a device of ``total`` bytes, from the plan's own arithmetic:
     ``est`` (:func:`.memory.estimate_for_config` on CUDA: static parts, step peak, runtime), the engine's ``util x
     total`` and its weights (the model's parameters in the engine's dtype over the engine's TP), the IPC sync's
-    bound (:func:`.offload.ipc_sync_extra_bytes`) and the pinned host buffers as allocated (``pinned_sizes``)."""
+    bound (:func:`.offload.ipc_sync_extra_bytes`), the pinned host buffers as allocated (``pinned_sizes``); for an
+    engine GPU the KV cache one request of max_model_len needs (``kv_bytes_per_sequence``) and, with the collective
+    transport, the receive pool: 3 buffers of a bucket or the largest HF tensor (``rollout/collective_receive.py``
+    ``BufferPool(keep=3)``; the "bytes" transport receives into host memory)."""
     from da3po_megatron.megatron.offload import ipc_sync_extra_bytes
 
     pbytes = 2 if cfg.model.params_dtype in ("bfloat16", "float16") else 4
-    opt = est.static["optimizer"]
-    masters = opt // 3 if pbytes < 4 else 0  # fp32 master (4 B) of Adam's 12 B per parameter; views when fp32
+    params, masters, moments = policy_parts(cfg, est)
     c = est.components
     r = cfg.rollout
     ebytes = {"float32": 4, "bfloat16": 2}.get(r.dtype, pbytes)
     eager = r.enforce_eager if getattr(r, "enforce_eager", None) is not None else False
     bucket, full = ipc_sync_extra_bytes(arch, int(r.weight_sync_bucket_mb * 2**20), pbytes)
-    fig = Figures(total=int(total), runtime=c.get("runtime", 0), params=est.static["params"],
-                  grads=est.static["grads"], masters=masters, moments=opt - masters,
+    piece = ipc_sync_extra_bytes(arch, int(r.weight_sync_bucket_mb * 2**20), ebytes)[0]
+    transport = getattr(r, "weight_transfer", "auto")
+    receive = 3 * piece if transport == "collective" or (transport == "auto" and not r.colocate) else 0
+    fig = Figures(total=int(total), runtime=c.get("runtime", 0), params=params,
+                  grads=est.static["grads"], masters=masters, moments=moments,
                   step_extra=c.get("activations", 0) + c.get("transient", 0) + c.get("logits", 0),
                   engine_budget=math.ceil(total * r.gpu_memory_utilization),
                   engine_weights=int(model_params(arch) * ebytes / r.tensor_parallel_size),
                   engine_context=engine_context,
                   graph_pool=(0 if eager else GRAPH_POOL) if graph_pool is None else graph_pool,
                   sync_extra=bucket + full, tier=cfg.actor.offload, gpus_per_node=gpus_per_node,
-                  util=float(r.gpu_memory_utilization))
+                  util=float(r.gpu_memory_utilization), receive_extra=receive,
+                  kv_min=kv_bytes_per_sequence(arch, r.max_prompt_length + r.max_response_length,
+                                               r.tensor_parallel_size, ebytes))
     return replace(fig, pinned=pinned_sizes(cfg, arch, fig, est.async_staging))

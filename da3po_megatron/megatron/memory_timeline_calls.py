@@ -19,7 +19,8 @@ The vocabulary is the trainer's own calls, one event per call that changes what 
 | ``engines:sleep LEVEL`` | ``RolloutClient.sleep(level)``: 2 ``Run.engines_idle``, 1 ``OffloadCycle.resident`` |
 | ``engines:wake TAG`` | ``wake_up(tags=[TAG])``, TAG weights or kv_cache (``rollout.ipc.ipc_sync``) |
 | ``engines:generate`` | a generation round or an evaluation |
-| ``sync:push`` | the IPC buckets of one sync (``ipc_sync`` -> ``_ipc_push``) |
+| ``sync:push`` | the IPC buckets of one sync (``ipc_sync`` -> ``_ipc_push``); a split layout's sender alike |
+| ``sync:receive`` | a split layout's engine GPU receiving one sync (``collective_receive.receive_stage``: its pool) |
 
 :func:`call_sequence` writes the trainer's order before the fixes of issue 57 (``order="today"``: the engines start
 beside the resident policy, a resume loads after they started, a save and a resync reload everything beside the
@@ -30,7 +31,8 @@ load, the tier offloaded and the cached blocks released before the engines start
 loop makes it, after the sync and the evaluation) with the awake engines asleep at level 1 around the reload, the save
 and the offload; a resync (and a resume's sync) that reloads the parameters only, and only when the tier offloaded
 them. ``OffloadCycle.calls`` records a real run's calls in these strings (the phases and the generate / forward /
-train events are the loop's, not recorded there).
+train events are the loop's, not recorded there). :func:`split_sequences` writes a non-colocated layout's two kinds
+of GPU: a policy GPU (no engine) and an engine GPU (no policy rank).
 """
 
 from __future__ import annotations
@@ -116,6 +118,36 @@ def call_sequence(order: str = "today", tier: str = "grads+optimizer", steps: in
     return ev
 
 
+def split_sequences(steps: int = 2, save_steps: tuple = (2,), eval_steps: tuple = (2,), resume: bool = False,
+                    restart_at: int | None = None, async_save: bool = False, hf: bool = False,
+                    final_save: bool = True) -> dict[str, list[str]]:
+    """The events of a split (non-colocated) layout, per kind of GPU (the same run as :func:`call_sequence`): a
+    policy GPU builds, loads (a resume's checkpoint), and per step runs the old log-probs' forward, the training
+    step, the sync's sender side (``sync:push``: a bucket and one full tensor beyond its weights) and the saves; an
+    engine GPU starts its engine (vLLM's rules), generates, receives every sync beside its awake KV cache
+    (``sync:receive``), restarts and resyncs, and evaluates. Nothing is offloaded and no engine sleeps."""
+    pol = ["phase:start-up", "policy:build", "policy:load_hf"]
+    eng = ["phase:start-up", "engines:start"]
+    if resume:
+        pol += ["phase:resume-load", "policy:load_checkpoint", "phase:resume-sync", "sync:push"]
+        eng += ["phase:resume-sync", "sync:receive"]
+    save = ["policy:save async" if async_save else "policy:save"] + (["policy:save_hf"] if hf else [])
+    for step in range(1, steps + 1):
+        eng += ["phase:generate", "engines:generate"]
+        if restart_at == step:
+            pol += ["phase:resync", "sync:push"]
+            eng += ["phase:resync", "engines:restart", "sync:receive", "phase:generate", "engines:generate"]
+        pol += ["phase:old-logprobs", "policy:forward", "phase:train", "policy:train_step", "phase:sync", "sync:push"]
+        eng += ["phase:sync", "sync:receive"]
+        if step in eval_steps:
+            eng += ["phase:evaluate", "engines:generate"]
+        if step in save_steps:
+            pol += ["phase:save", *save]
+    if final_save and steps not in save_steps:
+        pol += ["phase:final-save", *save]
+    return {"policy": pol, "engine": eng}
+
+
 # ---------------------------------------------------------------------------------------------- sizes (pure)
 def _tensors(arch: Any, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> list[float]:
     """Element counts of the parameter tensors of the first (heaviest: it holds the embedding) PP stage of one
@@ -138,6 +170,24 @@ def _tensors(arch: Any, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> 
 def model_params(arch: Any) -> int:
     """The model's parameter count (every layer, embedding and output layer: what one engine holds)."""
     return int(sum(_tensors(arch)))
+
+
+def kv_bytes_per_sequence(arch: Any, tokens: int, tp: int, dtype_bytes: int, block: int = 16) -> int:
+    """The KV cache one request of ``tokens`` positions needs on one engine GPU: every layer's keys and values for
+    the positions rounded up to whole blocks (vLLM's default block of 16), the GPU's share of the KV heads (heads are
+    replicated when TP exceeds them). vLLM refuses to start an engine whose KV cache cannot hold one request of
+    ``max_model_len`` (``vllm/v1/core/kv_cache_utils.py:1003-1040``, from ``check_enough_kv_cache_memory``, 1104)."""
+    heads = max(1, arch.num_query_groups // max(1, tp))
+    return int(-(-tokens // block) * block * arch.num_layers * 2 * heads * arch.kv_channels * dtype_bytes)
+
+
+def policy_parts(cfg: Any, est: Any) -> tuple[int, int, int]:
+    """(parameters, fp32 master weights, Adam moments) bytes per rank from the plan's static parts (``est``:
+    :func:`.memory.estimate_for_config`): with bf16 parameters the masters are separate fp32 shards, a third of
+    Adam's 12 B per parameter; with fp32 parameters they are views of the parameters (none of their own)."""
+    opt = est.static["optimizer"]
+    masters = opt // 3 if cfg.model.params_dtype in ("bfloat16", "float16") else 0
+    return est.static["params"], masters, opt - masters
 
 
 def pinned_sizes(cfg: Any, arch: Any, fig: Any, async_staging: int) -> dict[str, int]:

@@ -25,7 +25,7 @@ import socket
 import time
 from typing import Any
 
-from da3po_megatron.rollout.engine_routes import route_source, take_routes
+from da3po_megatron.rollout.engine_routes import route_capture, route_source, take_routes
 from da3po_megatron.rollout.engine_setup import (
     check_vllm_support,
     cuda_available,
@@ -72,7 +72,7 @@ class VLLMEngine(StreamingMixin):
         self._stale: str | None = None  # set when a weight update was aborted half-way: generation refused
         self._streams: dict = {}  # streaming: key -> running group (rollout/stream.py)
         self.routes = None  # return_routed_experts: where the routes come from and their shape
-        if config.return_routed_experts:
+        if route_capture(config, self.has_cuda) != "none":
             self.routes = route_source(config, self.has_cuda)
             if self.routes["source"] == "worker":
                 self.routes.update(self.llm.collective_rpc("da3po_routes_enable")[0])

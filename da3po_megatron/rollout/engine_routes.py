@@ -6,6 +6,14 @@ returns them only for the completions something reads: every completion under ro
 ``SamplingConfig.routes_fraction`` sample for the router-agreement metric alone (``routes.routes_selected``), none
 for evaluation. The worker capture (CPU) still assembles every request's routes -- its prefix-block store needs them
 -- and returns only the selected ones, so the others never leave the worker process.
+
+Whether an engine captures at all is :func:`route_capture`, the one decision: only when something reads its routes
+(``EngineConfig.return_routed_experts``, set by the trainer from ``memory_host.route_fraction``: R3 or the agreement
+metric's sample). On CUDA vLLM's switch is engine-wide -- vLLM 0.32 has no per-request one
+(``config/aux_output.py``; ``SamplingParams.routed_experts_prompt_start``, ``sampling_params.py:436``, only trims
+prompt rows) -- so an engine that captures for the agreement sample captures every request's routes inside vLLM,
+evaluation's included, and drops the unread ones in the engine process (:func:`vllm_routes`); the host plan says how
+many bytes that is (``memory_host.route_plan_line``).
 """
 
 from __future__ import annotations
@@ -15,6 +23,15 @@ from typing import Any
 from da3po_megatron.rollout.types import EngineConfig, RolloutError, SamplingConfig
 
 
+def route_capture(config: EngineConfig, has_cuda: bool) -> str:
+    """Where an engine captures MoE routes (module doc): "none" unless something reads them
+    (``config.return_routed_experts``); "vllm" on CUDA (``LLM(enable_return_routed_experts=True)``, engine-wide);
+    "worker" elsewhere (``rollout/routes.py: RouteCapture``, installed by ``da3po_routes_enable``)."""
+    if not config.return_routed_experts:
+        return "none"
+    return "vllm" if has_cuda else "worker"
+
+
 def route_source(config: EngineConfig, has_cuda: bool) -> dict[str, Any]:
     """Where an engine with ``return_routed_experts`` gets its routes. CPU: the worker-side capture
     (``rollout/routes.py``; vLLM's own needs Model Runner V2, which needs a GPU). CUDA: vLLM 0.32's
@@ -22,7 +39,7 @@ def route_source(config: EngineConfig, has_cuda: bool) -> dict[str, Any]:
     ``config/vllm.py`` 702-738), whose ``CompletionOutput.routed_experts`` is ``[positions, all hidden layers,
     top_k]`` (``outputs.py`` 84; dense layers' columns unused): the MoE layers' columns are kept
     (:func:`vllm_routes`). The GPU path has not run in this project's CI (docs/gpu_only.md)."""
-    if not has_cuda:
+    if route_capture(config, has_cuda) != "vllm":
         return {"source": "worker"}
     from da3po_megatron.bridge.hf_config import gpt_arch
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from da3po_megatron.rollout.engine_routes import route_capture
 from da3po_megatron.rollout.types import EngineConfig, RolloutError
 
 WORKER_EXTENSION = "da3po_megatron.rollout.worker_ext.WeightSyncExtension"
@@ -170,7 +171,7 @@ def llm_kwargs(config: EngineConfig, has_cuda: bool | None = None) -> dict[str, 
     if backend is not None:
         kw["distributed_executor_backend"] = backend
     resolve_transfer_backend(config, has_cuda)  # refuses "ipc" without CUDA
-    if config.return_routed_experts and has_cuda:  # GPU: vLLM's own capture (Model Runner V2), see route_source
+    if route_capture(config, has_cuda) == "vllm":  # GPU: vLLM's own capture (Model Runner V2), engine-wide
         kw["enable_return_routed_experts"] = True
     if config.enable_sleep_mode:
         if not has_cuda:

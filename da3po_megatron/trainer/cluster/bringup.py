@@ -195,7 +195,7 @@ def memory_preflight(cfg: Config, arch: GPTArch, seen: dict[str, Any], plan: Any
     tokens = check_policy_memory(cfg, arch, available=seen["free_bytes"], where=seen["memory_where"], log=say,
                                  device=device, te=te, local_ranks=per_node, total=seen.get("total_bytes"))
     if arch.is_moe:
-        say(f"memory: {route_plan_line(cfg, arch)}")
+        say(f"memory: {route_plan_line(cfg, arch, engine_cuda=device == 'cuda')}")  # (engines on the policy's kind)
     host = seen.get("host_available_bytes", seen["free_bytes"] if device == "cpu" else None)
     check_async_save_memory(cfg, arch, per_node, host, device, te, say,
                             policy_bytes_per_rank=estimate_for_config(cfg, arch, tokens, device, te).total)
