@@ -153,6 +153,21 @@ def test_floors_and_the_all_wrong_back_off_as_in_the_streak_rule():
         assert (p_keep == 1.0) is surely, (z, skips, p_keep)
 
 
+def test_sharpness_raises_the_informative_chance_to_its_power_above_the_floors_and_leaves_the_guards():
+    """Eq. P5 with s: P(keep) = (1 - P_zv)^s; s = 1 is the chance that the group is informative."""
+    from dataclasses import replace
+
+    easyish = (9.0, 1.0)  # posterior mean 0.9: above tau, P_zv ~ 0.4 at G = 8
+    one = posterior_keep_probability(*easyish, 8, PP, guard_min=0.5)
+    assert one[0] == pytest.approx(1.0 - one[1] - one[2])
+    for s in (2.0, 3.0):
+        keep, p_c, p_w = posterior_keep_probability(*easyish, 8, replace(PP, sharpness=s), guard_min=0.5)
+        assert (p_c, p_w) == one[1:] and keep == pytest.approx(one[0] ** s) and keep < one[0]
+    sharp = replace(PP, sharpness=8.0)
+    assert posterior_keep_probability(60.0, 0.05, 8, sharp, guard_min=0.5)[0] == pytest.approx(PP.floor_correct)
+    assert posterior_keep_probability(2.0, 6.0, 8, sharp, guard_min=0.5)[0] == 1.0  # the tau guard holds
+
+
 def test_nothing_is_skipped_before_the_runs_first_group():
     post = PassRatePosteriors(PP)
     assert post.keep("u0", 0, 0.5) == (1.0, 0.0, 0.0)
@@ -253,10 +268,11 @@ def test_the_config_selects_the_posterior_rule():
     from da3po_megatron.data.selection import selecting
 
     cfg = load_config("examples/tiny_cpu_da3po.yaml", ["data.selection=posterior", "data.selection_decay=0.8",
-                                                      "data.selection_explore_min=0.02"])
+                                                      "data.selection_explore_min=0.02", "data.selection_sharpness=2"])
     sel = selecting(_dataset().iterator(seed=1), cfg.data, seed=0, group_size=8, tau=0.4)
     p = sel.params.posterior
-    assert (p.decay, p.prior_strength, p.floor_correct, p.group_size, p.tau) == (0.8, 2.0, 0.02, 8, 0.4)
+    assert (p.decay, p.prior_strength, p.floor_correct, p.group_size, p.tau, p.sharpness) == (0.8, 2.0, 0.02, 8, 0.4,
+                                                                                              2.0)
     assert sel.posterior is not None
     streak = selecting(_dataset().iterator(seed=1), load_config("examples/tiny_cpu_da3po.yaml",
                                                                 ["data.selection=skip_zero_variance"]).data, seed=0)

@@ -180,6 +180,7 @@ def validate(cfg: Config) -> None:
            dc.selection_max_skips_all_wrong, ">= 0")
     _check(dc.selection_prior_strength > 0, "data.selection_prior_strength", dc.selection_prior_strength, "> 0")
     _check(0.0 <= dc.selection_decay <= 1.0, "data.selection_decay", dc.selection_decay, "in [0, 1]")
+    _check(dc.selection_sharpness > 0, "data.selection_sharpness", dc.selection_sharpness, "> 0")
     ac = cfg.actor
     _check(ac.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size, ">= 1")
     _check(dc.train_batch_size % ac.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size", ac.ppo_mini_batch_size,

@@ -424,7 +424,8 @@ def selecting(inner: Any, data: Any, seed: int, group_size: int = 0, tau: float 
         posterior = PosteriorParams(prior_strength=data.selection_prior_strength, decay=data.selection_decay, tau=tau,
                                     floor_correct=data.selection_explore_min,
                                     floor_wrong=data.selection_explore_min_all_wrong,
-                                    max_skips_all_wrong=data.selection_max_skips_all_wrong, group_size=group_size)
+                                    max_skips_all_wrong=data.selection_max_skips_all_wrong, group_size=group_size,
+                                    sharpness=data.selection_sharpness)
     params = SelectionParams(tails=data.selection_tails, target_all_correct=data.selection_target_all_correct,
                              target_all_wrong=data.selection_target_all_wrong,
                              explore_init=data.selection_explore_init, explore_step=data.selection_explore_step,

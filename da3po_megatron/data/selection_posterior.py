@@ -22,8 +22,10 @@ Equations (t: training steps completed; a prompt's groups give k correct of G):
     (P5) P(keep)      = 1                        tau guard: a / (a + b) < tau and P(k >= 1) = 1 - B(a, b + G) / B(a, b)
                                                  >= min(keep_rate, 1/2)
                       = 1                        an all-wrong streak of z after b_s * 2^(z-1) skips (today's back-off)
-                      = max(1 - P_zv, floor)     otherwise; floor = explore_min, or explore_min_all_wrong where
-                                                 P(all wrong) > P(all correct)
+                      = max((1 - P_zv)^s, floor) otherwise; floor = explore_min, or explore_min_all_wrong where
+                                                 P(all wrong) > P(all correct); s = sharpness (1: the probability
+                                                 that the group is informative; s > 1 skips likely-zero-variance
+                                                 prompts harder, nearer a ranking of the prompts by P_zv)
 
 Evidence is kept in groups (c, g) and multiplied by G when a decision is made, so a G learnt late (below) does not
 re-weigh old groups. **The tau guard** (Eq. 14: DAA amplifies the correct responses of groups with p_hat < tau): a
@@ -64,6 +66,7 @@ class PosteriorParams:
     floor_wrong: float = 0.05  # ... where it is all-wrong
     max_skips_all_wrong: int = 1  # b_s of the back-off (0: an all-wrong streak is never skipped)
     group_size: int = 0  # G; 0: learnt from the observed p_hats
+    sharpness: float = 1.0  # s of (P5): P(keep) = (1 - P_zv)^s above the floors
 
 
 def _log_beta_ratio(a: float, b: float, x: float, y: float) -> float:
@@ -111,7 +114,7 @@ def posterior_keep_probability(a: float, b: float, g: int, params: PosteriorPara
     if all_wrong_streak > 0 and skips >= params.max_skips_all_wrong * 2 ** (all_wrong_streak - 1):
         return 1.0, p_c, p_w
     floor = params.floor_wrong if p_w > p_c else params.floor_correct
-    return max(1.0 - p_c - p_w, floor), p_c, p_w
+    return max(max(1.0 - p_c - p_w, 0.0) ** params.sharpness, floor), p_c, p_w
 
 
 def infer_group_size(current: int, p_hat: float, limit: int = 4096) -> int:
