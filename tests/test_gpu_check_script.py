@@ -110,3 +110,70 @@ def test_a_failing_step_is_recorded_and_the_script_exits_non_zero(tmp_path):
     assert r.returncode != 0
     s = _summary(tmp_path)
     assert s["bench_loss_8k"] == "FAIL" and s["bench_loss_16k"] == "SKIP"
+
+
+def _colocated_tool():
+    import importlib.util
+
+    path = REPO / "tools" / "gpu" / "check_colocated_gpu.py"
+    spec = importlib.util.spec_from_file_location("check_colocated_gpu", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # (its dataclass looks its module up)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_the_colocated_check_trains_as_the_recipe_where_the_machine_allows_and_says_what_it_cannot():
+    """tools/gpu/check_colocated_gpu.py (step ``colocated``; issue 57, P5): NCCL when each rank has a GPU, else gloo
+    with megatron-core's coalesced DP collectives issued one at a time (gloo's coalesced all-gather has no CUDA
+    path: the read expected a segfault at the first optimizer step), bf16 with fp32 master shards always, TE's
+    FusedAdam exactly when TE imports on CUDA -- and a line saying so when it does not (the device image has no TE).
+    At b6cc7ac the tool trained over gloo with coalescing, in float32, with whatever optimizer, and said nothing."""
+    tool = _colocated_tool()
+    plan = tool.train_plan
+    two = plan(True, 8, None)
+    assert (two.backend, two.rank_devices, two.one_by_one, two.params_dtype, two.optimizer, two.said) == (
+        "nccl", (0, 1), False, "bfloat16", "TE FusedAdam", ())
+    one = plan(True, 1, None)
+    assert (one.backend, one.rank_devices, one.one_by_one, one.optimizer) == ("gloo", (0, 0), True, "TE FusedAdam")
+    assert len(one.said) == 1 and "NCCL refuses two ranks on one device" in one.said[0]
+    image = plan(True, 1, "`import transformer_engine` failed: ModuleNotFoundError: No module named 'x'")
+    assert image.optimizer == "torch AdamW" and image.params_dtype == "bfloat16"
+    assert any("Transformer-Engine not importable (`import transformer_engine` failed" in s and "NOT covered" in s
+               for s in image.said)
+    cpu = plan(False, 0, None)
+    assert (cpu.backend, cpu.one_by_one, cpu.params_dtype, cpu.optimizer) == ("gloo", True, "bfloat16", "torch AdamW")
+    assert "(no CUDA)" in cpu.said[-1]
+    assert set(one.overrides()) == {"actor.offload=all", "model.params_dtype=bfloat16"}
+
+    # a rank's report against the plan: what the --small run reports passes its plan; fp32, another backend, the
+    # wrong optimizer or a coalescing manager never used does not
+    report = {"backend": "gloo", "params_dtype": "bfloat16", "master_dtype": "float32", "torch_optimizer": True,
+              "coalesced_one_by_one": 4}
+    assert tool.trained_as_planned(cpu, report)
+    assert not tool.trained_as_planned(one, report)  # TE's FusedAdam planned, torch's AdamW ran
+    assert tool.trained_as_planned(one, {**report, "torch_optimizer": False})
+    for bad in ({"params_dtype": "float32"}, {"master_dtype": "bfloat16"}, {"backend": "nccl"},
+                {"coalesced_one_by_one": 0}):
+        assert not tool.trained_as_planned(cpu, {**report, **bad}), bad
+    assert tool.trained_as_planned(two, {**report, "backend": "nccl", "torch_optimizer": False,
+                                         "coalesced_one_by_one": None})
+
+
+def test_one_by_one_replaces_megatrons_coalescing_manager_counts_its_uses_and_refuses_asynchronous_blocks():
+    tool = _colocated_tool()
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    real = pgb._coalescing_manager
+    try:
+        count = tool.install_one_by_one()
+        assert pgb._coalescing_manager is not real and count == [0]
+        with pgb._coalescing_manager(None, async_ops=False) as cm:
+            pass
+        cm.wait()
+        assert count == [1]
+        with pytest.raises(RuntimeError, match="asynchronous coalesced collective"):
+            with pgb._coalescing_manager(None, async_ops=True):
+                pass
+    finally:
+        pgb._coalescing_manager = real

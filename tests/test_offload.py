@@ -206,6 +206,35 @@ def test_the_recorded_cycle_replays_the_timelines_fixed_order_at_the_8b_size():
     assert {v.phase for v in tl.violations} >= {"start-up", "save", "resync"}
 
 
+def test_the_cycle_also_records_the_loops_generation_rounds_forwards_train_steps_and_restarts():
+    """``OffloadCycle.watch`` (bring-up calls it once the engines exist): the ``on_call`` hooks of the real
+    ``RolloutClient`` (a generation round; a restart) and of the policy group (``PolicyGroup._call_sharded``: the
+    old log-probs' forward, the training step) add the timeline's ``engines:generate``, ``engines:restart``,
+    ``policy:forward`` and ``policy:train_step`` to the run's record -- at b6cc7ac the record had none of them, so a
+    replayed run missed its training peaks. Local client with a stand-in engine; the policy side is the hook the
+    group calls (its dispatch needs Ray: tests/test_colocated_offload_run.py runs it whole)."""
+    from da3po_megatron.rollout import EngineConfig, RolloutClient, SamplingConfig
+    from da3po_megatron.rollout.types import Completion
+
+    class Engine:
+        def generate(self, prompts, indices, sampling, max_tokens=None):
+            return [Completion(prompt_index=i, sample_index=0, prompt_token_ids=[1], token_ids=[2], text="x",
+                               logprobs=[-1.0], finish_reason="stop", num_tokens=1) for i in indices]
+
+    log: list[str] = []
+    cycle = OffloadCycle(RecordingPolicyStandin(log), "grads+optimizer", engines_sleep=False, without_sleep=True)
+    client = RolloutClient(EngineConfig(model_path="stand-in"), [Engine()], mode="local")
+    policy = RecordingPolicyStandin(log)
+    cycle.watch(policy, client)
+    client.generate(["a", "b"], SamplingConfig(n=1, max_tokens=1, apply_chat_template=False))
+    policy.on_call("compute_logprobs")
+    policy.on_call("train_step")
+    policy.on_call("save")  # not a timeline event of its own (RunState records its saves)
+    client.on_call("restart")
+    assert cycle.calls == ["engines:generate", "policy:forward", "policy:train_step", "engines:restart"]
+    assert client.__getstate__()["on_call"] is None  # a copy sent to a policy actor records nothing
+
+
 def test_offload_is_inert_unless_the_engines_sleep_or_the_cpu_setting_asks():
     log: list[str] = []
     for cycle in (OffloadCycle(RecordingPolicyStandin(log), "all", engines_sleep=False),

@@ -237,6 +237,9 @@ class PolicyGroup:
 
         if not self.actors:
             raise PolicyGroupError(f"policy group is shut down; cannot call {method}")
+        on_call = getattr(self, "on_call", None)  # the trainer's record of device-memory events (OffloadCycle.watch)
+        if on_call is not None:
+            on_call(method)
         dp_of = self._dp_ranks()
         dp = max(dp_of) + 1
         shares = dp_shares(batch.lengths(), dp, mini_batch)

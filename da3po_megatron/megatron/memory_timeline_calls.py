@@ -30,9 +30,9 @@ awake engines) and the order the trainer makes now (``order="fixed"``, :data:`TR
 load, the tier offloaded and the cached blocks released before the engines start; every checkpoint save (where the
 loop makes it, after the sync and the evaluation) with the awake engines asleep at level 1 around the reload, the save
 and the offload; a resync (and a resume's sync) that reloads the parameters only, and only when the tier offloaded
-them. ``OffloadCycle.calls`` records a real run's calls in these strings (the phases and the generate / forward /
-train events are the loop's, not recorded there). :func:`split_sequences` writes a non-colocated layout's two kinds
-of GPU: a policy GPU (no engine) and an engine GPU (no policy rank).
+them. ``OffloadCycle.calls`` records a real run's calls in these strings (the loop's generation rounds, forwards,
+training steps and engine restarts through ``OffloadCycle.watch``). :func:`split_sequences` writes a
+non-colocated layout's two kinds of GPU: a policy GPU (no engine) and an engine GPU (no policy rank).
 """
 
 from __future__ import annotations

@@ -94,6 +94,9 @@ class RolloutClient(WeightUpdates):
         self.resync: Any = None
         """Called (no arguments) after a restart when the last sync cannot be replayed from this client (pushed from
         other processes or through the collective transport): the trainer's ``sync_weights``."""
+        self.on_call: Any = None
+        """Called with "generate" at every generation round and "restart" at every engine restart (the trainer's
+        record of device-memory events, ``trainer/cluster/colocation.py`` ``OffloadCycle.watch``)."""
 
     def __getstate__(self) -> dict:
         # a copy sent to a policy actor pushes buckets; replay refs stay with the driver's client
@@ -101,6 +104,7 @@ class RolloutClient(WeightUpdates):
         state["_last_update_refs"] = []
         state["_pending_refs"] = []
         state["resync"] = None
+        state["on_call"] = None
         return state
 
     # ------------------------------------------------------------------ construction
@@ -249,6 +253,8 @@ class RolloutClient(WeightUpdates):
         handle = self._start_actor(index)
         self.engines[index] = handle
         self._await_start([(index, handle.health.remote())], "restart")
+        if self.on_call is not None:
+            self.on_call("restart")
         if self.weights_version > 0 and not self._last_update_refs and self.resync is not None:
             self.resync()
             return
@@ -271,6 +277,8 @@ class RolloutClient(WeightUpdates):
         prompts = list(prompts)
         if not prompts:
             return []
+        if self.on_call is not None:
+            self.on_call("generate")
         shards = [s for s in _split(len(prompts), self.num_engines)]
         owner = {i: e for e, s in enumerate(shards) for i in s}
         extra = (lambda s: (None if max_tokens is None else [max_tokens[i] for i in s],))

@@ -198,9 +198,12 @@ part1() {
         # it, 2 more == 4 uninterrupted (TE's FusedAdam when TE imports, else torch's AdamW; the JSON says which).
         step resume "$out/resume.txt" "$PY" tools/gpu/check_gpu_stack.py resume
         into_train_log "$out/resume.txt"
-        # 6. Colocation on one GPU (issue 49, tools/gpu/check_colocated_gpu.py): a TP 2 policy as two processes (gloo
-        # with CUDA tensors): bytes freed per actor.offload tier and pinned GB/s, then the IPC sync's buckets
-        # exported by CUDA-IPC handle from both ranks to a receiver process that maps them and checks every byte.
+        # 6. Colocation on one GPU (issue 49, tools/gpu/check_colocated_gpu.py): a TP 2 policy as two processes,
+        # trained as the recipe trains where the machine allows (issue 57, P5: bf16 with fp32 master shards, TE's
+        # FusedAdam when TE imports -- said when not --, NCCL with a GPU per rank, else gloo with megatron's
+        # coalesced collectives issued one at a time): bytes freed per actor.offload tier and pinned GB/s, then the
+        # IPC sync's buckets exported by CUDA-IPC handle from both ranks to a receiver process that maps them and
+        # checks every byte.
         step colocated "$out/colocated.txt" "$PY" tools/gpu/check_colocated_gpu.py "${small_args[@]}"
         into_train_log "$out/colocated.txt"
     else

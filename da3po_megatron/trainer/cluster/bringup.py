@@ -339,6 +339,7 @@ class Cluster:
             cycle.engines_started()
             prewarmed = lambda: None  # noqa: E731 - waited for above
         cycle.engines = self.rollout
+        cycle.watch(self.policy, self.rollout)  # forwards, train steps, generation rounds, restarts: recorded too
         cycle.record("phase:generate")  # what follows the start-up (a resume's sync records its own phase)
         self.rollout.wait_ready()
         prewarmed()

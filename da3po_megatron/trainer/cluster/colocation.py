@@ -125,6 +125,19 @@ class OffloadCycle:
                                                "colocated on CUDA; actor.offload_without_sleep applies it anyway)"),
                   flush=True)
 
+    WATCHED = {"compute_logprobs": "policy:forward", "train_step": "policy:train_step",
+               "generate": "engines:generate", "restart": "engines:restart"}
+
+    def watch(self, policy: Any, engines: Any) -> None:
+        """Record also the calls the loop makes outside the cycle: the policy's forwards and training steps
+        (``PolicyGroup._call_sharded``) and the engines' generation rounds and restarts (``RolloutClient``), through
+        their ``on_call`` hooks, so a run's record carries every event the device-memory timeline replays."""
+        def hook(method: str) -> None:
+            if method in self.WATCHED:
+                self.record(self.WATCHED[method])
+
+        policy.on_call = engines.on_call = hook
+
     def record(self, event: str) -> None:
         """One event of the run's calls (``calls``); with ``log`` (a path: bring-up sets it from
         ``$DA3PO_MEMORY_CALLS``), also appended there, one a line, for a test or a GPU run to replay."""
