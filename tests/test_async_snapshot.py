@@ -1,6 +1,7 @@
 """The asynchronous producer's checkpoint snapshot with arrays as Ray hands them over (issue 47 follow-up; a run with
 staleness 2, partial rollouts and TIS stopped at step 10's checkpoint: "Cannot save multiple tensors or storages that
-view the same data as different types"), and ``rollout.dump_dir`` with the producer (issue 48 follow-up).
+view the same data as different types"), and ``rollout.dump_dir`` with the producer (issue 48 follow-up: refused;
+issue 58: dumped when the step completes, replayed without the producer).
 
 A completion that crossed Ray holds read-only views into its object's one buffer, packed back to back; an empty
 array's view has the address of the next array, of another dtype. Measured with ray.put/ray.get of one segment
@@ -153,21 +154,34 @@ BASE = ["model.path=x", "data.format=synthetic", "rollout.n=4", "actor.ppo_mini_
 
 @pytest.mark.parametrize("over", [["rollout.staleness=2"], ["rollout.staleness=2", "rollout.partial_rollouts=true"],
                                   ["rollout.staleness=1", "rollout.partial_rollouts=true"]])
-def test_a_rollout_dump_with_the_asynchronous_producer_is_refused_naming_the_fields(tmp_path, over):
-    """``rollout.dump_dir`` records the driver state that ``collect()`` keeps per step (``Replay.collect``); the
-    producer's ``take()`` never calls it, so at HEAD the first due step died in ``Replay.record`` (KeyError on
-    ``_snapshots.pop(step)``) after the step's generation. Now refused at load, naming the fields."""
-    with pytest.raises(ConfigError, match=r"rollout\.dump_dir .*rollout\.staleness .*rollout\.partial_rollouts"):
-        load_config(None, BASE + over + [f"rollout.dump_dir={tmp_path / 'dump'}"])
-    load_config(None, BASE + over)  # the producer alone loads
-    load_config(None, BASE + ["rollout.staleness=1", f"rollout.dump_dir={tmp_path / 'dump'}"])  # one-step-off dumps
+def test_a_rollout_dump_with_the_asynchronous_producer_loads_and_replays_train_only(tmp_path, over):
+    """Issue 48 refused ``rollout.dump_dir`` with the producer (its ``take()`` left no driver state: the first due
+    step died in ``Replay.record``); issue 58 dumps it (``Replay.completed``) and replays it without the producer,
+    train_only -- compare regenerates rounds, which a streamed producer run has none of (refused naming
+    rollout.mode)."""
+    from da3po_megatron.trainer.generation.async_rollout import uses_producer
+
+    cfg = load_config(None, BASE + over + [f"rollout.dump_dir={tmp_path / 'dump'}"])
+    assert uses_producer(cfg)
+    replay = load_config(None, BASE + over + [f"rollout.replay_dir={tmp_path / 'dump'}"])
+    assert not uses_producer(replay)  # the recorded batches, no producer
+    with pytest.raises(ConfigError, match=r"rollout\.mode .*replay_mode=compare"):
+        load_config(None, BASE + over + [f"rollout.replay_dir={tmp_path / 'dump'}", "rollout.replay_mode=compare"])
 
 
-def test_replay_record_without_collect_has_no_driver_state_to_dump(tmp_path):
-    """Why the combination is refused: the loop with the producer calls ``Replay.record`` for a step whose
-    ``Replay.collect`` never ran (trainer/loop.py: ``producer.take(step)``, then ``run.replay.record``)."""
-    from da3po_megatron.trainer.generation.replay import Replay
+def test_a_producer_step_is_held_by_record_and_written_with_the_driver_state_when_it_completes(tmp_path):
+    """The loop with the producer calls ``Replay.record`` for a step whose ``Replay.collect`` never ran
+    (trainer/loop.py: ``producer.take(step)``, then ``run.replay.record``): nothing is written then; the step file
+    appears when the step completes (``RunState.step_completed`` -> ``Replay.completed``), with that moment's state."""
+    from da3po_megatron.trainer.generation.replay import Replay, step_file
 
-    cfg = load_config(None, BASE + ["rollout.staleness=1", f"rollout.dump_dir={tmp_path / 'dump'}"])
-    with pytest.raises(KeyError):
-        Replay(cfg).record(1, StepRollout([], [], {}, 0), None)
+    cfg = load_config(None, BASE + ["rollout.staleness=2", f"rollout.dump_dir={tmp_path / 'dump'}"])
+    replay = Replay(cfg)
+    replay.record(1, StepRollout([], [], {"rollout/async/queued_groups": 3.0}, 0), None)
+    assert not step_file(tmp_path / "dump", 1).exists()
+    replay.completed(1, lambda: {"totals": {"groups": 7}})
+    rec = torch.load(step_file(tmp_path / "dump", 1), weights_only=True)
+    assert rec["driver"] == {"totals": {"groups": 7}}
+    assert rec["rollout"]["stats"] == {"rollout/async/queued_groups": 3.0}
+    replay.completed(2, lambda: {})  # a step that was not due (or not recorded): nothing
+    assert not step_file(tmp_path / "dump", 2).exists()

@@ -185,3 +185,107 @@ def test_token_match_ratio_counts_agreeing_prefixes_and_seed_runs_rebuild_the_ro
     assert [(s, [g.example.uid for g in gs]) for s, gs in R.seed_runs(groups, 4)] == [
         (100, ["a", "b", "c"]), (300, ["d"])]
     assert np.isfinite(m["replay/logprob_diff_mean"])
+
+
+# ----------------------------------------------------------------------------------- the producer (issue 58)
+
+
+def producer_loop(cfg, task, monkeypatch):
+    """The real loop (``trainer/loop.run_steps``), ``RunState``, ``Replay``, ``Sampler`` and (unless replaying)
+    ``AsyncRollout`` over the scripted engine mock of test_async_rollout.py, with stand-ins for what needs a model:
+    the prompt rendering and the reward (test_async_rollout's scripted task), pi_old (the rollout log-probs: the
+    policy's forward is tests/test_replay.py's) and the update, which records a digest of every array it was given
+    (``trained``) -- so two runs that train the same batches log the same metrics and digests."""
+    import hashlib
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from test_async_rollout import G, ScriptedPartialEngineClientMock
+
+    from da3po_megatron.data.datasets import PromptDataset
+    from da3po_megatron.trainer import loop
+    from da3po_megatron.trainer.resume.run_state import RunState
+
+    data = PromptDataset([Example(f"u{i:03d}", [{"role": "user", "content": f"L{n}:{kind}"}], kind, "s",
+                                  {"bucket": n}) for i, (n, kind) in enumerate(task)])
+    rewards = SimpleNamespace(score_batch=lambda texts, answers, kind: SimpleNamespace(
+        rewards=[1.0 if a == "all" or i % G == 0 else -1.0 for i, a in enumerate(answers)], timeouts=0, errors=0))
+    sampler = Sampler(cfg, None, data, rewards)
+    sampler.render_prompts = lambda exs: [ex.problem_text for ex in exs]
+    sampler.rollout = None if cfg.rollout.replay_dir else ScriptedPartialEngineClientMock(2)
+    state = RunState(cfg, None, None, sampler, SimpleNamespace(baseline=None))
+    state.should_checkpoint = lambda step: False
+    replay = sampler.replay = R.Replay(cfg).start(sampler, None, False)
+    rows, trained = [], []
+
+    def train_step(batch):
+        d = R.batch_to_dict(batch)
+        arrays = [x for name in sorted(d) for x in (
+            (d[name]["values"], d[name]["offsets"]) if isinstance(d[name], dict) else (d[name],))]
+        trained.append(hashlib.sha256(b"".join(a.numpy().tobytes() for a in arrays)).hexdigest())
+        return {"loss": float(np.sum(batch.advantages))}
+
+    def pi_old(run, batch, versions=None, routes=None):
+        trained.append(versions.values.tolist() if versions is not None else None)  # per-token versions trained
+        return batch, {}
+
+    monkeypatch.setattr(loop, "old_logprobs", pi_old)
+    run = SimpleNamespace(cfg=cfg, sampler=sampler, state=state, replay=replay, should_evaluate=lambda s: False,
+                          logger=SimpleNamespace(log=lambda step, m: rows.append(m)),
+                          profiler=SimpleNamespace(start=lambda s: None, stop=lambda: None),
+                          stop=SimpleNamespace(abandonable=nullcontext), policy=SimpleNamespace(train_step=train_step),
+                          check_update=lambda s, m: None, sync_weights=lambda: {}, preempted=lambda: False,
+                          engines_idle=lambda: None)
+    try:
+        loop.run_steps(run)
+    finally:
+        if state.producer is not None:
+            state.producer.close()
+    return rows, trained
+
+
+def test_the_producers_batches_are_dumped_and_replay_without_a_producer_to_the_same_updates_mock(tmp_path,
+                                                                                                  monkeypatch):
+    """rollout.dump_dir under the asynchronous producer (staleness 2, partial rollouts): every step file holds the
+    batch the producer gave -- long groups stitched over two versions, per token -- and the driver state its metrics
+    read; rollout.replay_dir (train_only) replays it without a producer or engines: the same batches, per-token
+    versions and behaviour log-probs reach pi_old and the update, and every metric but the wall-clock ones is equal.
+    At b6cc7ac the config refused rollout.dump_dir with the producer."""
+    from test_async_rollout import LONG, G
+
+    from da3po_megatron.trainer.observability.metrics import is_wall_clock
+
+    model = fake_model(tmp_path / "m")
+    task = ([(2, "mix")] * 2 + [(LONG, "mix")] * 2 + [(3, "all" if i % 5 == 4 else "mix") for i in range(80)])
+    base = [f"model.path={model}", "data.format=synthetic", "data.train_batch_size=2", f"rollout.n={G}",
+            "actor.ppo_mini_batch_size=1", "rollout.mode=streaming", "rollout.staleness=2",
+            "rollout.partial_rollouts=true", "rollout.max_versions_per_response=8", "rollout.max_inflight_prompts=4",
+            "algorithm.name=dapo", "algorithm.rollout_correction=tis", "rollout.stream_steps_per_call=1",
+            "data.shuffle=false", "trainer.total_steps=5", f"trainer.run_dir={tmp_path / 'run'}"]
+    dump = tmp_path / "dump"
+    rows, trained = producer_loop(load_config(None, base + [f"rollout.dump_dir={dump}"]), task, monkeypatch)
+    assert R.dumped_steps(dump) == [1, 2, 3, 4, 5]
+    long = [g for s in range(1, 6) for g in torch.load(R.step_file(dump, s), weights_only=True)["rollout"]["groups"]
+            if g["example"]["meta"]["bucket"] == LONG]
+    assert len(long) == 2 and all(v.tolist()[0] == 0 and v.tolist()[-1] == 1 for g in long
+                                  for v in g["token_versions"])  # interrupted at the first sync, continued
+    for s, row in enumerate(rows, 1):  # the driver state is the one the step's metrics read
+        driver = torch.load(R.step_file(dump, s), weights_only=True)["driver"]
+        assert driver["totals"]["groups"] == row["gen/cumulative_groups"]
+    replayed, again = producer_loop(load_config(None, base + [f"rollout.replay_dir={dump}"]), task, monkeypatch)
+    assert again == trained and any(v is not None and len(set(v)) > 1 for v in trained[::2])
+    assert [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in replayed] == [
+        {k: v for k, v in r.items() if not is_wall_clock(k)} for r in rows]
+
+
+def test_a_launch_removes_the_dump_steps_after_the_step_it_starts_from(tmp_path, capsys):
+    """A SIGKILLed asynchronous launch left steps 3-4 (after its last checkpoint, step 2) and a half-written
+    temporary; the resumed launch trains other batches from step 3 on, so they go, named, before it writes."""
+    cfg = config(fake_model(tmp_path / "m"), tmp_path, f"rollout.dump_dir={tmp_path / 'dump'}")
+    write_dump(cfg, tmp_path / "dump", steps=(1, 2, 3, 4))
+    (tmp_path / "dump/.step_000005.pt.123.tmp").write_bytes(b"half")
+    run = StandInRun(cfg)
+    R.Replay(cfg).start(run, tmp_path / "run/checkpoints/step_000002", False)
+    assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == ["manifest.json", "step_000001.pt",
+                                                                     "step_000002.pt"]
+    assert "dump: removed steps 3-4" in capsys.readouterr().out

@@ -25,7 +25,8 @@ per response, and with ``d`` the groups discarded for being late per bucket (sum
     da3po bench async                                  # the issue-37 table (docs/throughput.md)
     da3po bench async --settings 0,1,2p --steps 2     # a quick look
     da3po bench async --small                          # CI-sized
-    da3po bench async --standin 1,4                    # the producer's pause / engine idle at 1 vs 4 engines
+    da3po bench async --standin 1,4                    # the producer's pause / engine idle at 1 vs 4 engines,
+                                                       # fifo vs oldest_decided release (issue 58)
 
 ``--standin E1,E2,...`` (issue 47) runs the real producer (``trainer/generation/async_rollout.py``) against stand-in
 engines (``da3po_megatron/testing/standin_engines.py``, NOT vLLM: one worker thread per engine, ``--standin-step-ms``
@@ -83,8 +84,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--standin-sync-ms", type=float, default=50.0, help="stand-in weight sync")
     ap.add_argument("--standin-groups", type=int, default=4, help="groups in flight per engine (= batch / engines)")
     ap.add_argument("--standin-steps-per-call", type=int, default=8, help="rollout.stream_steps_per_call")
-    ap.add_argument("--standin-order", default="fifo", choices=["fifo", "oldest_decided"],
-                    help="rollout.release_order of the stand-in producer (issue 58)")
+    ap.add_argument("--standin-order", default="fifo,oldest_decided",
+                    help="rollout.release_order(s) of the stand-in producer, side by side (issue 58)")
     ap.add_argument("extra", nargs="*", help="section.key=value overrides for every run")
     args = ap.parse_args(argv)
     if args.small:
@@ -172,29 +173,34 @@ def standin_table(args: argparse.Namespace) -> int:
     from da3po_megatron.testing.standin_engines import bench_standin
 
     rows = []
-    for partial in (True, False):
-        for n in [int(x) for x in args.standin.split(",") if x.strip()]:
-            rows.append(bench_standin(n, partial, groups_per_engine=args.standin_groups, step_s=args.standin_step_ms
-                                      / 1e3, train_s=args.standin_train_ms / 1e3, sync_s=args.standin_sync_ms / 1e3,
-                                      steps=args.steps, warmup=args.warmup,
-                                      steps_per_call=args.standin_steps_per_call, seed=args.seed,
-                                      release_order=args.standin_order))
-            print(f"{rows[-1]['engines']} engines, partial {partial}: {rows[-1]['step_s']:.2f} s/step", flush=True)
+    orders = [x.strip() for x in args.standin_order.split(",") if x.strip()]
+    for order in orders:
+        for partial in (True, False):
+            for n in [int(x) for x in args.standin.split(",") if x.strip()]:
+                rows.append({"order": order, **bench_standin(
+                    n, partial, groups_per_engine=args.standin_groups, step_s=args.standin_step_ms / 1e3,
+                    train_s=args.standin_train_ms / 1e3, sync_s=args.standin_sync_ms / 1e3, steps=args.steps,
+                    warmup=args.warmup, steps_per_call=args.standin_steps_per_call, seed=args.seed,
+                    release_order=order)})
+                print(f"{order}, {n} engines, partial {partial}: {rows[-1]['step_s']:.2f} s/step", flush=True)
     print(f"\nasync producer with stand-in engines (NOT vLLM): staleness 2, {args.standin_groups} groups x 8 responses "
           f"in flight per engine (batch = that x engines), engine step {args.standin_step_ms:g} ms, train "
           f"{args.standin_train_ms:g} ms, sync {args.standin_sync_ms:g} ms, stream_steps_per_call "
-          f"{args.standin_steps_per_call}, release order {args.standin_order}, {args.steps} "
+          f"{args.standin_steps_per_call}, release order {' vs '.join(orders)}, {args.steps} "
           f"steps after {args.warmup} warm-up (means per step)\n")
-    print("| engines | pause | pause s / sync (mean, max) | vs 1 engine | drain floor s (vs 1 engine) | engine idle "
-          "(outside pause) | driver-side idle | of it: the bound held admission | trained tok/s | step s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| release order | engines | pause | pause s / sync (mean, max) | vs 1 engine | drain floor s (vs 1 engine) "
+          "| engine idle (outside pause) | driver-side idle | of it: the bound held admission | trained tok/s | vs 1 "
+          "engine | step s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        one = next(x for x in rows if x["partial"] == r["partial"] and x["engines"] == rows[0]["engines"])
-        print(f"| {r['engines']} | {'interrupt (partial)' if r['partial'] else 'drain'} | {r['pause_s']:.3f}, "
-              f"{r['pause_s_max']:.3f} | {r['pause_s'] / max(one['pause_s'], 1e-9):.2f}x | "
+        one = next(x for x in rows if x["partial"] == r["partial"] and x["order"] == r["order"]
+                   and x["engines"] == rows[0]["engines"])
+        print(f"| {r['order']} | {r['engines']} | {'interrupt (partial)' if r['partial'] else 'drain'} | "
+              f"{r['pause_s']:.3f}, {r['pause_s_max']:.3f} | {r['pause_s'] / max(one['pause_s'], 1e-9):.2f}x | "
               f"{r['pause_floor_s']:.3f} ({r['pause_floor_s'] / max(one['pause_floor_s'], 1e-9):.2f}x) | "
               f"{r['idle_frac']:.1%} | {r['driver_idle_frac']:.1%} | {r['bound_idle_frac']:.1%} | "
-              f"{r['trained_tok_s']:,.0f} | {r['step_s']:.2f} |")
+              f"{r['trained_tok_s']:,.0f} | {r['trained_tok_s'] / max(one['trained_tok_s'], 1e-9):.2f}x | "
+              f"{r['step_s']:.2f} |")
     print("\ndrain floor: the engine steps the longest group on the engines still needed when the pause was asked "
           "for, x the engine steps' mean wall time (a drain cannot be shorter; an interrupt does not wait for it); "
           "idle: the share of "

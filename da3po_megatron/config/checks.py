@@ -139,19 +139,14 @@ def validate(cfg: Config) -> None:
     _check(r.dump_every >= 1, "rollout.dump_every", r.dump_every, ">= 1")
     _check(r.dump_keep >= 0, "rollout.dump_keep", r.dump_keep, ">= 0 (0 = keep all)")
     _check(0 <= r.replay_match_threshold <= 1, "rollout.replay_match_threshold", r.replay_match_threshold, "[0, 1]")
-    if r.dump_dir and (r.staleness >= 2 or r.partial_rollouts):  # generation/replay.py records collect()'s driver state
-        raise ConfigError(
-            f"rollout.dump_dir = {r.dump_dir!r} with rollout.staleness = {r.staleness} and rollout.partial_rollouts = "
-            f"{r.partial_rollouts}: the rollout dump needs the per-step collection (rollout.staleness 0 or 1, "
-            "rollout.partial_rollouts=false); the asynchronous producer generates beside the loop, has no per-step "
-            "driver state to record, and its dump could not be replayed (rollout.replay_dir refuses it too)")
+    # rollout.dump_dir is written under every pipeline, the asynchronous producer's too (issue 58: the batch each take
+    # gave, with its versions and behaviour log-probs); its replay runs without the producer (generation/replay.py)
     if r.replay_dir:  # trainer/generation/replay.py: recorded batches, consumed in order
         _check(not (r.dump_dir and Path(r.dump_dir).resolve() == Path(r.replay_dir).resolve()), "rollout.dump_dir",
                r.dump_dir, "a directory other than rollout.replay_dir")
-        _check(r.staleness < 2 and not r.partial_rollouts, "rollout.staleness", r.staleness, "0 or 1 with "
-               "rollout.replay_dir (the asynchronous producer generates beside the loop; nothing to replay it into)")
         _check(r.replay_mode == "train_only" or r.mode == "rounds", "rollout.mode", r.mode, "'rounds' with "
-               "rollout.replay_mode=compare (the recorded request seeds are the generation rounds')")
+               "rollout.replay_mode=compare (the recorded request seeds are the generation rounds'; a dump of the "
+               "asynchronous producer, which streams, replays with train_only)")
     ov = a.overlong
     _check(0 <= ov.buffer_length < r.max_response_length, "algorithm.overlong.buffer_length", ov.buffer_length,
            f"[0, rollout.max_response_length={r.max_response_length})")

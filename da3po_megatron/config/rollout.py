@@ -99,15 +99,18 @@ class RolloutConfig:
     ignore_eos: bool = doc(False, "Generate exactly max_response_length tokens, ignoring EOS (benchmarks only).")
     # Debugging at scale: dump a run's rollouts, replay them without (or against) the engines
     # (trainer/generation/replay.py)
-    dump_dir: str = doc("", "Write each step's rollout (kept and generated groups, rewards, seeds), its policy batch "
-                            "after advantages and the driver state the collection left, atomically, to "
+    dump_dir: str = doc("", "Write each step's rollout (kept and generated groups, rewards, seeds; under the "
+                            "asynchronous producer the batch it gave, with per-token versions and behaviour "
+                            "log-probs), its policy batch after advantages and the driver state, atomically, to "
                             "dump_dir/step_NNNNNN.pt, with dump_dir/manifest.json (config, model, tokenizer and data "
-                            "identity); '' = off. docs/operations.md 'Rollout dump and replay'.")
+                            "identity); '' = off. A launch removes the step files after the step it starts from. "
+                            "docs/operations.md 'Rollout dump and replay'.")
     dump_every: int = doc(1, "Dump every k-th step only (bounds the disk: a step holds its token ids, log-probs, "
                              "versions and MoE routes).")
     dump_keep: int = doc(0, "Keep only the newest k step files in dump_dir (0 = all).")
     replay_dir: str = doc("", "Train on the rollouts dumped in this directory instead of generating them (the "
-                              "manifest must match the run: refused before Ray starts otherwise); '' = off.")
+                              "manifest must match the run: refused before Ray starts otherwise; a dump of the "
+                              "asynchronous producer replays without it); '' = off.")
     replay_mode: Literal["train_only", "compare"] = doc(
         "train_only", "train_only: no engine is planned or started, weight sync and evaluation are skipped; "
                       "compare: the engines regenerate each recorded group with its recorded seeds and the "

@@ -105,8 +105,9 @@ def run_steps(run: Run) -> None:
                 state.save_checkpoint()  # the last completed step first (a no-op when it is saved): not redone
                 run.logger.log(step, {**e.stats, "dynamic_sampling/failed": 1.0})
                 raise DynamicSamplingError(str(e) + after_previous_step(run, previous), e.stats) from None
-            prefetch = Prefetch(lambda s=step + 1: collect(sampler, s)) if (
-                cfg.rollout.staleness == 1 and producer is None and step < cfg.trainer.total_steps) else None
+            prefetch = Prefetch(lambda s=step + 1: collect(sampler, s)) if (  # (a producer run replayed: none)
+                cfg.rollout.staleness == 1 and not cfg.rollout.partial_rollouts and step < cfg.trainer.total_steps
+            ) else None
             if prefetch is None and producer is None:
                 run.engines_idle()  # colocated CUDA: engines sleep while the policy trains (woken by the sync)
             groups = rollout.groups

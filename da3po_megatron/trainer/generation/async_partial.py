@@ -205,6 +205,14 @@ class ProducerSnapshot:
                 "decided": [[j, B.group_to_dict(g)] for j, g in self.decided],
                 "released": [B.group_to_dict(g) for g in self.released], "counters": dict(self.counters)}
 
+    @classmethod
+    def from_dict(cls, s: dict[str, Any]) -> ProducerSnapshot:
+        """The inverse of :meth:`to_dict` (a checkpoint's ``async_rollout``)."""
+        decided = [(int(j), B.group_from_dict(g)) for j, g in s["decided"]]
+        return cls(int(s["next_j"]), int(s["release_j"]), int(s.get("first_version", 0)),
+                   [Partial.from_dict(d) for d in s["partials"]], decided,
+                   [B.group_from_dict(g) for g in s["released"]], dict(s.get("counters", {})))
+
 
 def plain_state(state: Any) -> Any:
     """A trainer state with any :class:`ProducerSnapshot` in it turned into plain data (at checkpoint time)."""

@@ -33,7 +33,7 @@ order, oldest first, unless an older running group needs the slot for its deadli
 - **Checkpoints** (:meth:`~AsyncRollout.snapshot`, taken while paused, serialised only when a checkpoint is
   written): the queued and decided groups and every interrupted partial with its tokens, log-probs and versions. A
   resumed run continues them under the restored weights; an asynchronous run is not bit-reproducible (timing decides
-  how far the engines get while a step trains) -- ``rollout.staleness`` 0 and 1 are.
+  how far the engines get while a step trains), but its dump (``rollout.dump_dir``) replays it exactly (replay.py).
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ __all__ = ["AsyncRollout", "ProducerStalled", "uses_producer"]
 
 
 def uses_producer(cfg: Config) -> bool:
-    """Whether the run's batches come from :class:`AsyncRollout` (else: collected per step, maybe prefetched)."""
-    return cfg.rollout.staleness >= 2 or bool(cfg.rollout.partial_rollouts)
+    """Whether the run's batches come from :class:`AsyncRollout` (else: collected per step, maybe prefetched; a
+    producer run's dump replayed, ``rollout.replay_dir``: the recorded batches, no producer, generation/replay.py)."""
+    return (cfg.rollout.staleness >= 2 or bool(cfg.rollout.partial_rollouts)) and not cfg.rollout.replay_dir
 
 
 class ProducerStalled(RuntimeError):
@@ -267,13 +268,11 @@ class AsyncRollout(EngineSide):
         return self.snapshot().to_dict()
 
     def _load(self, s: dict[str, Any]) -> None:
-        self.next_j, self.release_j = int(s["next_j"]), int(s["release_j"])
-        self.partials = {int(d["j"]): Partial.from_dict(d) for d in s["partials"]}
-        self.decided = {int(j): B.group_from_dict(g) for j, g in s["decided"]}
-        self.decided_kept = sum(self.keeps(g) for g in self.decided.values())
-        self.released = [B.group_from_dict(g) for g in s["released"]]
-        self.released_kept = sum(self.keeps(g) for g in self.released)
-        self.counters = collections.Counter(s.get("counters", {}))
+        snap = ProducerSnapshot.from_dict(s)
+        self.next_j, self.release_j, self.counters = snap.next_j, snap.release_j, collections.Counter(snap.counters)
+        self.partials, self.decided, self.released = {p.j: p for p in snap.partials}, dict(snap.decided), snap.released
+        self.decided_kept = sum(map(self.keeps, self.decided.values()))
+        self.released_kept = sum(map(self.keeps, self.released))
         for p in self.partials.values():  # saved after the sync, before resume(): they continue under new weights
             p.span += 1
         self._release()  # an oldest_decided state resumed under fifo: pass over the j's its batches took early

@@ -36,9 +36,20 @@ the checkpoint, the metrics -- is the original step's:
   warning and ``replay/match_below_threshold=1`` -- the engines do not hold the policy's weights (Miles' check; 0.9
   its threshold). Training consumes the recording. Needs ``rollout.mode=rounds`` (the recorded seeds are the rounds').
 
-Left out: dump and replay with the asynchronous producer (``rollout.staleness >= 2`` / partial rollouts: both refused
-by the config checks; its ``take()`` never runs :meth:`Replay.collect`), and evaluation in ``train_only`` (it needs
-engines).
+**Under the asynchronous producer** (``rollout.staleness >= 2`` / partial rollouts, issue 58): the step file holds
+the batch ``AsyncRollout.take`` gave (kept and released groups, each with its start version, per-token versions
+and behaviour log-probs; the producer's per-take counters in ``stats``) and the policy batch, as above; its ``driver``
+state is taken when the step completes (:meth:`completed`, from ``RunState.step_completed``: the producer paused, the
+groups the engines finished scored, before data.selection's counters are drained) -- the producer generates beside
+the loop, so that is the moment the step's metrics read the sampler's counters. The file is written then, atomically,
+before the step's checkpoint. A replay of such a dump runs without the producer (``uses_producer`` is false with
+``rollout.replay_dir``; ``train_only`` only: ``compare`` needs rounds) and trains bit-identically. A launch that
+starts after step s (a resume from its checkpoint, or s = 0) removes the dump's files of steps > s and the temporaries
+a SIGKILL left (:meth:`start`): they are an interrupted launch's, which the resumed run does not continue (an
+asynchronous run is not reproducible), so the dump stays the history of the run that the checkpoints continue.
+
+Left out: ``compare`` of a producer's dump (streamed groups carry no round seeds), and evaluation in ``train_only``
+(it needs engines).
 """
 
 from __future__ import annotations
@@ -294,6 +305,7 @@ class Replay:
         self.mode = r.replay_mode
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._recorded: dict[int, dict[str, Any]] = {}
+        self._held: dict[int, dict[str, Any]] = {}  # the producer's steps, written when they complete
 
     @property
     def replaying(self) -> bool:
@@ -309,9 +321,25 @@ class Replay:
                   f"(rollout.replay_mode={self.mode}" + ("; no engines, no evaluation" if self.mode == "train_only"
                                                          else "") + ")", flush=True)
         if self.dump_root is not None:
+            self._drop_after(first_step - 1)
             manifest = make_manifest(self.cfg, run.prompts.state_dict())
             _atomic(self.dump_root / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1) + "\n"), "w")
         return self
+
+    def _drop_after(self, step: int) -> None:
+        """This launch starts after ``step``: the dump's step files beyond it and a killed write's temporaries are
+        an interrupted launch's (see the module docstring); removed, and said."""
+        assert self.dump_root is not None
+        if not self.dump_root.is_dir():
+            return
+        stale = [s for s in dumped_steps(self.dump_root) if s > step]
+        for s in stale:
+            step_file(self.dump_root, s).unlink(missing_ok=True)
+        for tmp in self.dump_root.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+        if stale:
+            print(f"dump: removed steps {_ranges(stale)} from {self.dump_root}: written after step {step}, where this "
+                  "launch starts, by an earlier launch whose steps it does not continue", flush=True)
 
     def due(self, step: int) -> bool:
         return self.dump_root is not None and step % self.cfg.rollout.dump_every == 0
@@ -370,9 +398,23 @@ class Replay:
                   "advantage code or config differs from the dumping run's)", flush=True)
         if not self.due(step):
             return
-        assert self.dump_root is not None
         out = {"format": FORMAT, "step": step, "rollout": rollout_to_dict(rollout), "batch": mine,
-               "driver": self._snapshots.pop(step)}
+               "driver": self._snapshots.pop(step, None)}
+        if out["driver"] is None:  # the producer's batch: no collection left a driver state; taken at completion
+            self._held[step] = out
+            return
+        self._write(step, out)
+
+    def completed(self, step: int, driver: Callable[[], dict[str, Any]]) -> None:
+        """Step ``step`` completed (``RunState.step_completed``): a step :meth:`record` held (the producer's) is
+        written now, with ``driver()`` -- the sampler's state at this moment -- as its driver state."""
+        out = self._held.pop(step, None)
+        if out is not None:
+            out["driver"] = driver()
+            self._write(step, out)
+
+    def _write(self, step: int, out: dict[str, Any]) -> None:
+        assert self.dump_root is not None
         _atomic(step_file(self.dump_root, step), lambda f: torch.save(out, f))
         keep = self.cfg.rollout.dump_keep
         if keep > 0:

@@ -54,8 +54,11 @@ class RunState:
         n = self.cfg.trainer.save_hf_every
         return n > 0 and (step % n == 0 or step == self.cfg.trainer.total_steps)
 
-    def trainer_state(self) -> dict[str, Any]:
-        """The driver's part of a checkpoint: plain values and tensors only (``torch.load(weights_only=True)``)."""
+    def trainer_state(self, producer: Any = None) -> dict[str, Any]:
+        """The driver's part of a checkpoint: plain values and tensors only (``torch.load(weights_only=True)``).
+        ``producer``: the producer's snapshot, when already taken (else taken here, first: it waits for the scoring in
+        flight, so the sampler's counters and data.selection's history include every group the snapshot holds)."""
+        producer = producer if producer is not None or self.producer is None else self.producer.snapshot()
         generation = self.sampler.state_dict()
         return {
             "step": self.step,
@@ -65,7 +68,7 @@ class RunState:
             "engine_weight_step": self.sampler.engine_weight_step,
             "pending": [rollout_to_dict(r) for r in self.pending],
             # the producer's snapshot (references, taken while paused), serialised only when a checkpoint is written
-            "async_rollout": self.producer.snapshot() if self.producer is not None else None,
+            "async_rollout": producer,
             "config": to_dict(self.cfg),
         }
 
@@ -73,8 +76,11 @@ class RunState:
         """Step ``step`` is done (policy updated, engines synced): remember the trainer state a checkpoint of it holds
         (a stop request during the next step saves this, not the half-done step's state)."""
         self.step = step
+        producer = self.producer.snapshot() if self.producer is not None else None  # paused; waits for the scoring
+        if self.sampler.replay is not None:  # rollout.dump_dir under the producer: the step's file, with the driver
+            self.sampler.replay.completed(step, self.sampler.state_dict)  # state its metrics read (replay.py)
         self.sampler.drain_selection()  # data.selection: this step's counters, reset before the state is taken
-        self.completed = self.trainer_state()
+        self.completed = self.trainer_state(producer)
 
     def best_candidate(self, metrics: dict[str, Any]) -> float | None:
         """The value of trainer.keep_best_metric when this step's evaluation beats the best so far (else None)."""
