@@ -35,6 +35,7 @@ from da3po_megatron.studies.compare.stats import curve_at, mean_std, paired, sig
 
 SHARE = "batch/group_frac_bucket/"
 GEN_ACC = "gen/acc_bucket/"
+GEN_SHARE = "gen/group_frac_bucket/"
 TOKENS = "gen/cumulative_tokens"
 EVAL = "eval/synthetic/"
 
@@ -94,6 +95,8 @@ def cost(steps: list[dict], hardest: list[str], buckets: list[str]) -> dict[str,
            "p_w final": steps[-1].get("selection/explore_all_wrong", math.nan) if steps else math.nan}
     for b in buckets:
         out[f"b{b}"] = 100 * sum(r.get(SHARE + b, 0.0) for r in steps) / n
+        out[f"g{b}"] = 100 * sum(r.get(GEN_SHARE + b, 0.0) * r.get("dynamic_sampling/generated_groups", 0.0)
+                                 for r in steps) / gen
     return out
 
 
@@ -159,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
                     cell += " (" + _diff(col[c], {s: f[c] for s, f in figs[ref].items()}) + ")"
                 cells.append(cell)
             lines.append(f"| {name} | {len(per_seed)} | " + " | ".join(cells) + " |")
-        lines += [f"\ntrained share per difficulty bucket, {phase} (% of the batch's groups, mean over steps and "
-                  "seeds)\n", "| variant | " + " | ".join(f"b{b}" for b in buckets) + " |",
+        lines += [f"\ntrained share per difficulty bucket (% of the batch's groups, mean over steps and runs) and "
+                  f"generated share (% of the generated groups), {phase}\n",
+                  "| variant | " + " | ".join(f"b{b}" for b in buckets) + " |",
                   "|---|" + "---:|" * len(buckets)]
-        lines += [f"| {name} | " + " | ".join(_cell({s: f[f'b{b}'] for s, f in per_seed.items()}, ".1f").split(
-            " +-")[0] for b in buckets) + " |" for name, per_seed in figs.items()]
+        for kind, title in (("b", "trained"), ("g", "generated")):
+            lines += [f"| {name} ({title}) | " + " | ".join(_cell({s: f[f'{kind}{b}'] for s, f in per_seed.items()},
+                                                                    ".1f").split(" +-")[0] for b in buckets) + " |"
+                      for name, per_seed in figs.items()]
     budget = min(max((r.get(TOKENS, 0.0) for r in rows), default=0.0) for runs in variants.values()
                  for rows in runs.values())
     lines += [f"\n**Held-out avg@k** (temperature 1; all buckets and the two hardest), mean +- sd, paired diff vs "
