@@ -8,6 +8,8 @@ order):
 
 - ``sync``: the paper's synchronous loop (``rollout.staleness=0``);
 - ``s2p_pace``: staleness 2 + partial rollouts, admission paced by the bound (the producer's default);
+- ``s2p_oldest``: as ``s2p_pace`` with ``rollout.release_order=oldest_decided`` (decided groups leave oldest-admitted
+  first, out of order, within each group's deadline; issue 58);
 - ``s2p_discard_unpaced``: staleness 2 + partial rollouts with ``rollout.late_policy=discard_unpaced``: the engines
   generate ahead freely, groups are released in completion order and a kept group older than k when trained is
   thrown away.
@@ -42,7 +44,8 @@ from da3po_megatron.studies.compare.stats import curve_at, mean_std, paired, sig
 
 ASYNC = ["rollout.mode=streaming", "rollout.staleness=2", "rollout.partial_rollouts=true",
          "algorithm.rollout_correction=tis"]
-POLICIES = {"sync": [], "s2p_pace": ASYNC, "s2p_discard_unpaced": [*ASYNC, "rollout.late_policy=discard_unpaced"]}
+POLICIES = {"sync": [], "s2p_pace": ASYNC, "s2p_oldest": [*ASYNC, "rollout.release_order=oldest_decided"],
+            "s2p_discard_unpaced": [*ASYNC, "rollout.late_policy=discard_unpaced"]}
 ROOT = Path("runs/async47")
 METHOD, SLUG = "da3po:2", "da3po_2"
 SAMPLES = "gen/cumulative_samples"
