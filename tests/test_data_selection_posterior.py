@@ -23,7 +23,7 @@ from da3po_megatron.data.selection_posterior import (
     posterior_keep_probability,
 )
 
-PP = PosteriorParams(group_size=8)
+PP = PosteriorParams(group_size=8, sharpness=1.0)  # Eq. P5 at s = 1: P(keep) = 1 - P_zv (the default is 3, below)
 
 
 def _rising_ratio(a: int, b: int, g: int) -> Fraction:
@@ -163,6 +163,7 @@ def test_sharpness_raises_the_informative_chance_to_its_power_above_the_floors_a
     for s in (2.0, 3.0):
         keep, p_c, p_w = posterior_keep_probability(*easyish, 8, replace(PP, sharpness=s), guard_min=0.5)
         assert (p_c, p_w) == one[1:] and keep == pytest.approx(one[0] ** s) and keep < one[0]
+    assert PosteriorParams().sharpness == 3.0  # the default, from the issue 59 study (docs/results_selection.md)
     sharp = replace(PP, sharpness=8.0)
     assert posterior_keep_probability(60.0, 0.05, 8, sharp, guard_min=0.5)[0] == pytest.approx(PP.floor_correct)
     assert posterior_keep_probability(2.0, 6.0, 8, sharp, guard_min=0.5)[0] == 1.0  # the tau guard holds

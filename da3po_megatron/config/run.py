@@ -137,9 +137,10 @@ class DataConfig:
     selection_decay: float = doc(0.9, "posterior: lambda, the evidence's weight kept per training step (decayed "
                                       "toward the prior, MoPPS's temporal discount); 0.9 = half-life ~6.6 steps, "
                                       "about an epoch of the 128-prompt comparison (our choice).")
-    selection_sharpness: float = doc(1.0, "posterior: s, P(keep) = (1 - P(zero-variance group))^s above the floors "
+    selection_sharpness: float = doc(3.0, "posterior: s, P(keep) = (1 - P(zero-variance group))^s above the floors "
                                           "(data/selection_posterior.py Eq. P5); 1 = the chance the group is "
-                                          "informative, larger skips likely-zero-variance prompts harder.")
+                                          "informative, larger skips likely-zero-variance prompts harder; 3 saved "
+                                          "most in the issue 59 study (docs/results_selection.md).")
 
 
 @dataclass

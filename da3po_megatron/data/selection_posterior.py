@@ -66,7 +66,7 @@ class PosteriorParams:
     floor_wrong: float = 0.05  # ... where it is all-wrong
     max_skips_all_wrong: int = 1  # b_s of the back-off (0: an all-wrong streak is never skipped)
     group_size: int = 0  # G; 0: learnt from the observed p_hats
-    sharpness: float = 1.0  # s of (P5): P(keep) = (1 - P_zv)^s above the floors
+    sharpness: float = 3.0  # s of (P5): P(keep) = (1 - P_zv)^s above the floors (3: issue 59 study)
 
 
 def _log_beta_ratio(a: float, b: float, x: float, y: float) -> float:
