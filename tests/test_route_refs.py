@@ -1,6 +1,6 @@
 """MoE routes by reference (``rollout/route_refs.py``, issue 60): an engine in a Ray actor puts each group's routes
 into the object store once (the prompt's rows once when the samples share them), the driver's groups, batch and
-checkpoint state hold refs, each policy rank fetches its share, and a checkpoint writes them from a Ray task and reads
+checkpoint state hold refs, each policy rank fetches its share, and a checkpoint writes them from a Ray actor and reads
 them back as refs with the same bytes (resumes exact). Real Ray actors stand in for the engine (no vLLM here: the
 packing and the object path are what is tested; ``tests/test_moe_replay.py`` runs the real engines)."""
 
@@ -63,19 +63,18 @@ def test_a_checkpoint_without_ray_writes_and_reads_the_routes_file_in_process(tm
     assert all(np.array_equal(a, r) for a, r in zip(back["groups"][0]["routed_experts"], rows))
 
 
-class _Engine:
-    """A Ray actor that puts routes as ``VLLMEngine.generate`` does (``route_refs.by_reference``)."""
-
-    def put(self, groups, prompt_lens):
-        from da3po_megatron.rollout.route_refs import by_reference
-
-        return by_reference(groups, prompt_lens)
-
-
 def test_routes_put_by_an_engine_actor_reach_a_share_and_survive_a_checkpoint_as_refs(ray_session, tmp_path):
     import ray
 
-    engine = ray.remote(num_cpus=0)(_Engine).remote()
+    class Engine:  # defined here: Ray's workers cannot import this test module, the class travels by value
+        """A Ray actor that puts routes as ``VLLMEngine.generate`` does (``route_refs.by_reference``)."""
+
+        def put(self, groups, prompt_lens):
+            from da3po_megatron.rollout.route_refs import by_reference
+
+            return by_reference(groups, prompt_lens)
+
+    engine = ray.remote(num_cpus=0)(Engine).remote()
     groups = [_group(seed=1), _group(seed=2, share=False)]
     got = ray.get(engine.put.remote(groups, [5, 5]))
     flat = [r for g in got for r in g]
@@ -84,7 +83,7 @@ def test_routes_put_by_an_engine_actor_reach_a_share_and_survive_a_checkpoint_as
     want = [r for g in groups for r in g]
     fetched = RouteRefs(flat).fetch()
     assert all(np.array_equal(fetched[i], w) for i, w in enumerate(want))
-    # the checkpoint: refs -> placeholders + routes.npz written by a Ray task -> refs with the same bytes
+    # the checkpoint: refs -> placeholders + routes.npz written by a Ray actor -> refs with the same bytes
     state = {"buffer": {"groups": [{"routed_experts": flat[:3]}, {"routed_experts": flat[3:]}]}, "step": 4}
     plain = write_routes(state, tmp_path)
     torch.save(plain, tmp_path / "trainer_state.pt")

@@ -168,6 +168,10 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     ray.get([e.ready.remote() for e in engines])
     infos = ray.get([r.info.remote() for r in ranks])
     ray.get([r.execute.remote(_warm_rank) for r in ranks])  # imports (torch) outside the timed phases
+    if moe is not None:  # the checkpoint's route writer starts once per run, not per step (route_refs.RouteFiles)
+        from da3po_megatron.rollout.route_refs import route_files
+
+        ray.get(route_files().__ray_ready__.remote())
     rollout = RolloutClient(EngineConfig(model_path="stand-in"), engines, mode="ray")
     policy = make_policy_group(cfg, ranks, infos)
     rewards = RewardPool(num_workers=reward_workers, timeout_s=10.0)
@@ -236,7 +240,7 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
                                {**sampler.totals, **state.update_totals})
     with phases("checkpoint"):
         # the leftover (carried) groups are the driver state that grows with the batch
-        # (as CheckpointManager.start: routes by reference are written to routes.npz by a Ray task)
+        # (as CheckpointManager.start: routes by reference are written to routes.npz by a Ray actor)
         path = tmp / "trainer_state.pt"
         with intake:
             torch.save(write_routes(state.trainer_state(), tmp), path)
@@ -323,7 +327,7 @@ def table(res: dict[str, Any], full: dict[str, Any], size: Size) -> str:
                  f"{res['route_bytes_to_driver'] / 2**20:.2f} MB ({full['route_bytes_to_driver'] / 2**30:.3f} GB), "
                  f"fetched by the ranks {res['route_bytes_to_ranks'] / 2**20:.1f} MB "
                  f"({full['route_bytes_to_ranks'] / 2**30:.1f} GB), checkpoint route file "
-                 f"{res['checkpoint_route_file_bytes'] / 2**20:.1f} MB (written by a Ray task)")
+                 f"{res['checkpoint_route_file_bytes'] / 2**20:.1f} MB (written by a Ray actor)")
     return "\n".join(lines)
 
 

@@ -17,12 +17,13 @@ step together), so the driver -- the one process that cannot grow -- carries ref
 * **policy rank**: ``actor_group._on_share`` calls :meth:`RouteRefs.fetch` inside the rank: it gets the groups of its
   share from the object store (zero-copy on the engine's node) and builds the ``Ragged`` share the schedule reads.
 * **checkpoint**: refs do not survive a restart. :func:`write_routes` (``CheckpointManager.start``) hands the refs of
-  the in-flight state to a Ray task that writes their groups to ``routes.npz`` beside ``trainer_state.pt`` (covered
-  by the manifest's CRC), and puts small placeholders into the state; :func:`read_routes` (``load_trainer_state``)
-  has a Ray task read the file back and return each group as a task result -- owned by the driver, stored in the
-  object store -- and turns the placeholders into refs again. The resumed groups replay exactly the routes they were
-  generated with (the bytes are the same), so resumes stay exact. Task results under Ray's inline threshold
-  (``max_direct_call_object_size``, 100 KiB: only toy sizes) are kept in the driver's in-process store, as bytes.
+  the in-flight state to a Ray actor (:class:`RouteFiles`, one per driver) that writes their groups to ``routes.npz``
+  beside ``trainer_state.pt`` (covered by the manifest's CRC), and puts small placeholders into the state;
+  :func:`read_routes` (``load_trainer_state``) has it read the file back and return each group as one result of its
+  call -- owned by the driver, stored in the object store -- and turns the placeholders into refs again. The resumed
+  groups replay exactly the routes they were generated with (the bytes are the same), so resumes stay exact. Results
+  under Ray's inline threshold (``max_direct_call_object_size``, 100 KiB: only toy sizes) are kept in the driver's
+  in-process store, as bytes.
 
 Ownership: an engine owns the objects it put. A dead engine takes the routes of its groups not yet trained with it
 (Ray's ``OwnerDiedError`` when a rank fetches them): the step fails, and the run resumes from its last checkpoint,
@@ -239,7 +240,7 @@ def _walk(obj: Any, fn: Any) -> Any:
 
 
 def _write_task(path: str, keys: list[str], *groups: Any) -> int:
-    """Inside a Ray task (the refs resolved there): the groups into one uncompressed ``.npz``."""
+    """In :class:`RouteFiles` (the refs resolved there): the groups into one uncompressed ``.npz``."""
     arrays: dict[str, np.ndarray] = {}
     for k, g in zip(keys, groups):
         arrays.update(g.to_arrays(k) if isinstance(g, GroupRoutes) else {f"{k}_array": np.asarray(g)})
@@ -249,11 +250,37 @@ def _write_task(path: str, keys: list[str], *groups: Any) -> int:
 
 
 def _read_task(path: str, keys: list[str]) -> Any:
-    """Inside a Ray task: each group of the file, as one task result each (owned by the caller)."""
+    """In :class:`RouteFiles`: each group of the file, one result each (owned by the caller)."""
     with np.load(path) as f:
         out = [GroupRoutes.from_arrays(f, k) if f"{k}_values" in f.files else np.asarray(f[f"{k}_array"])
                for k in keys]
     return out[0] if len(out) == 1 else tuple(out)
+
+
+class RouteFiles:
+    """The process that writes and reads checkpoint route files (a Ray actor, one per driver, started at the first
+    use or by :func:`route_files`): the refs it is given are resolved there, never in the driver, and what it reads
+    back is returned as its method's results, owned by the caller (the driver) and stored in the object store."""
+
+    def write(self, path: str, keys: list[str], *groups: Any) -> int:
+        return _write_task(path, keys, *groups)
+
+    def read(self, path: str, keys: list[str]) -> Any:
+        return _read_task(path, keys)
+
+
+_FILES: dict[str, Any] = {}
+
+
+def route_files() -> Any:
+    """This driver's :class:`RouteFiles` actor (started once; a long run's later checkpoints find it warm)."""
+    import ray
+
+    handle = _FILES.get("actor")
+    if handle is None or _FILES.get("job") != ray.get_runtime_context().get_job_id():
+        handle = _FILES["actor"] = ray.remote(num_cpus=0)(RouteFiles).remote()
+        _FILES["job"] = ray.get_runtime_context().get_job_id()
+    return handle
 
 
 def write_routes(state: Any, directory: Path) -> Any:
@@ -280,13 +307,13 @@ def write_routes(state: Any, directory: Path) -> Any:
         else:
             import ray
 
-            ray.get(ray.remote(num_cpus=0)(_write_task).remote(path, list(keys.values()), *refs))
+            ray.get(route_files().write.remote(path, list(keys.values()), *refs))
     return out
 
 
 def read_routes(state: Any, directory: Path) -> Any:
     """The inverse of :func:`write_routes`: placeholders back to :class:`RouteRef` s, the groups put into the
-    object store by a Ray task (as its results; with Ray not initialised: read here, as arrays)."""
+    object store by :class:`RouteFiles` (as its results; with Ray not initialised: read here, as arrays)."""
     found: dict[str, None] = {}
 
     def note(x: Any) -> Any:
@@ -306,7 +333,7 @@ def read_routes(state: Any, directory: Path) -> Any:
     except ImportError:
         remote = False
     if remote:
-        got = ray.remote(num_cpus=0)(_read_task).options(num_returns=len(keys)).remote(path, keys)
+        got = route_files().read.options(num_returns=len(keys)).remote(path, keys)
         objs = dict(zip(keys, [got] if len(keys) == 1 else got))
     else:
         res = _read_task(path, keys)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 VOCAB = 151_643  # Qwen's vocabulary (qwen.tiktoken ranks)
+POOL_OFFSETS = 4096  # MoE stand-in: routes are slices of one random pool at offsets below this
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,16 @@ class StandInEngine:
 
     def __init__(self, index: int, max_response: int, mean_response: float, moe: RouteShape | None = None) -> None:
         self.index, self.max_response, self.mean_response, self.moe = index, max_response, mean_response, moe
+        self._pool = None  # MoE: random routes to slice from (a real engine captures them; drawing is stand-in work)
+        if moe is not None:
+            rows = POOL_OFFSETS + max_response + 4096
+            self._pool = np.random.default_rng(index).integers(0, moe.experts, (rows, moe.layers, moe.top_k),
+                                                               dtype=np.uint8)
+
+    def _routes(self, rng: Any, n: int) -> np.ndarray:
+        """``n`` positions' routes: a slice of the pool at a random offset."""
+        at = int(rng.integers(0, POOL_OFFSETS))
+        return self._pool[at:at + n]
 
     def ready(self) -> bool:
         return True
@@ -62,11 +73,8 @@ class StandInEngine:
                 r = None
                 if self.moe is not None and routes_selected(gi, j, getattr(sampling, "routes_fraction", 1.0)):
                     if prompt_rows is None:  # the prompt computed once, its routes shared (prefix cache)
-                        prompt_rows = rng.integers(0, self.moe.experts, (len(pid), self.moe.layers, self.moe.top_k),
-                                                   dtype=np.uint8)
-                    r = np.concatenate([prompt_rows, rng.integers(0, self.moe.experts, (k - 1, self.moe.layers,
-                                                                                         self.moe.top_k),
-                                                                  dtype=np.uint8)])
+                        prompt_rows = self._routes(rng, len(pid))
+                    r = np.concatenate([prompt_rows, self._routes(rng, k - 1)])
                 routes.append(r)
                 group.append(Completion(prompt_index=gi, sample_index=j, prompt_token_ids=list(pid), token_ids=ids,
                                         text=text, logprobs=lps,

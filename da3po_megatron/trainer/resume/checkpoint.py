@@ -192,7 +192,8 @@ class CheckpointManager:
             tmp.mkdir()
             self.in_flight = tmp
             save_policy(tmp / "policy")
-            # MoE routes by reference: written to routes.npz by a Ray task, placeholders in the state (issue 60)
+            # MoE routes by reference: written to routes.npz by a Ray actor (route_refs.RouteFiles), placeholders
+            # in the state (issue 60)
             torch.save(write_routes(trainer_state, tmp), tmp / "trainer_state.pt")
         except Exception as e:
             self.in_flight = None
