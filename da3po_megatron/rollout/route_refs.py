@@ -276,11 +276,11 @@ def route_files() -> Any:
     """This driver's :class:`RouteFiles` actor (started once; a long run's later checkpoints find it warm)."""
     import ray
 
-    handle = _FILES.get("actor")
-    if handle is None or _FILES.get("job") != ray.get_runtime_context().get_job_id():
-        handle = _FILES["actor"] = ray.remote(num_cpus=0)(RouteFiles).remote()
-        _FILES["job"] = ray.get_runtime_context().get_job_id()
-    return handle
+    ctx = ray.get_runtime_context()
+    session = (ctx.get_node_id(), ctx.get_job_id())  # a new Ray (tests start several) needs its own actor
+    if _FILES.get("session") != session:
+        _FILES.update(actor=ray.remote(num_cpus=0)(RouteFiles).remote(), session=session)
+    return _FILES["actor"]
 
 
 def write_routes(state: Any, directory: Path) -> Any:
