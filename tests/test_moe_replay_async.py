@@ -29,7 +29,7 @@ STEPS = 4
 R3_ASYNC = ("moe.routing_replay=rollout", f"trainer.total_steps={STEPS}", "trainer.save_every=1",
             "trainer.keep_last=10", "trainer.tensorboard=false", "rollout.mode=streaming", "rollout.staleness=2",
             "rollout.partial_rollouts=true", "algorithm.rollout_correction=tis", "rollout.max_inflight_prompts=4",
-            "rollout.stream_steps_per_call=4", "reward.kind=coin", "data.synthetic.coin_p=[0.5,0.5,0.5]",
+            "rollout.stream_steps_per_call=4", "reward.kind=coin", "data.synthetic.coin_p=[0.5,0.5]",
             "data.synthetic.response_tokens=[32,64]", "rollout.max_response_length=64", "rollout.ignore_eos=true")
 
 

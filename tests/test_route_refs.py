@@ -6,6 +6,8 @@ packing and the object path are what is tested; ``tests/test_moe_replay.py`` run
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -74,6 +76,11 @@ def test_routes_put_by_an_engine_actor_reach_a_share_and_survive_a_checkpoint_as
 
             return by_reference(groups, prompt_lens)
 
+        def put_big(self, rows):
+            from da3po_megatron.rollout.route_refs import by_reference
+
+            return by_reference([[np.zeros((rows, 48, 8), np.uint8)]], [1])
+
     engine = ray.remote(num_cpus=0)(Engine).remote()
     groups = [_group(seed=1), _group(seed=2, share=False)]
     got = ray.get(engine.put.remote(groups, [5, 5]))
@@ -95,4 +102,15 @@ def test_routes_put_by_an_engine_actor_reach_a_share_and_survive_a_checkpoint_as
     assert all(isinstance(r, RouteRef) for r in refs) and back["step"] == 4
     again = RouteRefs(refs).fetch()
     assert all(np.array_equal(again[i], w) for i, w in enumerate(want))
+    # a group dropped (dynamic sampling) takes its refs with it: Ray frees the engine's object
+    from da3po_megatron.bench.driver_probe import StorePoll
+
+    dropped = ray.get(engine.put_big.remote(40_000))[0]  # 15 MB of routes, one completion, put by the engine
+    held = StorePoll().sample()
+    assert held >= 15_000_000
+    del dropped
+    deadline = time.monotonic() + 30
+    while StorePoll().sample() > held - 10_000_000 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert StorePoll().sample() <= held - 10_000_000, (held, StorePoll().sample())
     ray.kill(engine)
