@@ -30,7 +30,7 @@ R3_ASYNC = ("moe.routing_replay=rollout", f"trainer.total_steps={STEPS}", "train
             "trainer.keep_last=10", "trainer.tensorboard=false", "rollout.mode=streaming", "rollout.staleness=2",
             "rollout.partial_rollouts=true", "algorithm.rollout_correction=tis", "rollout.max_inflight_prompts=4",
             "rollout.stream_steps_per_call=4", "reward.kind=coin", "data.synthetic.coin_p=[0.5,0.5]",
-            "data.synthetic.response_tokens=[32,64]", "rollout.max_response_length=64", "rollout.ignore_eos=true")
+            "data.synthetic.response_tokens=[64,160]", "rollout.max_response_length=160", "rollout.ignore_eos=true")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,8 @@ def _tail(p) -> str:
 @pytest.mark.timeout(2000)
 def test_r3_under_the_producer_replays_every_route_across_a_kill_9_in_a_partial_rollout(real_moe, tmp_path):
     run_dir = tmp_path / "run"
-    p, seconds = _launch(real_moe, run_dir, "kill@partial_rollout@3,kill@partial_rollout@4")
+    # the first continuation of an interrupted group kills the driver (the step-(s-1) checkpoint holds partials)
+    p, seconds = _launch(real_moe, run_dir, "kill@partial_rollout@2,kill@partial_rollout@3,kill@partial_rollout@4")
     print(f"launch 1 (R3, producer, SIGKILL in a partial rollout): {seconds:.1f} s")
     assert p.returncode == -9, _tail(p)
     killed_at = int(re.search(r"fault injection: kill@partial_rollout@(\d)", p.stdout).group(1))
