@@ -77,6 +77,35 @@ def test_stand_in_control_plane_sends_each_dp_rank_its_share_once_per_call(ray_s
     assert res["kept_frac"] is not None and res["phases"]["checkpoint"]["bytes"] > 0
 
 
+def test_stand_in_control_plane_with_r3_routes_keeps_every_route_array_out_of_the_driver(ray_session, tmp_path):
+    """Issue 60: with Qwen3-30B-A3B's routes and R3 on, the same tiny step as a dense one -- the same seeds, so the
+    same lengths and groups -- must not bring the routes into the driver process: the engines' answers, what the
+    driver deserialises over the whole step (every ``ray.get``: engines, ranks, the checkpoint's route writer) and
+    the driver's checkpoint state grow by the refs only, while the ranks fetch every route of their shares. Before
+    (b6cc7ac) every route travelled engine -> driver -> DP shares and into the checkpoint state."""
+    from da3po_megatron.testing.control_plane_standins import MOE_MODELS
+
+    bench = _bench()
+    size = bench.SIZES["tiny"]
+    kw = dict(ranks_actual=2, engines_actual=1, reward_workers=0, dp=2)
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "moe").mkdir()
+    dense = bench.run_step(size, 1.0, tmp=tmp_path / "dense", **kw)
+    moe = bench.run_step(size, 1.0, tmp=tmp_path / "moe", moe=MOE_MODELS["qwen3-30b-a3b"], **kw)
+    assert moe["response_tokens"] == dense["response_tokens"] and moe["responses"] == dense["responses"]
+    routes = moe["route_bytes"]  # the kept batch's routes (uint8, 384 B per position)
+    print({k: (dense.get(k), moe.get(k)) for k in ("route_bytes", "driver_deserialised_bytes",
+                                                    "route_bytes_to_driver", "route_bytes_to_ranks")},
+          {p: (dense["phases"][p]["bytes"], moe["phases"][p]["bytes"]) for p in ("generate", "checkpoint")})
+    assert routes > 20 * dense["batch_bytes"] > 0
+    refs = 300 * moe["generated_groups"] * size.group  # ~ a ref (or its checkpoint placeholder) per completion
+    assert moe["phases"]["generate"]["bytes"] < dense["phases"]["generate"]["bytes"] + refs
+    assert moe["phases"]["checkpoint"]["bytes"] < dense["phases"]["checkpoint"]["bytes"] + refs
+    assert moe["driver_deserialised_bytes"] < dense["driver_deserialised_bytes"] + 0.05 * routes
+    assert moe["route_bytes_to_driver"] < min(refs, 0.1 * routes)  # a ref per completion, not its routes
+    assert moe["route_bytes_to_ranks"] >= 2 * routes  # old log-probs and train: each rank fetched its share
+
+
 def test_driver_state_groups_round_trip_as_tensors_and_old_list_states_still_load(tmp_path):
     import torch
 

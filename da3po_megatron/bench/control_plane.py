@@ -49,19 +49,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from da3po_megatron.bench.driver_probe import DriverIntake, Phases, StorePoll, ray_bytes, rss_mb
 from da3po_megatron.testing import control_plane_standins
 from da3po_megatron.testing.control_plane_standins import StandInEngine, StandInRank, _warm_rank, standin_logprobs
 
@@ -92,81 +91,6 @@ SIZES = {
     "4x": Size("4x", 2048, 16, 4096, 2700.0, 256, 32, 16, 128),
     "16x": Size("16x", 8192, 16, 8192, 5400.0, 256, 64, 32, 512),
 }
-
-
-# ------------------------------------------------------------------------------------------------ measurement
-class StorePoll(threading.Thread):
-    """Object-store bytes in use, polled from the raylet; ``peak`` is the largest value seen."""
-
-    def __init__(self, period_s: float = 0.5) -> None:
-        super().__init__(daemon=True)
-        self.period_s, self.peak, self._halt = period_s, 0, threading.Event()
-        self.cpu_s = 0.0  # this thread's own CPU time, subtracted from the phases' driver CPU (it is measurement)
-
-    def sample(self) -> int:
-        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
-
-        try:
-            import ray
-
-            reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
-            return int(reply.store_stats.object_store_bytes_used)
-        except Exception:  # noqa: BLE001 - a missed sample only lowers the peak
-            return 0
-
-    def run(self) -> None:
-        c0 = time.thread_time()
-        while not self._halt.is_set():
-            self.peak = max(self.peak, self.sample())
-            self.cpu_s = time.thread_time() - c0
-            self._halt.wait(self.period_s)
-
-    def stop(self) -> int:
-        self._halt.set()
-        self.join()
-        return self.peak
-
-
-def ray_bytes(obj: Any) -> int:
-    """Bytes Ray's serializer produces for ``obj`` (in-band pickle + out-of-band buffers)."""
-    import ray
-
-    ctx = ray._private.worker.global_worker.get_serialization_context()
-    return int(ctx.serialize(obj).total_bytes)
-
-
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class Phases:
-    """Wall and driver-process CPU seconds per phase (all threads of the driver: Ray's too; the store poller's own
-    CPU is subtracted), bytes moved and RSS after it."""
-
-    def __init__(self) -> None:
-        self.rows: dict[str, dict[str, float]] = {}
-        self.poll: StorePoll | None = None
-
-    def _poll_cpu(self) -> float:
-        return self.poll.cpu_s if self.poll is not None else 0.0
-
-    def __call__(self, name: str):
-        phases = self
-
-        class _Ctx:
-            def __enter__(self):
-                self.w, self.c, self.p = time.perf_counter(), time.process_time(), phases._poll_cpu()
-
-            def __exit__(self, *exc):
-                r = phases.rows.setdefault(name, {"wall_s": 0.0, "cpu_s": 0.0, "bytes": 0.0})
-                r["wall_s"] += time.perf_counter() - self.w
-                r["cpu_s"] += time.process_time() - self.c - (phases._poll_cpu() - self.p)
-                r["rss_mb"] = rss_mb()
-
-        return _Ctx()
-
-    def add_bytes(self, name: str, n: float) -> None:
-        self.rows.setdefault(name, {"wall_s": 0.0, "cpu_s": 0.0, "bytes": 0.0})["bytes"] += n
 
 
 # ------------------------------------------------------------------------------------------------ the step
@@ -223,6 +147,7 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     from da3po_megatron.rewards.pool import RewardPool
     from da3po_megatron.rollout.client import RolloutClient
     from da3po_megatron.rollout.consistency import DriftMonitor
+    from da3po_megatron.rollout.route_refs import ROUTES_FILE, write_routes
     from da3po_megatron.rollout.types import EngineConfig
     from da3po_megatron.trainer import batch as B
     from da3po_megatron.trainer.batch import StepRollout
@@ -243,6 +168,10 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     ray.get([e.ready.remote() for e in engines])
     infos = ray.get([r.info.remote() for r in ranks])
     ray.get([r.execute.remote(_warm_rank) for r in ranks])  # imports (torch) outside the timed phases
+    if moe is not None:  # the checkpoint's route writer starts once per run, not per step (route_refs.RouteFiles)
+        from da3po_megatron.rollout.route_refs import route_files
+
+        ray.get(route_files().__ray_ready__.remote())
     rollout = RolloutClient(EngineConfig(model_path="stand-in"), engines, mode="ray")
     policy = make_policy_group(cfg, ranks, infos)
     rewards = RewardPool(num_workers=reward_workers, timeout_s=10.0)
@@ -264,6 +193,7 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     poll.start()
     phases.poll = poll
     uid = 0
+    intake, route_to_driver = DriverIntake(), 0.0  # bytes the driver deserialised; the routes' part of them
     generated: list = []
     t_step = time.perf_counter()
     for round_ in range(cfg.algorithm.max_generation_rounds):
@@ -274,10 +204,13 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
                             answer=f"coin:{np.random.default_rng(uid + i).beta(0.4, 0.6):.6f}") for i in range(k)]
         token_prompts = [[uid + i] + [7] * (size.prompt_len - 1) for i in range(k)]
         uid += k
-        with phases("generate"):
+        with phases("generate"), intake:
             comps = rollout.generate(token_prompts, sampler.sampling_config(sampling_seed + round_))
         sample = [c for cs in comps[:8] for c in cs]
-        phases.add_bytes("generate", sum(ray_bytes(c) for c in sample) * len(comps) * size.group / len(sample))
+        scale_up = len(comps) * size.group / len(sample)
+        phases.add_bytes("generate", sum(ray_bytes(c) for c in sample) * scale_up)
+        route_to_driver += sum(ray_bytes(c) - ray_bytes(replace(c, routed_experts=None)) for c in sample
+                               if c.routed_experts is not None) * scale_up  # the routes' part of the answer
         with phases("reward"):
             groups = sampler.score(examples, comps)
         with phases("dynamic_sampling"):
@@ -294,10 +227,11 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
     with phases("policy_batch"):
         batch = B.policy_batch(batch_groups)
     batch_bytes = ray_bytes(batch)
-    route_bytes = 0 if batch.routed_experts is None else int(batch.routed_experts.values.nbytes)
-    with phases("old_logprobs"):
+    route_bytes = 0 if batch.routed_experts is None else \
+        int(batch.routed_experts.lengths().sum()) * moe.layers * moe.top_k  # uint8: one byte per expert id
+    with phases("old_logprobs"), intake:
         batch, mismatch = old_logprobs(run, batch, fresh=True)
-    with phases("train"):
+    with phases("train"), intake:
         train_metrics = policy.train_step(batch)
     reports = ray.get([r.report.remote() for r in ranks])
     with phases("metrics"):
@@ -306,9 +240,13 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
                                {**sampler.totals, **state.update_totals})
     with phases("checkpoint"):
         # the leftover (carried) groups are the driver state that grows with the batch
+        # (as CheckpointManager.start: routes by reference are written to routes.npz by a Ray actor)
         path = tmp / "trainer_state.pt"
-        torch.save(state.trainer_state(), path)
+        with intake:
+            torch.save(write_routes(state.trainer_state(), tmp), path)
     phases.add_bytes("checkpoint", path.stat().st_size)
+    route_file = tmp / ROUTES_FILE
+    route_file_bytes = route_file.stat().st_size if route_file.exists() else 0
     store_peak = poll.stop()
     rewards.close()
     response_tokens = float(sum(len(r) for g in batch_groups for r in g.response_ids))
@@ -330,6 +268,9 @@ def run_step(size: Size, scale: float, ranks_actual: int, engines_actual: int, r
             "kept_frac": metrics.get("dynamic_sampling/kept_frac"), "ranks_actual": ranks_actual,
             "engines_actual": engines_actual, "phases": phases.rows, "batch_bytes": batch_bytes,
             "route_bytes": route_bytes, "moe": None if moe is None else moe.name,
+            "driver_deserialised_bytes": intake.bytes, "route_bytes_to_driver": route_to_driver,
+            "route_bytes_to_ranks": sum(x.get("route_bytes", 0) for rep in reports for x in rep),
+            "checkpoint_route_file_bytes": route_file_bytes,
             "driver_peak_rss_mb": rss_mb(), "driver_base_rss_mb": rss_base, "object_store_peak_bytes": store_peak,
             "per_rank_rows": per_rank, "reports": reports if keep_rows else None,
             "policy_batch_rows": len(batch), "step_wall_s": time.perf_counter() - t_step,
@@ -354,7 +295,9 @@ def extrapolate(res: dict[str, Any], size: Size) -> dict[str, Any]:
             "overhead": total / model,
             "rss_mb": res["driver_base_rss_mb"] + (res["driver_peak_rss_mb"] - res["driver_base_rss_mb"]) * f_tok,
             "store_peak_bytes": res["object_store_peak_bytes"] * f_tok * f_rank,
-            "route_bytes": res.get("route_bytes", 0) * f_tok}
+            "route_bytes": res.get("route_bytes", 0) * f_tok,
+            **{k: res.get(k, 0) * f_tok for k in ("driver_deserialised_bytes", "route_bytes_to_driver",
+                                                   "route_bytes_to_ranks", "checkpoint_route_file_bytes")}}
 
 
 def table(res: dict[str, Any], full: dict[str, Any], size: Size) -> str:
@@ -379,6 +322,12 @@ def table(res: dict[str, Any], full: dict[str, Any], size: Size) -> str:
                  f"({full['driver_wall_s']:.1f} s wall on 2 shared cores) vs "
                  f"modeled GPU step {full['model_step_s']:.0f} s -> overhead {100 * full['overhead']:.2f} %; "
                  f"RSS ~{full['rss_mb'] / 1024:.1f} GB, object store peak ~{full['store_peak_bytes'] / 2**30:.1f} GB")
+    lines.append(f"driver deserialised {res['driver_deserialised_bytes'] / 2**20:.1f} MB (full size "
+                 f"{full['driver_deserialised_bytes'] / 2**30:.2f} GB); routes engines -> driver "
+                 f"{res['route_bytes_to_driver'] / 2**20:.2f} MB ({full['route_bytes_to_driver'] / 2**30:.3f} GB), "
+                 f"fetched by the ranks {res['route_bytes_to_ranks'] / 2**20:.1f} MB "
+                 f"({full['route_bytes_to_ranks'] / 2**30:.1f} GB), checkpoint route file "
+                 f"{res['checkpoint_route_file_bytes'] / 2**20:.1f} MB (written by a Ray actor)")
     return "\n".join(lines)
 
 

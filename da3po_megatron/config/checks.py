@@ -50,9 +50,8 @@ def validate(cfg: Config) -> None:
     _check(0 <= cfg.moe.router_agreement_fraction <= 1, "moe.router_agreement_fraction",
            cfg.moe.router_agreement_fraction, "[0, 1]")
     if cfg.moe.routing_replay != "none":  # what R3 cannot work with (a dense model is refused by preflight)
-        why = {"rollout.mode": "the streaming engines (rollout/stream.py) do not return routes" if
-               cfg.rollout.mode == "streaming" else "",
-               "model.recompute_granularity": "recomputed MoE layers would route again in the backward pass "
+        # (the streaming engines return routes too since issue 60: rollout/stream.py, _stream_routes)
+        why = {"model.recompute_granularity": "recomputed MoE layers would route again in the backward pass "
                "(megatron's REPLAY_BACKWARD is not wired)" if cfg.model.recompute_granularity == "full" else ""}
         for field_name, reason in why.items():
             if reason:

@@ -308,6 +308,10 @@ class PolicyGroup:
 
 
 def _on_share(worker: Any, method: str, batch: PolicyBatch, keep: bool, kwargs: dict[str, Any]) -> Any:
-    """Run inside a rank (``PolicyWorker.execute``): ``method`` on its share; the answer only where ``keep``."""
+    """Run inside a rank (``PolicyWorker.execute``): ``method`` on its share; the answer only where ``keep``. Routes
+    by reference (``rollout/route_refs.RouteRefs``) are fetched here, by the rank, from the object store: the
+    driver sent refs only (issue 60)."""
+    if hasattr(batch.routed_experts, "fetch"):
+        batch.routed_experts = batch.routed_experts.fetch()
     out = getattr(worker, method)(batch, **kwargs)
     return out if keep else None

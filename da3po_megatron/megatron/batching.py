@@ -147,7 +147,9 @@ class PolicyBatch:
             batch, so a rank plans the same mini-batches and DP split as the driver did.
         routed_experts: MoE, per response, the experts the engine routed each position of the sequence to
             (``Completion.routed_experts``: ``[P + R - 1, MoE layers, k]`` small ints; routing replay R3 and the
-            router-agreement metric); None for dense models or without route capture.
+            router-agreement metric); None for dense models or without route capture. From engines in Ray actors
+            these are refs into the object store (``rollout/route_refs.RouteRefs``, duck-typed here: ``lengths``,
+            ``take``, ``share``, ``fetch``), resolved by each rank for its share (``actor_group._on_share``).
     """
 
     prompt_ids: Any
@@ -160,7 +162,7 @@ class PolicyBatch:
 
     def __post_init__(self) -> None:
         self.prompt_ids = Ragged.from_rows(self.prompt_ids, np.int32)
-        if self.routed_experts is not None and not isinstance(self.routed_experts, Ragged):
+        if self.routed_experts is not None and not hasattr(self.routed_experts, "lengths"):  # (Ragged, RouteRefs)
             rows = list(self.routed_experts)
             self.routed_experts = Ragged.from_rows(rows, rows[0].dtype if rows else np.uint8)
         self.response_ids = Ragged.from_rows(self.response_ids, np.int32)
@@ -250,9 +252,11 @@ class PolicyBatch:
         idx = np.asarray(sorted(rows), dtype=np.int64)
         n = len(self)
 
-        def part(r: Ragged | None) -> Ragged | None:
+        def part(r: Any) -> Any:
             if r is None:
                 return None
+            if not isinstance(r, Ragged):  # routes by reference (rollout/route_refs.RouteRefs): the share's refs
+                return r.share(idx, n)
             t = r.take(idx)
             return Ragged(t.values, t.offsets, idx, n)
 

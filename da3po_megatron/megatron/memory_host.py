@@ -49,8 +49,8 @@ HOST_RESERVE_FRACTION = 0.1
 
 def route_fraction(moe: Any, streaming: bool = False) -> float:
     """The fraction of completions whose routes the engines return: 1 with R3 (every route is replayed),
-    ``moe.router_agreement_fraction`` for the agreement metric alone, 0 when neither reads them (or the engines
-    stream: ``rollout/stream.py`` returns no routes)."""
+    ``moe.router_agreement_fraction`` for the agreement metric alone, 0 when neither reads them (or, without R3,
+    the engines stream: the metric's sample is not taken there)."""
     if moe is None:
         return 0.0
     if getattr(moe, "routing_replay", "none") != "none":

@@ -198,28 +198,37 @@ def use_routes(model, routes, mask, replay: bool) -> None:
             r.set_router_replay_action(RouterReplayAction.RECORD)
 
 
-def route_counts(model, replay: bool):
+def route_counts(model, replay: bool, columns: list[int] | None = None, moe_layers: int = 0):
     """After a forward prepared by :func:`use_routes`: float64 [3] = (masked pairs whose used experts match the
-    engine's set, pairs whose router-chosen experts match, masked pairs); then back to plain routing.
+    engine's set, pairs whose router-chosen experts match, masked pairs); then back to plain routing. With
+    ``columns`` (this stage's MoE columns, :func:`stage_moe_columns`) and ``moe_layers`` (all the model's): float64
+    [1 + moe_layers, 3], row 0 the sum, row 1 + c MoE layer c's own counts (the agreement per layer: layer c's
+    router input depends on the experts layers < c used, so only per layer can two runs be compared).
 
     Counted on the device the routes are on, and returned there: no device-to-host copy (issue 46 M6: the copies of
     the recorded, engine and mask tensors per MoE layer per micro-batch are gone; the caller sums the counts on the
     device and reads them once per step, ``PolicyWorker.routing_stats``)."""
     import torch
 
+    per_layer = columns is not None
+    shape = (1 + moe_layers, 3) if per_layer else (3,)
     out = None
-    for r in _replays(model):
+    for i, r in enumerate(_replays(model)):
         engine, mask, own = getattr(r, "da3po_engine", None), getattr(r, "da3po_mask", None), r.recorded_topk_idx
         if engine is None or own is None:
             continue
         own = own.detach()  # engine and mask: on the device already (use_routes got the micro-batch's tensors)
         if out is None:
-            out = torch.zeros(3, dtype=torch.float64, device=own.device)
+            out = torch.zeros(shape, dtype=torch.float64, device=own.device)
         used = torch.where(mask[:, None], engine, own) if replay else own
         key = engine.sort(-1).values
-        out[0] += ((used.sort(-1).values == key).all(-1) & mask).sum()
-        out[1] += ((own.sort(-1).values == key).all(-1) & mask).sum()
-        out[2] += mask.sum()
+        c = torch.stack([((used.sort(-1).values == key).all(-1) & mask).sum(),
+                         ((own.sort(-1).values == key).all(-1) & mask).sum(), mask.sum()]).to(torch.float64)
+        if per_layer:
+            out[0] += c
+            out[1 + columns[i]] += c
+        else:
+            out += c
         r.da3po_engine = r.da3po_mask = None
     clear_routes(model)
-    return torch.zeros(3, dtype=torch.float64) if out is None else out
+    return torch.zeros(shape, dtype=torch.float64) if out is None else out

@@ -148,6 +148,7 @@ class PolicyWorker:
             columns = stage_moe_columns(model, arch.moe_pattern())
         self.schedule = ForwardSchedule(self.model, self.device, self.te, self.thd, self.pad_id, self.dp,
                                         self.dp_rank, self.tp_rank, moe_columns=columns,
+                                        moe_layers=sum(arch.moe_pattern()) if columns is not None else 0,
                                         replay=cfg.moe.routing_replay == "rollout", tp=self.tp,
                                         sequence_parallel=self.sequence_parallel)
         self.loss_backend = self._make_loss_backend()
@@ -237,13 +238,18 @@ class PolicyWorker:
         """Router agreement with the engines over the forwards since the last call (collective; {} without routed
         micro-batches): ``router_agreement`` -- the fraction of (token, MoE layer) pairs with an engine route whose
         experts used by the forward have the engine's top-k set (1.0 under replay, R3); ``router_agreement_own`` --
-        the same for the experts the router chose itself (what it would use without replay); ``route_pairs``."""
+        the same for the experts the router chose itself (what it would use without replay); ``route_pairs``; and
+        both per MoE layer c (``..._layer{c}``: layer c's router input depends on the experts earlier layers used)."""
         counts = self.schedule.take_route_counts().to(self.device)
         dist.all_reduce(counts)
-        used, own, pairs = counts.tolist()
+        (used, own, pairs), layers = counts[0].tolist(), counts[1:].tolist()
         if not pairs:
             return {}
-        return {"router_agreement": used / pairs, "router_agreement_own": own / pairs, "route_pairs": pairs}
+        out = {"router_agreement": used / pairs, "router_agreement_own": own / pairs, "route_pairs": pairs}
+        for c, (u, o, n) in enumerate(layers):
+            if n:
+                out.update({f"router_agreement_layer{c}": u / n, f"router_agreement_own_layer{c}": o / n})
+        return out
 
     # ------------------------------------------------------------------ training
     @ranged("train")

@@ -44,6 +44,8 @@ class ForwardSchedule:
     moe_columns: list[int] | None = None
     """MoE with route handling (``model.routes_wanted``): this stage's columns of the engines' route arrays
     (``moe.stage_moe_columns``); None: micro-batches' routes are ignored (dense model, or routes off)."""
+    moe_layers: int = 0
+    """All the model's MoE layers (the route counts are kept per layer: ``moe.route_counts``)."""
     replay: bool = False
     """``moe.routing_replay=rollout``: the forwards use the engine's routes (R3), else they only compare."""
     tp: int = 1
@@ -54,13 +56,16 @@ class ForwardSchedule:
     def __post_init__(self) -> None:
         # moe.route_counts summed since the last take, on the device: read once per step (routing_stats), not per
         # micro-batch (issue 46 M6)
-        self.route_counts = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self.route_counts = self._zero_counts()
+
+    def _zero_counts(self) -> torch.Tensor:
+        return torch.zeros((1 + self.moe_layers, 3), dtype=torch.float64, device=self.device)
 
     def take_route_counts(self) -> torch.Tensor:
         """The route counts summed since the last call, this rank's share of a sum over the world: with sequence
         parallelism each TP rank counts its own slice of the positions (summed over TP), without it TP ranks route
         every position alike and TP rank 0 alone counts."""
-        out, self.route_counts = self.route_counts, torch.zeros(3, dtype=torch.float64, device=self.device)
+        out, self.route_counts = self.route_counts, self._zero_counts()
         return out if self.sequence_parallel or self.tp_rank == 0 else torch.zeros_like(out)
 
     def tp_slice(self, n: int) -> slice:
@@ -116,7 +121,8 @@ class ForwardSchedule:
             with backend.forward_context():
                 output = model(mb.tokens, mb.position_ids, mask, **kwargs)
             if routed:
-                self.route_counts += moe.route_counts(model, self.replay).to(self.device)
+                self.route_counts += moe.route_counts(model, self.replay, self.moe_columns,
+                                                      self.moe_layers).to(self.device)
             return output, partial(loss_builder, mb)
 
         fb = get_forward_backward_func()

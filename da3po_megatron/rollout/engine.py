@@ -34,12 +34,17 @@ from da3po_megatron.rollout.engine_setup import (
     resolve_transfer_backend,
 )
 from da3po_megatron.rollout.ipc_routing import handles_to_wire
+from da3po_megatron.rollout.route_refs import by_reference
 from da3po_megatron.rollout.stream import StreamingMixin, seed_for
 from da3po_megatron.rollout.types import Completion, EngineConfig, RolloutError, SamplingConfig
 
 # In-process engines of this process. They share vLLM's process-wide distributed state, which the engine-core
 # shutdown destroys: only the last one to go may run it (see VLLMEngine.shutdown).
 _LIVE_INPROC: set[int] = set()
+
+
+def _index(sample: Any) -> int:
+    return int(sample.index)
 
 
 class VLLMEngine(StreamingMixin):
@@ -137,12 +142,15 @@ class VLLMEngine(StreamingMixin):
         outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
         routes = {} if self.routes is None else take_routes(self.llm, self.routes, outputs, ids, prompt_indices,
                                                             sampling)
+        # in a Ray actor: each group's routes put into the object store once, the completions carry refs (issue 60)
+        by_group = by_reference([[routes.get((o.request_id, int(s.index))) for s in sorted(o.outputs, key=_index)]
+                                 for o in outputs], [len(pid) for pid in ids])
         completions: list[Completion] = []
-        for gi, pid, out in zip(prompt_indices, ids, outputs):
+        for gi, pid, out, group_routes in zip(prompt_indices, ids, outputs, by_group):
             if len(out.outputs) != sampling.n:
                 raise RolloutError(f"engine {self.engine_index}: prompt {gi} got {len(out.outputs)} completions, "
                                    f"expected n={sampling.n}")
-            for sample in sorted(out.outputs, key=lambda o: o.index):
+            for sample, sample_routes in zip(sorted(out.outputs, key=_index), group_routes):
                 token_ids = list(sample.token_ids)
                 logprobs: list[float] = []
                 if sampling.logprobs:
@@ -154,7 +162,7 @@ class VLLMEngine(StreamingMixin):
                     prompt_index=gi, sample_index=int(sample.index), prompt_token_ids=list(pid),
                     token_ids=token_ids, text=sample.text, logprobs=logprobs,
                     finish_reason=str(sample.finish_reason), num_tokens=len(token_ids),
-                    routed_experts=routes.get((out.request_id, int(sample.index)))))
+                    routed_experts=sample_routes))
                 self.generated_tokens += len(token_ids)
         return completions
 

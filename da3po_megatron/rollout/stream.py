@@ -47,6 +47,7 @@ class _StreamGroup:
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.reasons = [""] * n
         self.finished = [bool(d) for d in cont["done"]] if cont else [False] * n
+        self.ran = [not f for f in self.finished]  # the samples this segment runs (routes: only theirs)
         self.prefix: list[list[int]] | None = [list(map(int, x)) for x in cont["prefix"]] if cont else None
         self.decoded = 0
 
@@ -173,11 +174,35 @@ class StreamingMixin:
             comps = self._stream_completions(key, group, sampling)
             out[key] = {"token_ids": [c.token_ids for c in comps], "logprobs": [c.logprobs for c in comps],
                         "finished": list(group.finished), "reasons": list(group.reasons),
-                        "texts": [c.text for c in comps]}
+                        "texts": [c.text for c in comps], "routed_experts": [c.routed_experts for c in comps]}
         self._stream_abort(list(out))
         return out
 
+    def _stream_routes(self, key: str, group: _StreamGroup, sampling: SamplingConfig) -> list[Any]:
+        """MoE engines with ``return_routed_experts`` (worker capture): the routes of the group's samples that ran
+        in this segment and finished (request ``key/j``: prompt + its prefix + this segment's tokens), selected by
+        ``SamplingConfig.routes_fraction``, by reference (``route_refs.by_reference``); None for the others (a
+        sample finished in an earlier segment keeps that segment's, ``async_partial.Partial``). Captures of the
+        samples not taken (interrupted, aborted) are dropped with the next weight update (``worker_ext``)."""
+        from da3po_megatron.rollout.route_refs import by_reference
+        from da3po_megatron.rollout.routes import routes_selected
+        from da3po_megatron.rollout.worker_ext import routes_from_wire
+
+        take = [j for j in range(group.n) if group.ran[j] and group.finished[j]]
+        if getattr(self, "routes", None) is None or self.routes.get("source") != "worker" or not take:
+            return [None] * group.n
+        wanted = [(f"{key}/{j}", None, [int(t) for t in (*group.prompt_ids, *(group.prefix[j] if group.prefix
+                                                                               else ()), *group.tokens[j])][:-1])
+                  for j in take]
+        keep = [routes_selected(group.index, j, sampling.routes_fraction) for j in take]
+        got = routes_from_wire(self.llm.collective_rpc("da3po_routes_take", args=(wanted, keep))[0])
+        rows: list[Any] = [None] * group.n
+        for j, r in zip(take, got):
+            rows[j] = r
+        return by_reference([rows], [len(group.prompt_ids)])[0]
+
     def _stream_completions(self, key: str, group: _StreamGroup, sampling: SamplingConfig) -> list[Completion]:
+        routes = self._stream_routes(key, group, sampling)
         comps = []
         for j in range(group.n):
             tokens, lps = group.tokens[j], group.logprobs[j]
@@ -190,5 +215,6 @@ class StreamingMixin:
                     tokens or group.texts[j]) else ""
             comps.append(Completion(prompt_index=group.index, sample_index=j, prompt_token_ids=list(group.prompt_ids),
                                     token_ids=tokens, text=text, logprobs=lps,
-                                    finish_reason=group.reasons[j], num_tokens=len(tokens)))
+                                    finish_reason=group.reasons[j], num_tokens=len(tokens),
+                                    routed_experts=routes[j]))
         return comps

@@ -194,12 +194,13 @@ class Completion:
     """"stop" (EOS or a stop string) or "length" (hit max_tokens: DAPO's overlong case)."""
     num_tokens: int
     """len(token_ids)."""
-    routed_experts: np.ndarray | None = None
+    routed_experts: Any = None
     """MoE engines asked for routes (``EngineConfig.return_routed_experts``, routing replay R3): the experts each MoE
     layer chose at every position the engine ran for this sequence, ``[P + R - 1, moe_layers, top_k]`` (P prompt, R
     response tokens; row t = position t, so row P - 1 + j is the input whose logits scored response token j; the
     last response token is never an input). uint8 (:func:`route_missing`: 255 where a position has no route), int16
-    (-1) beyond 255 experts. ``rollout/routes.py: RouteCapture``."""
+    (-1) beyond 255 experts. ``rollout/routes.py: RouteCapture``. From an engine in a Ray actor: a
+    ``rollout/route_refs.RouteRef`` into the object store instead (the driver never holds the array, issue 60)."""
     versions: np.ndarray | None = None
     """The policy version (the trainer step whose weights the engine held) that sampled each response token, int32;
     set by the driver when it assembles a response from segments generated under several versions (partial rollouts,
@@ -209,7 +210,8 @@ class Completion:
     def __post_init__(self) -> None:
         for name, dtype in self.PER_TOKEN.items():
             value = getattr(self, name)
-            if value is not None:  # first axis = tokens; further axes kept (e.g. [tokens, layers, top_k] experts)
+            if value is not None and not hasattr(value, "ref"):  # (a RouteRef is kept: rollout/route_refs.py)
+                # first axis = tokens; further axes kept (e.g. [tokens, layers, top_k] experts)
                 arr = np.asarray(value, dtype=dtype)
                 setattr(self, name, arr.reshape(-1) if arr.ndim == 0 else arr)
 

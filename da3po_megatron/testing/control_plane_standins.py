@@ -3,8 +3,11 @@ no model compute but take, return and serialize what the real ones do (see that 
 
 MoE (``moe=`` a :class:`RouteShape`): the engine also returns, for each completion
 ``rollout/routes.routes_selected`` picks at ``SamplingConfig.routes_fraction`` (every one under R3), the routes the
-real engine returns -- ``[P + R - 1, MoE layers, top_k]`` uint8 (``rollout/types.route_dtype``) -- and a rank
-answers ``routing_stats`` as the real ``PolicyWorker`` does.
+real engine returns -- ``[P + R - 1, MoE layers, top_k]`` uint8 (``rollout/types.route_dtype``), the prompt's rows
+shared by the group's samples as with the prefix cache -- by reference, as the real engine does in its Ray actor
+(``rollout/route_refs.by_reference``: one object per group, refs in the completions); a rank fetches its share's
+routes through the real dispatch (``actor_group._on_share``), reports their bytes, and answers ``routing_stats``
+as the real ``PolicyWorker`` does.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import numpy as np
 
 VOCAB = 151_643  # Qwen's vocabulary (qwen.tiktoken ranks)
+POOL_OFFSETS = 4096  # MoE stand-in: routes are slices of one random pool at offsets below this
 
 
 @dataclass(frozen=True)
@@ -35,11 +39,22 @@ class StandInEngine:
 
     def __init__(self, index: int, max_response: int, mean_response: float, moe: RouteShape | None = None) -> None:
         self.index, self.max_response, self.mean_response, self.moe = index, max_response, mean_response, moe
+        self._pool = None  # MoE: random routes to slice from (a real engine captures them; drawing is stand-in work)
+        if moe is not None:
+            rows = POOL_OFFSETS + max_response + 4096
+            self._pool = np.random.default_rng(index).integers(0, moe.experts, (rows, moe.layers, moe.top_k),
+                                                               dtype=np.uint8)
+
+    def _routes(self, rng: Any, n: int) -> np.ndarray:
+        """``n`` positions' routes: a slice of the pool at a random offset."""
+        at = int(rng.integers(0, POOL_OFFSETS))
+        return self._pool[at:at + n]
 
     def ready(self) -> bool:
         return True
 
     def generate(self, prompts: list, prompt_indices: list[int], sampling: Any, max_tokens: Any = None) -> list:
+        from da3po_megatron.rollout.route_refs import by_reference
         from da3po_megatron.rollout.routes import routes_selected
         from da3po_megatron.rollout.types import Completion
 
@@ -49,18 +64,25 @@ class StandInEngine:
             rng = np.random.default_rng([uid, int(sampling.seed or 0)])
             n = np.minimum(rng.gamma(2.0, self.mean_response / 2.0, sampling.n).astype(np.int64) + 1,
                            sampling.max_tokens)
+            group, routes, prompt_rows = [], [], None
             for j in range(sampling.n):
                 k = int(n[j])
                 ids = rng.integers(0, VOCAB, k, dtype=np.int64).tolist()
                 lps = (-rng.exponential(0.5, k)).tolist()
                 text = ("step " * k)[: 4 * k]
-                routes = None
+                r = None
                 if self.moe is not None and routes_selected(gi, j, getattr(sampling, "routes_fraction", 1.0)):
-                    routes = rng.integers(0, self.moe.experts, (len(pid) + k - 1, self.moe.layers, self.moe.top_k),
-                                          dtype=np.uint8)
-                out.append(Completion(prompt_index=gi, sample_index=j, prompt_token_ids=list(pid), token_ids=ids,
-                                      text=text, logprobs=lps, routed_experts=routes,
-                                      finish_reason="length" if k >= sampling.max_tokens else "stop", num_tokens=k))
+                    if prompt_rows is None:  # the prompt computed once, its routes shared (prefix cache)
+                        prompt_rows = self._routes(rng, len(pid))
+                    r = np.concatenate([prompt_rows, self._routes(rng, k - 1)])
+                routes.append(r)
+                group.append(Completion(prompt_index=gi, sample_index=j, prompt_token_ids=list(pid), token_ids=ids,
+                                        text=text, logprobs=lps,
+                                        finish_reason="length" if k >= sampling.max_tokens else "stop", num_tokens=k))
+            # as VLLMEngine.generate: the group's routes put into the object store once, refs in the completions
+            for c, r in zip(group, by_reference([routes], [len(pid)])[0]):
+                c.routed_experts = r
+            out += group
         return out
 
     def health(self) -> dict:
@@ -105,9 +127,11 @@ class StandInRank:
 
     def _note(self, method: str, batch, rows) -> None:
         held = getattr(batch, "held_rows", None)
+        routes = getattr(batch, "routed_experts", None)  # fetched by this rank (actor_group._on_share)
         self.received.append({"method": method, "rows": len(rows), "batch_rows": len(batch),
                               "held_rows": len(batch.response_ids) if held is None else int(len(held)),
-                              "tokens": self._touch(batch, rows)})
+                              "tokens": self._touch(batch, rows),
+                              "route_bytes": 0 if routes is None else int(routes.values.nbytes)})
         if self.keep_rows:  # (tests) which rows it held and which it worked on
             self.received[-1].update(held=list(range(len(batch))) if held is None else [int(i) for i in held],
                                      worked=sorted(int(i) for i in rows))

@@ -37,6 +37,7 @@ from da3po_megatron.algorithms.registry import ADVANTAGE_FN_ARGS, load_function
 from da3po_megatron.algorithms.reward_shaping import overlong_penalty
 from da3po_megatron.data.datasets import Example
 from da3po_megatron.megatron.batching import PolicyBatch, Ragged
+from da3po_megatron.rollout.route_refs import RouteRefs, is_ref
 
 P_HAT_BINS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 
@@ -58,8 +59,9 @@ class Group:
     rewards: list[float]  # R = R_acc + R_len
     advantages: list[float] = field(default_factory=list)  # filled by compute_advantages (after DAA)
     weight_step: int = 0  # the policy step whose weights generated these responses (0 = the initial checkpoint)
-    routed_experts: list[np.ndarray | None] | None = None  # MoE: per response the engine's routes (Completion's),
-    # None for a response whose routes the engine dropped (moe.router_agreement_fraction), or None for the group
+    routed_experts: list[Any] | None = None  # MoE: per response the engine's routes (Completion's: an array, or a
+    # RouteRef into the object store, rollout/route_refs.py), None for a response whose routes the engine dropped
+    # (moe.router_agreement_fraction), or None for the group
     token_versions: list[np.ndarray] | None = None  # partial rollouts: per response the version of each token (int32);
     # None = every token from weight_step (trainer/generation/async_rollout.py; weight_step is then the version it
     # started under)
@@ -71,9 +73,9 @@ class Group:
         self.rollout_logprobs = [_array(r, np.float32) for r in self.rollout_logprobs]
         if self.token_versions is not None:
             self.token_versions = [_array(r, np.int32) for r in self.token_versions]
-        if self.routed_experts is not None:  # [positions, MoE layers, k], dtype kept (uint8 / int16)
-            self.routed_experts = [None if r is None else r.numpy() if isinstance(r, torch.Tensor) else np.asarray(r)
-                                   for r in self.routed_experts]
+        if self.routed_experts is not None:  # [positions, MoE layers, k], dtype kept (uint8 / int16), or RouteRefs
+            self.routed_experts = [r if r is None or is_ref(r) else r.numpy() if isinstance(r, torch.Tensor) else
+                                   np.asarray(r) for r in self.routed_experts]
 
     @property
     def p_hat(self) -> float:
@@ -152,9 +154,8 @@ def group_to_dict(g: Group) -> dict[str, Any]:
     out["prompt_ids"] = own_tensor(g.prompt_ids)
     out["response_ids"] = [own_tensor(r) for r in g.response_ids]
     out["rollout_logprobs"] = [own_tensor(r) for r in g.rollout_logprobs]
-    if g.routed_experts is not None:
-        out["routed_experts"] = [None if r is None else own_tensor(r)
-                                 for r in g.routed_experts]
+    if g.routed_experts is not None:  # refs stay refs: CheckpointManager.start writes their routes (route_refs.py)
+        out["routed_experts"] = [r if r is None or is_ref(r) else own_tensor(r) for r in g.routed_experts]
     if g.token_versions is not None:
         out["token_versions"] = [own_tensor(r) for r in g.token_versions]
     return out
@@ -222,8 +223,7 @@ def policy_batch(groups: Sequence[Group], old_logprobs: Any = None) -> PolicyBat
     routes = None
     if groups and all(g.routed_experts is not None and all(r is not None for r in g.routed_experts)
                       for g in groups):  # MoE engine routes of every response (R3 / agreement on all)
-        rows = [r for g in groups for r in g.routed_experts]
-        routes = Ragged.from_rows(rows, rows[0].dtype)
+        routes = _routes([r for g in groups for r in g.routed_experts])
     return PolicyBatch(prompt_ids=prompt_ids, response_ids=response_ids, old_logprobs=lp, advantages=adv,
                        routed_experts=routes)
 
@@ -236,7 +236,15 @@ def route_sample(groups: Sequence[Group]) -> tuple[list[int], Ragged] | None:
     idx = [i for i, r in enumerate(flat) if r is not None]
     if not idx or len(idx) == len(flat):
         return None
-    return idx, Ragged.from_rows([flat[i] for i in idx], flat[idx[0]].dtype)
+    return idx, _routes([flat[i] for i in idx])
+
+
+def _routes(rows: list[Any]) -> Any:
+    """The batch's routes: one array (``Ragged``) when the engines returned arrays (in-process engines), else the
+    refs (``RouteRefs``: each policy rank fetches its share from the object store, issue 60)."""
+    if any(is_ref(r) for r in rows):
+        return RouteRefs.from_rows(rows)
+    return Ragged.from_rows(rows, rows[0].dtype)
 
 
 def token_versions(groups: Sequence[Group]) -> Ragged:

@@ -136,7 +136,7 @@ def engine_config(cfg: Config, engine_cuda: bool = False, moe: bool = False) -> 
     colocated engines get sleep mode; without it the KV cache is capped at ``rollout.kv_cache_memory_bytes`` (vLLM's CPU
     default takes 0.9 x RAM) and there is no sleep mode (a no-op on CPU). ``moe``: the model has experts; the
     engines then return routes when something reads them (``memory_host.route_fraction``: R3, or the agreement
-    metric's sample -- ``moe.router_agreement_fraction``; never for streaming engines, which return none)."""
+    metric's sample -- ``moe.router_agreement_fraction``; streaming engines only for R3)."""
     r = cfg.rollout
     return EngineConfig(
         model_path=cfg.model.path, tensor_parallel_size=r.tensor_parallel_size,

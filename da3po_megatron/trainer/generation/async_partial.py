@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from da3po_megatron.rollout.route_refs import is_ref
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.generation.collect import token_stats
 
@@ -119,8 +120,8 @@ class Partial:
             self.tokens[i].append(t)
             self.logprobs[i].append(np.array(seg["logprobs"][i], dtype=np.float32))
             self.versions[i].append(np.full(len(t), version, dtype=np.int32))
-            if routes is not None and routes[i] is not None:
-                self.routes[i] = np.array(routes[i])
+            if routes is not None and routes[i] is not None:  # a RouteRef (rollout/route_refs.py), or an array
+                self.routes[i] = routes[i] if is_ref(routes[i]) else np.array(routes[i])
             if seg["finished"][i]:
                 self.done[i], self.reasons[i], self.texts[i] = True, seg["reasons"][i], seg["texts"][i]
         self.segments += 1
@@ -169,7 +170,7 @@ class Partial:
                "done": list(self.done), "reasons": list(self.reasons), "texts": list(self.texts),
                "segments": self.segments, "span": self.span}
         if any(r is not None for r in self.routes):
-            out["routes"] = [None if r is None else B.own_tensor(r) for r in self.routes]
+            out["routes"] = [r if r is None or is_ref(r) else B.own_tensor(r) for r in self.routes]
         return out
 
     @classmethod
@@ -177,7 +178,7 @@ class Partial:
         from da3po_megatron.data.datasets import Example
 
         a = lambda rows, dt: [[np.asarray(x, dtype=dt) for x in r] for r in rows]  # noqa: E731
-        routes = [None if r is None else np.asarray(r) for r in d.get("routes", [])]
+        routes = [r if r is None or is_ref(r) else np.asarray(r) for r in d.get("routes", [])]
         return cls(j=int(d["j"]), example=Example(**d["example"]), start_version=int(d["start_version"]),
                    n=int(d["n"]), tokens=a(d["tokens"], np.int32), logprobs=a(d["logprobs"], np.float32),
                    versions=a(d["versions"], np.int32), done=list(d["done"]), reasons=list(d["reasons"]),

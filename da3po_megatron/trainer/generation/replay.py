@@ -67,6 +67,7 @@ import numpy as np
 import torch
 
 from da3po_megatron.config import Config, to_dict
+from da3po_megatron.rollout.route_refs import inline_routes
 from da3po_megatron.trainer import batch as B
 from da3po_megatron.trainer.batch import StepRollout, rollout_from_dict, rollout_to_dict
 from da3po_megatron.trainer.inputs import InputError
@@ -241,6 +242,8 @@ def batch_to_dict(batch: Any) -> dict[str, Any]:
         v = getattr(batch, name, None)
         if v is None:
             continue
+        if hasattr(v, "fetch"):  # routes by reference (rollout/route_refs.py): a dump fetches them into the driver
+            v = v.fetch()
         if hasattr(v, "offsets"):
             out[name] = {"values": torch.from_numpy(np.ascontiguousarray(v.values)),
                          "offsets": torch.from_numpy(np.ascontiguousarray(v.offsets))}
@@ -415,6 +418,7 @@ class Replay:
 
     def _write(self, step: int, out: dict[str, Any]) -> None:
         assert self.dump_root is not None
+        out = inline_routes(out)  # MoE routes by reference: their arrays, fetched here (a dump is for debugging)
         _atomic(step_file(self.dump_root, step), lambda f: torch.save(out, f))
         keep = self.cfg.rollout.dump_keep
         if keep > 0:

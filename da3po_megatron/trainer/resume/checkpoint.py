@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from da3po_megatron.rollout.route_refs import read_routes, write_routes
+
 COMPLETE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 
@@ -190,7 +192,9 @@ class CheckpointManager:
             tmp.mkdir()
             self.in_flight = tmp
             save_policy(tmp / "policy")
-            torch.save(trainer_state, tmp / "trainer_state.pt")
+            # MoE routes by reference: written to routes.npz by a Ray actor (route_refs.RouteFiles), placeholders
+            # in the state (issue 60)
+            torch.save(write_routes(trainer_state, tmp), tmp / "trainer_state.pt")
         except Exception as e:
             self.in_flight = None
             raise self._write_failed(step, tmp, e) from e
@@ -243,7 +247,7 @@ class CheckpointManager:
     def load_trainer_state(self, path: Path) -> dict[str, Any]:
         from da3po_megatron.megatron.checkpoint import safe_load
 
-        return safe_load(path / "trainer_state.pt")
+        return read_routes(safe_load(path / "trainer_state.pt"), path)  # routes: refs again (route_refs.py)
 
     def prune(self) -> None:
         """Delete complete checkpoints beyond the last ``keep_last`` (protected ones excepted) and stale temporaries."""
