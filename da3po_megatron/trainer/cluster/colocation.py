@@ -154,6 +154,18 @@ class OffloadCycle:
             self.offloaded = True
             self.record("policy:offload " + "+".join(parts))
 
+    def _reload(self, parts: tuple[str, ...] | None = None) -> None:
+        """Every offloaded part back on the device, or only ``parts`` (the rest stays offloaded)."""
+        t0 = time.perf_counter()
+        if parts is None:
+            self.policy.call_all("reload_offloaded")
+            self.offloaded = False
+            self.record("policy:reload")
+        else:
+            self.policy.call_all("reload_offloaded", parts)
+            self.record("policy:reload " + "+".join(parts))
+        self.seconds["reload_s"] = time.perf_counter() - t0
+
     def _release_cached(self) -> None:
         from da3po_megatron.rollout.ipc import release_cached_memory
 
@@ -198,10 +210,7 @@ class OffloadCycle:
         if self.effective and self.offloaded and "params" in tier_parts(self.tier):
             if self.awake:
                 self._sleep(1)
-            t0 = time.perf_counter()
-            self.policy.call_all("reload_offloaded", ("params",))
-            self.seconds["reload_s"] = time.perf_counter() - t0
-            self.record("policy:reload params")
+            self._reload(("params",))
         self.seconds["offload_s"] = 0.0
 
         def wake_weights() -> None:
@@ -237,11 +246,7 @@ class OffloadCycle:
             self.awake = False
             self.record("engines:sleep 2")
         if self.effective and self.offloaded:
-            t0 = time.perf_counter()
-            self.policy.call_all("reload_offloaded")
-            self.seconds["reload_s"] = time.perf_counter() - t0
-            self.offloaded = False
-            self.record("policy:reload")
+            self._reload()
         self.record("phase:train")  # the old log-probs' forward and the training step follow
 
     @contextmanager
@@ -257,11 +262,7 @@ class OffloadCycle:
         self.record("phase:save")
         if slept:
             self._sleep(1)
-        t0 = time.perf_counter()
-        self.policy.call_all("reload_offloaded")
-        self.seconds["reload_s"] = time.perf_counter() - t0
-        self.offloaded = False
-        self.record("policy:reload")
+        self._reload()
         try:
             yield
         finally:
