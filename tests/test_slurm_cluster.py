@@ -28,7 +28,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slurm
+# Above the longest wait of any one test (two jobs of up to 420 s + 120 s in the scancel test): a wait that runs out
+# reports the cluster's state itself (_wait_until), where pytest-timeout's thread method would end the whole part.
+SLURM_TEST_TIMEOUT = 1200
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(SLURM_TEST_TIMEOUT)]
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO / "scripts" / "local_slurm.sh"
@@ -105,14 +108,32 @@ def _log(log: Path) -> str:
     return log.read_text() if log.exists() else "(no log yet)"
 
 
-def _wait_until(job_id: str, log: Path, done, what: str, timeout: float = 240) -> dict[str, str]:
+def _cluster_state(job_id: str, run_dir: Path | None) -> str:
+    """What a timed-out wait reports besides the job's log: the job's state and reason, the nodes' states with their
+    reasons (a node drained or stuck completing a previous job keeps a new one PENDING), the queue, and the tail of
+    the trainer's own log files when the job ran one."""
+    info = _job(job_id)
+    parts = [f"job {job_id}: " + " ".join(f"{k}={info.get(k)}" for k in
+                                            ("JobState", "Reason", "NodeList", "RunTime", "Restarts", "ExitCode")),
+             "--- sinfo -N ---\n" + _run(["sinfo", "-N", "-o", "%N %T %E %H"], timeout=30).stdout,
+             "--- squeue ---\n" + _run(["squeue", "-o", "%i %T %r %M %N"], timeout=30).stdout]
+    for f in sorted((run_dir / "logs").glob("*.log")) if run_dir is not None and (run_dir / "logs").is_dir() else []:
+        parts.append(f"--- {f} (tail) ---\n{f.read_text(errors='replace')[-1500:]}")
+    return "\n".join(parts)
+
+
+def _wait_until(job_id: str, log: Path, done, what: str, timeout: float = 240,
+                run_dir: Path | None = None) -> dict[str, str]:
+    """Poll the job until ``done(info)``; on a timeout fail with the job's log and :func:`_cluster_state`. Every
+    ``timeout`` given here stays below the tests' pytest timeout (``SLURM_TEST_TIMEOUT``), so a wait that runs out
+    fails this test with that report instead of pytest-timeout ending the whole part."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         info = _job(job_id)
         if done(info):
             return info
         time.sleep(0.5)
-    pytest.fail(f"job {job_id}: timed out after {timeout:.0f}s waiting for {what}; state {_job(job_id).get('JobState')}"
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{_cluster_state(job_id, run_dir)}"
                 f"\n--- log {log} ---\n{_log(log)[-4000:]}")
 
 
@@ -251,7 +272,7 @@ def test_real_trainer_on_logical_gpus_keeps_tp_groups_on_one_node_engines_on_ano
     job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=3",
                   "--gpus-per-node=2")
     info = _wait_until(job, log, lambda j: "] step 1/4" in _log(log) or j["JobState"] in TERMINAL,
-                       "the trainer to finish step 1", timeout=600)
+                       "the trainer to finish step 1", timeout=420, run_dir=run_dir)
     out = _log(log)
     assert "] step 1/4" in out, f"job {job} {info['JobState']}:\n{out[-4000:]}"
     assert "2 CPUs + 2 GPUs per node (the allocation: SLURM_GPUS_ON_NODE=2)" in out, out[-4000:]
@@ -273,7 +294,7 @@ def test_real_trainer_on_logical_gpus_keeps_tp_groups_on_one_node_engines_on_ano
     _wait_until(job, log, lambda j: j["JobState"] == "PENDING" and j.get("Restarts") == "1", "the requeue",
                 timeout=300)
     _release_requeued(job)
-    info = _wait_finished(job, log, timeout=600)
+    info = _wait_finished(job, log, timeout=420)
     out = _log(log)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info['JobState']}:\n{out[-4000:]}"
     # the script's half of the preemption contract: PREEMPT created and SIGUSR1 forwarded, requeue, one log for both
@@ -352,7 +373,7 @@ def test_real_trainer_checkpoints_and_exits_0_on_scancel_term_and_on_a_plain_sca
         job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=1",
                       "--gpus-per-node=2")
         info = _wait_until(job, log, lambda j, log=log: re.search(r"\] step \d+/200", _log(log))
-                           or j["JobState"] in TERMINAL, "the trainer to finish a step", timeout=600)
+                           or j["JobState"] in TERMINAL, "the trainer to finish a step", timeout=420, run_dir=run_dir)
         assert info["JobState"] not in TERMINAL, f"job {job} {info['JobState']}:\n{_log(log)[-4000:]}"
         if not saved_steps:  # colocated: rank 0 and engine 0 on one GPU id, from the actors themselves
             where = _placement(run_dir, _log(log))
@@ -386,11 +407,11 @@ def test_convert_and_eval_sbatch_run_on_the_local_cluster(local_slurm: None, tmp
     log1, log2 = tmp_path / "to_megatron.out", tmp_path / "to_hf.out"
     job = _sbatch("slurm/convert.sbatch", log1, env, script_args=(
         "hf-to-megatron", "--hf", str(hf), "--out", str(tmp_path / "mcore"), "--tp", "2"))
-    info = _wait_finished(job, log1, timeout=600)
+    info = _wait_finished(job, log1, timeout=300)
     assert info["JobState"] == "COMPLETED", _log(log1)[-4000:]
     job = _sbatch("slurm/convert.sbatch", log2, env, script_args=(
         "megatron-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "back")))  # bit-exact below
-    info = _wait_finished(job, log2, timeout=600)
+    info = _wait_finished(job, log2, timeout=300)
     assert info["JobState"] == "COMPLETED", _log(log2)[-4000:]
     from safetensors.torch import load_file
 
@@ -406,7 +427,7 @@ def test_convert_and_eval_sbatch_run_on_the_local_cluster(local_slurm: None, tmp
         "--checkpoint", str(hf), "--benchmarks", "math500", "--k", "2", "--limit", "4", "--max-tokens", "16",
         "--max-model-len", "512", "--num-engines", "2", "--data-dir", str(data), "--reward-workers", "1",
         "--out", str(out), "--no-progress"))
-    info = _wait_finished(job, log3, timeout=600)
+    info = _wait_finished(job, log3, timeout=420)
     assert info["JobState"] == "COMPLETED", _log(log3)[-4000:]
     result = json.loads((out / "results.json").read_text())
     assert result["benchmarks"]["math500"]["k"] == 2 and (out / "results.md").exists()
