@@ -268,7 +268,8 @@ def test_real_trainer_on_logical_gpus_keeps_tp_groups_on_one_node_engines_on_ano
         "data.synthetic.max_digits=3", "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=2", "rollout.n=4", "rollout.max_response_length=8",
         "algorithm.overlong.buffer_length=2", "eval.every=0", "trainer.tensorboard=false",
-        "algorithm.max_generation_rounds=8", "rollout.num_cpus_per_engine=2"])
+        "algorithm.max_generation_rounds=8", "rollout.num_cpus_per_engine=2",
+        "ray.start_timeout_s=300"])  # a start-up that hangs ends the run naming the pending actors (within the wait)
     job = _sbatch("slurm/train.sbatch", log, _train_env(run_dir, None, OVERRIDES=overrides), "--nodes=3",
                   "--gpus-per-node=2")
     info = _wait_until(job, log, lambda j: "] step 1/4" in _log(log) or j["JobState"] in TERMINAL,
@@ -366,7 +367,8 @@ def test_real_trainer_checkpoints_and_exits_0_on_scancel_term_and_on_a_plain_sca
         f"model.path={warm_model}", "trainer.total_steps=200", "trainer.save_every=0", "data.synthetic.max_digits=3",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4", "rollout.max_response_length=8",
         "algorithm.overlong.buffer_length=2", "eval.every=0", "trainer.tensorboard=false",
-        "algorithm.max_generation_rounds=8", "rollout.colocate=true"])
+        "algorithm.max_generation_rounds=8", "rollout.colocate=true",
+        "ray.start_timeout_s=300"])  # as above: a hung start-up fails the job with the pending actors named
     saved_steps = []
     for how in (["--signal=TERM"], []):
         log = tmp_path / f"train{len(saved_steps)}.out"
