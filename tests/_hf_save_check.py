@@ -18,7 +18,6 @@ from da3po_megatron.bridge.hf_config import gpt_arch
 from da3po_megatron.config import standalone_policy_config
 from da3po_megatron.megatron.batching import PolicyBatch
 from da3po_megatron.megatron.policy import PolicyWorker
-from da3po_megatron.megatron.runtime import free_port
 
 
 def main() -> None:
@@ -28,7 +27,7 @@ def main() -> None:
     cfg = standalone_policy_config(model_dir, [f"model.params_dtype={m['params_dtype']}",
                                                f"model.make_vocab_size_divisible_by={m['make_vocab_size_divisible_by']}",
                                                "actor.max_tokens_per_microbatch=4096"])
-    w = PolicyWorker(cfg, gpt_arch(model_dir), rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    w = PolicyWorker(cfg, gpt_arch(model_dir), rank=0, world_size=1)  # one rank: binds port 0 itself
     loaded = w.load(ckpt)
     s = json.loads(seqs.read_text())
     lp = w.compute_logprobs(PolicyBatch(s["prompts"], s["responses"]))

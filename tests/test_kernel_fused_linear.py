@@ -162,7 +162,9 @@ def _tp_worker(rank: int, port: int, inputs: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from da3po_megatron.megatron.runtime import join_rendezvous
+
+    dist.init_process_group("gloo", store=join_rendezvous("127.0.0.1", port), rank=rank, world_size=2)
     try:
         v_local = inputs["weight"].shape[0] // 2
         sl = slice(rank * v_local, (rank + 1) * v_local)
@@ -182,20 +184,18 @@ def _tp_worker(rank: int, port: int, inputs: dict, out_dir: str) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("vocab_limit", [40, 30])  # V_local = 32: rank 1 holds 8 real rows, or none at all
 def test_fused_linear_tp2_padded_vocab_and_temperature_equal_tp1(tmp_path, monkeypatch, vocab_limit):
-    import socket
-
     import torch.multiprocessing as mp
+
+    from da3po_megatron.megatron.runtime import bind_rendezvous
 
     g = torch.Generator().manual_seed(7)
     v = 64
     inputs = dict(hidden=torch.randn(2, 9, H, generator=g), weight=torch.randn(v, H, generator=g) * 0.5,
                   targets=torch.randint(0, vocab_limit, (2, 9), generator=g), g_logp=torch.randn(2, 9, generator=g),
                   g_entropy=torch.randn(2, 9, generator=g), temperature=0.7, vocab_limit=vocab_limit)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = bind_rendezvous(2)  # served here, bound before the ranks are told its port (issue 55)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    mp.spawn(_tp_worker, args=(port, inputs, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(store.port, inputs, str(tmp_path)), nprocs=2, join=True)
     h = inputs["hidden"].clone().requires_grad_(True)
     w = inputs["weight"].clone().requires_grad_(True)
     lp, ent = vocab_parallel_logprobs(_tempered_reference_logits(h, w, 0.7, vocab_limit),

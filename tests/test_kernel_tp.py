@@ -7,7 +7,6 @@ be its slice of the unsplit gradient (dhidden: the full gradient, summed over th
 
 import os
 import random
-import socket
 import sys
 
 import pytest
@@ -72,19 +71,15 @@ def _run_all(inputs: dict, vocab_start: int, v_local: int, group, backends=BACKE
 
 def _worker(rank: int, world: int, port: int, inputs: dict, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from da3po_megatron.megatron.runtime import join_rendezvous
+
+    dist.init_process_group("gloo", store=join_rendezvous("127.0.0.1", port), rank=rank, world_size=world)
     try:
         v_local = V // world
         out = _run_all(inputs, rank * v_local, v_local, dist.group.WORLD)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(300)
@@ -95,7 +90,10 @@ def test_tp2_vocab_split_equals_tp1_for_every_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks import triton fresh, with the interpreter
-    mp.spawn(_worker, args=(2, _free_port(), inputs, str(tmp_path)), nprocs=2, join=True)
+    from da3po_megatron.megatron.runtime import bind_rendezvous
+
+    store = bind_rendezvous(2)  # served here, bound before the ranks are told its port (issue 55)
+    mp.spawn(_worker, args=(2, store.port, inputs, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # TP = 1 ground truth, in this process: the reference on the full logits; for the fused-linear path the reference
     # on the full logits hidden @ weight.T

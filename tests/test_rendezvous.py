@@ -47,3 +47,27 @@ def test_a_collective_sender_binds_its_store_before_it_hands_out_the_port():
         finally:
             collective.free_port = real
         assert sender.port != port and sender.store.port == sender.port
+
+
+def test_no_process_world_is_told_a_probed_port():
+    """The same race in the tests and tools that start worlds of their own (a fresh-clone CI run of bd24311 lost
+    ``test_update_guard``'s 2-rank world to ``EADDRINUSE``: the test probed ``free_port()`` and its rank 0 bound it
+    later). A world is told a port only after a process bound it: ``runtime.bind_rendezvous`` in the parent or rank
+    0, ``join_rendezvous`` in the others, or ``torchrun --standalone``. So no source file hands a probed port to a
+    rendezvous: no tcp:// ``init_method``, and ``free_port`` is called only by ``init_parallel``'s environment
+    fallback (a caller that sets neither store nor port)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    allowed = {"da3po_megatron/megatron/runtime.py", "tests/test_rendezvous.py", "tests/_rendezvous_job.py"}
+    found = []
+    for folder in ("da3po_megatron", "tests", "tools"):
+        for f in (root / folder).rglob("*.py"):
+            rel = f.relative_to(root).as_posix()
+            if rel in allowed:
+                continue
+            for n, line in enumerate(f.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if re.search(r"init_method\s*=\s*f?[\"']tcp://", code) or re.search(r"\bfree_port\(\)", code):
+                    found.append(f"{rel}:{n}: {line.strip()}")
+    assert not found, "a probed port handed to a rendezvous (bind first: runtime.bind_rendezvous):\n" + "\n".join(found)

@@ -38,11 +38,11 @@ def _rank(rank: int, world: int, port: int, out: str, layout: str) -> None:
     from da3po_megatron.megatron.arch import GPTArch
     from da3po_megatron.megatron.model import build_gpt_model
     from da3po_megatron.megatron.optimizer import build_ddp_optimizer
-    from da3po_megatron.megatron.runtime import ParallelLayout, init_parallel
+    from da3po_megatron.megatron.runtime import ParallelLayout, init_parallel, join_rendezvous
     from da3po_megatron.megatron.update_guard import check_finite_weights, guarded_step
 
     tp, dist_opt = LAYOUTS[layout]
-    init_parallel(ParallelLayout(tp), rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, seed=3)
+    init_parallel(ParallelLayout(tp), rank=rank, world_size=world, store=join_rendezvous("127.0.0.1", port), seed=3)
     arch = GPTArch(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                    kv_channels=8, vocab_size=64, max_sequence_length=32)
     gpt = build_gpt_model(arch, ModelConfig(params_dtype="float32"))
@@ -121,9 +121,10 @@ def _rank(rank: int, world: int, port: int, out: str, layout: str) -> None:
 def test_update_ratio_is_predicted_exactly_and_refusals_agree_on_all_ranks(tmp_path):
     import torch.multiprocessing as mp
 
-    from da3po_megatron.megatron.runtime import free_port
+    from da3po_megatron.megatron.runtime import bind_rendezvous
 
-    mp.spawn(_ranks, args=(2, [free_port() for _ in LAYOUTS], str(tmp_path)), nprocs=2, join=True)
+    stores = [bind_rendezvous(2) for _ in LAYOUTS]  # this process serves each world's store (bound before it is told)
+    mp.spawn(_ranks, args=(2, [s.port for s in stores], str(tmp_path)), nprocs=2, join=True)
     for layout in LAYOUTS:
         r0, r1 = (json.loads((tmp_path / f"{layout}.rank{i}.json").read_text()) for i in (0, 1))
         for r in (r0, r1):

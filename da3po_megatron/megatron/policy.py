@@ -97,9 +97,11 @@ class PolicyWorker:
         return node_ip(), self._rendezvous.port
 
     def init(self, cfg: Config, arch: GPTArch, *, rank: int | None = None, world_size: int | None = None,
-             master_addr: str | None = None, master_port: int | None = None) -> dict[str, Any]:
+             master_addr: str | None = None, master_port: int | None = None,
+             store: Any = None) -> dict[str, Any]:
         """Join the world, build the model stage of ``arch`` (randomly initialised: the HF weights come through the
-        bridge's ``load_policy_hf``), wrap in DDP, build optimizer and LR schedule."""
+        bridge's ``load_policy_hf``), wrap in DDP, build optimizer and LR schedule. ``store``: the world's rendezvous,
+        already joined by every rank (``runtime.join_rendezvous`` to a store a parent process bound first)."""
         import os
 
         from da3po_megatron.megatron.model import import_megatron_core
@@ -111,7 +113,8 @@ class PolicyWorker:
         policy_config.validate_config(cfg, arch, world_size)
         self.cfg, self.arch = cfg, arch
         self.loss_params = policy_config.loss_setup(cfg)
-        store = self._rendezvous if rank == 0 else None
+        if store is None:
+            store = self._rendezvous if rank == 0 else None
         if store is None and master_port and world_size > 1:  # a port handed over without rendezvous_address()
             store = (bind_rendezvous(port=master_port) if rank == 0
                      else join_rendezvous(master_addr or "127.0.0.1", master_port))

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -38,11 +39,13 @@ def small_policy_config(hf: str, tp: int = 1, pp: int = 1, world_size: int | Non
 
 
 def small_policy(hf: str, tp: int = 1, pp: int = 1, *, padded_vocab: bool = True,
-                 overrides: tuple[str, ...] = ()) -> PolicyWorker:
+                 overrides: tuple[str, ...] = (), store: Any = None) -> PolicyWorker:
     """The real PolicyWorker on ``hf`` at TP x PP (the rest of WORLD_SIZE: data parallel), lr 1e-4, micro-batches
     of 24 tokens. ``padded_vocab``: make_vocab_size_divisible_by=48 (128 -> 144 columns at TP=1, 192 at TP=2, where
-    TP rank 1 holds 32 real and 64 padding columns). ``overrides``: more run-config overrides."""
-    w = PolicyWorker(small_policy_config(hf, tp, pp, padded_vocab=padded_vocab, overrides=overrides), gpt_arch(hf))
+    TP rank 1 holds 32 real and 64 padding columns). ``overrides``: more run-config overrides. ``store``: the
+    world's rendezvous joined by this rank (a store its parent bound), else torchrun's environment."""
+    w = PolicyWorker(small_policy_config(hf, tp, pp, padded_vocab=padded_vocab, overrides=overrides), gpt_arch(hf),
+                     store=store)
     if not load_policy_hf(w, hf):
         raise RuntimeError(f"the HF weights in {hf} were not loaded")
     return w

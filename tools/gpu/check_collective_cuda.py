@@ -100,11 +100,11 @@ def main(argv=None) -> dict:
     if cuda:
         import torch.distributed as dist
 
-        from da3po_megatron.rollout.collective import free_port, nccl_group
+        from da3po_megatron.megatron.runtime import bind_rendezvous
+        from da3po_megatron.rollout.collective import nccl_group
 
         before = os.environ.get("TORCH_NCCL_BLOCKING_WAIT")
-        store = dist.TCPStore("127.0.0.1", free_port("127.0.0.1"), world_size=1, is_master=True,
-                              timeout=timedelta(seconds=60))
+        store = bind_rendezvous(1, timeout_s=60)
         one = nccl_group(dist.PrefixStore("nccl_check/", store), 0, 1, timedelta(seconds=60))
         x = torch.arange(1024, dtype=torch.float32, device=device)
         broadcast(one, x)  # on the loader stream (current in this thread)

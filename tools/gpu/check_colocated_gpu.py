@@ -193,8 +193,7 @@ def receiver(requests, answers, uuids: list[str], cuda: bool, devices: tuple[int
 
 def policy_rank(rank: int, port: int, hf: str, requests, answers, out: str, cuda: bool, bucket: int,
                 plan: dict, uuids: list[str]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(plan["rank_devices"][rank]),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(plan["rank_devices"][rank]), OMP_NUM_THREADS="1")
     import da3po_megatron.megatron.runtime as runtime
     from da3po_megatron.bridge.export import export_policy
     from da3po_megatron.megatron.batching import PolicyBatch
@@ -205,7 +204,8 @@ def policy_rank(rank: int, port: int, hf: str, requests, answers, out: str, cuda
 
     runtime.backend = lambda: plan["backend"]  # train_plan: NCCL with a GPU per rank, else gloo
     one = install_one_by_one() if plan["one_by_one"] else None
-    w = small_policy(hf, tp=2, overrides=TrainPlan(**plan).overrides())
+    w = small_policy(hf, tp=2, overrides=TrainPlan(**plan).overrides(),
+                     store=runtime.join_rendezvous("127.0.0.1", port))  # served by the parent (main)
     import megatron.core.optimizer as mo  # (after the policy: megatron-core is imported through import_megatron_core)
 
     prompts, responses = fixed_batch()
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from da3po_megatron import tiny
-    from da3po_megatron.megatron.runtime import free_port
+    from da3po_megatron.megatron.runtime import bind_rendezvous
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.small:
@@ -332,8 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         rec = ctx.Process(target=receiver, args=(requests, answers, uuids, cuda, plan.rank_devices))
         rec.start()
-        port = free_port()
-        ranks = [ctx.Process(target=policy_rank, args=(r, port, str(hf), requests, answers, d, cuda, bucket,
+        store = bind_rendezvous(2)  # the ranks' rendezvous, bound before they are told its port (issue 55)
+        ranks = [ctx.Process(target=policy_rank, args=(r, store.port, str(hf), requests, answers, d, cuda, bucket,
                                                        asdict(plan), uuids)) for r in range(2)]
         for p in ranks:
             p.start()

@@ -105,13 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     from da3po_megatron.config import standalone_policy_config
     from da3po_megatron.megatron.checkpoint import prewarm_writer
     from da3po_megatron.megatron.policy import PolicyWorker
-    from da3po_megatron.megatron.runtime import free_port
 
     cfg = standalone_policy_config(args.model, ["model.params_dtype=float32", "actor.max_tokens_per_microbatch=640",
                                                 "actor.loss_backend=torch", "rollout.n=8", "data.train_batch_size=1",
                                                 "actor.ppo_mini_batch_size=1", "optim.lr=1e-6"])
     arch = gpt_arch(args.model)
-    w = PolicyWorker(cfg, arch, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    w = PolicyWorker(cfg, arch, rank=0, world_size=1)  # binds port 0 itself
     load_policy_hf(w, args.model)
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="da3po-async-ckpt-"))
     print(f"prewarm of the checkpoint writer: {prewarm_writer(work / '.prewarm'):.2f} s", flush=True)

@@ -35,10 +35,8 @@ def _one(args: argparse.Namespace, tokens: int) -> dict:
     from da3po_megatron.megatron.cpu_compat import apply_if_needed
     from da3po_megatron.megatron.memory import estimate_policy_memory
     from da3po_megatron.megatron.policy import PolicyBatch, PolicyWorker
-    from da3po_megatron.megatron.runtime import free_port
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # one rank: init_parallel binds port 0 itself
     apply_if_needed()
     arch = gpt_arch(args.hf)
     backend = args.loss_backend if args.loss_backend in ("torch", "fused_linear") else "kernel"

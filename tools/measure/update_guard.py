@@ -69,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     from da3po_megatron.megatron.arch import GPTArch
     from da3po_megatron.megatron.model import build_gpt_model
     from da3po_megatron.megatron.optimizer import build_ddp_optimizer
-    from da3po_megatron.megatron.runtime import ParallelLayout, destroy_parallel, free_port, init_parallel
+    from da3po_megatron.megatron.runtime import ParallelLayout, destroy_parallel, init_parallel
     from da3po_megatron.megatron.update_guard import check_finite_weights, update_norms
 
-    init_parallel(ParallelLayout(), rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    init_parallel(ParallelLayout(), rank=0, world_size=1)  # binds port 0 itself
     arch = GPTArch(num_layers=args.layers, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16,
                    num_query_groups=8, kv_channels=128, vocab_size=151936, qk_layernorm=True,
                    share_embeddings_and_output_weights=True, rotary_base=1_000_000, max_sequence_length=4096)
