@@ -27,6 +27,7 @@ per response, and with ``d`` the groups discarded for being late per bucket (sum
     da3po bench async --small                          # CI-sized
     da3po bench async --standin 1,4                    # the producer's pause / engine idle at 1 vs 4 engines,
                                                        # fifo vs oldest_decided release (issue 58)
+    da3po bench async --engines 1,2                    # the same with real vLLM engines (`da3po train`)
 
 ``--standin E1,E2,...`` (issue 47) runs the real producer (``trainer/generation/async_rollout.py``) against stand-in
 engines (``da3po_megatron/testing/standin_engines.py``, NOT vLLM: one worker thread per engine, ``--standin-step-ms``
@@ -36,6 +37,13 @@ rollouts, with ``--standin-groups`` groups in flight per engine and a batch of a
 (drain or interrupt) beside the drain's floor (the longest running group's remaining engine steps when the pause is
 asked for), and the engines' idle fraction outside the pause and the sync with the part of it in which the staleness
 bound held admission, beside 1 engine, in one run.
+
+``--engines E1,E2,...`` (issue 58 point 3) runs the real trainer instead: one ``da3po train`` per release order and
+engine count with ``rollout.num_engines=E``, ``rollout.staleness=2``, ``rollout.partial_rollouts=true`` and, as the
+stand-in bench, weak scaling (``data.train_batch_size`` = ``--prompts`` x E, groups in flight ``--inflight`` x E);
+printed from the trainer's metrics (means over the measured steps): engine idle outside the pause
+(``rollout/async/engine_idle_frac``, driver side) and the bound's part of it (``engine_idle_bound_frac``), the pause
+(``time/rollout_pause``), trained tokens/s, each beside the same order's run at the first engine count.
 """
 
 from __future__ import annotations
@@ -84,8 +92,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--standin-sync-ms", type=float, default=50.0, help="stand-in weight sync")
     ap.add_argument("--standin-groups", type=int, default=4, help="groups in flight per engine (= batch / engines)")
     ap.add_argument("--standin-steps-per-call", type=int, default=8, help="rollout.stream_steps_per_call")
-    ap.add_argument("--standin-order", default="fifo,oldest_decided",
-                    help="rollout.release_order(s) of the stand-in producer, side by side (issue 58)")
+    ap.add_argument("--release-orders", "--standin-order", dest="orders", default="fifo,oldest_decided",
+                    help="rollout.release_order(s) of --standin and --engines, side by side (issue 58)")
+    ap.add_argument("--engines", default="", help="engine counts for real `da3po train` runs under the producer "
+                    "(staleness 2 + partial rollouts, batch and groups in flight x engines), e.g. 1,2")
     ap.add_argument("extra", nargs="*", help="section.key=value overrides for every run")
     args = ap.parse_args(argv)
     if args.small:
@@ -173,7 +183,7 @@ def standin_table(args: argparse.Namespace) -> int:
     from da3po_megatron.testing.standin_engines import bench_standin
 
     rows = []
-    orders = [x.strip() for x in args.standin_order.split(",") if x.strip()]
+    orders = [x.strip() for x in args.orders.split(",") if x.strip()]
     for order in orders:
         for partial in (True, False):
             for n in [int(x) for x in args.standin.split(",") if x.strip()]:
@@ -212,6 +222,67 @@ def standin_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_run(args: argparse.Namespace, model: Path, run_dir: Path, extra: list[str], env: dict, name: str
+              ) -> list[dict] | None:
+    """One ``da3po train`` of the bench's task with ``extra`` overrides: its metrics rows after the warm-up, or None
+    (the error printed) when it failed or ran past ``--run-timeout``."""
+    cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", *overrides(args, model, run_dir), *extra, *args.extra]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:
+        print(f"error: setting {name} did not finish in {args.run_timeout:.0f} s (--run-timeout); logs in "
+              f"{run_dir / 'logs'}; command: {' '.join(cmd)}", file=sys.stderr)
+        return None
+    if p.returncode != 0:
+        print(p.stdout[-3000:], p.stderr[-5000:], file=sys.stderr)
+        print(f"error: setting {name} failed (exit {p.returncode}); command: {' '.join(cmd)}", file=sys.stderr)
+        return None
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if r["step"] > args.warmup]
+
+
+def engines_table(args: argparse.Namespace, work: Path, model: Path, hard: set[int], env: dict) -> int:
+    """``--engines``: the producer with real vLLM engines at several counts, per release order (module docstring)."""
+    rows = []
+    counts = [int(x) for x in args.engines.split(",") if x.strip()]
+    for order in [x.strip() for x in args.orders.split(",") if x.strip()]:
+        for n in counts:
+            t0 = time.perf_counter()
+            extra = [f"rollout.num_engines={n}", "rollout.staleness=2", "rollout.partial_rollouts=true",
+                     f"rollout.release_order={order}", f"data.train_batch_size={args.prompts * n}",
+                     f"actor.ppo_mini_batch_size={args.prompts * n}",
+                     f"rollout.max_inflight_prompts={(args.inflight or max(1, args.prompts // 2)) * n}"]
+            measured = train_run(args, model, work / f"e{n}_{order}", extra, env, f"{order} x {n}")
+            if measured is None:
+                return 1
+            r = {"order": order, "engines": n, "wall_s": time.perf_counter() - t0, **summarise(measured, hard),
+                 **{k: sum(float(x.get(f"rollout/async/{k}", 0.0)) for x in measured) / len(measured)
+                    for k in ("engine_idle_frac", "engine_idle_bound_frac", "deadline_waits", "out_of_order_groups")}}
+            rows.append(r)
+            print(f"{order}, {n} engines: {r['step']:.2f} s/step ({r['wall_s']:.0f} s)", flush=True)
+    easy, hard_len = args.response_tokens.split(",")
+    print(f"\nasync producer with real vLLM engines (`da3po train`): qwen3 hidden {args.hidden} x {args.layers} layers "
+          f"(random weights), staleness 2 + partial rollouts, {args.prompts} prompts x engines per batch x "
+          f"{args.n} responses, long-tailed lengths (median {easy} -> {hard_len} tokens, cap {args.max_response_len}), "
+          f"engine cpus '{args.engine_cpus}', policy cpus '{args.policy_cpus}', {args.steps} steps after "
+          f"{args.warmup} warm-up (means per step)\n")
+    print("| release order | engines | engine idle (outside pause) | of it: the bound held admission | pause s | vs 1 "
+          "engine | trained tok/s | vs 1 engine | step s | takes waiting for a deadline | out-of-order groups |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        one = next(x for x in rows if x["order"] == r["order"] and x["engines"] == counts[0])
+        print(f"| {r['order']} | {r['engines']} | {r['engine_idle_frac']:.1%} | {r['engine_idle_bound_frac']:.1%} | "
+              f"{r['rollout_pause']:.2f} | {r['rollout_pause'] / max(one['rollout_pause'], 1e-9):.2f}x | "
+              f"{r['trained_tokens_per_s']:,.0f} | "
+              f"{r['trained_tokens_per_s'] / max(one['trained_tokens_per_s'], 1e-9):.2f}x | {r['step']:.2f} | "
+              f"{r['deadline_waits']:.2f} | {r['out_of_order_groups']:.2f} |")
+    print(f"\nvs 1 engine: against the same order's run with {counts[0]} engine(s); takes waiting / out-of-order "
+          "groups: per step (rollout/async/deadline_waits, out_of_order_groups)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "engines": rows}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.standin:
@@ -226,25 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     hard = {b + 1 for b, p in enumerate(COIN_P) if p < args.tau}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "DA3PO_RAY_LOG_TO_DRIVER": "0"}
+    if args.engines:
+        return engines_table(args, work, model, hard, env)
     results = []
     for spec in [s.strip() for s in args.settings.split(",") if s.strip()]:
         k, extra = setting_overrides(spec)
-        run_dir = work / f"s{spec}"
-        cmd = [sys.executable, "-m", "da3po_megatron.cli", "train", *overrides(args, model, run_dir), *extra,
-               *args.extra]
         t0 = time.perf_counter()
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            print(f"error: setting {spec} did not finish in {args.run_timeout:.0f} s (--run-timeout); logs in "
-                  f"{run_dir / 'logs'}; command: {' '.join(cmd)}", file=sys.stderr)
+        measured = train_run(args, model, work / f"s{spec}", extra, env, spec)
+        if measured is None:
             return 1
-        if p.returncode != 0:
-            print(p.stdout[-3000:], p.stderr[-5000:], file=sys.stderr)
-            print(f"error: setting {spec} failed (exit {p.returncode}); command: {' '.join(cmd)}", file=sys.stderr)
-            return 1
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        measured = [r for r in rows if r["step"] > args.warmup]
         label = f"staleness {k}" + (" + partial" if "p" in spec else "") + (" + discard" if "d" in spec else "")
         results.append({"setting": spec, "label": label, "wall_s": time.perf_counter() - t0,
                         **summarise(measured, hard)})

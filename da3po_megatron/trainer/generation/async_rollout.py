@@ -10,7 +10,8 @@ group at a time (at most ``rollout.max_inflight_prompts`` in flight), hands each
 pool) the moment its G responses are done, filters it (0 < p_hat < 1), and the loop's :meth:`~AsyncRollout.take`
 takes exactly ``data.train_batch_size`` kept decided groups per batch, in the order ``rollout.release_order`` says:
 ``fifo`` (submission order: a long, hard group holds back the ones admitted after it) or ``oldest_decided`` (out of
-order, oldest first, unless an older running group needs the slot for its deadline; issue 58).
+order, oldest first, unless an older running group needs the slot for its deadline: the take, not admission, waits
+for it; issue 58).
 
 - **Bounded staleness by admission, a deadline per group** (``release.py``, whose docstring states the invariant
   with a picture): a group started under version v is trained at a version <= v + k; admission waits (pacing).
@@ -51,7 +52,7 @@ from da3po_megatron.trainer.faults import fault_point
 from da3po_megatron.trainer.generation.async_engines import EngineCalls, EngineSide
 from da3po_megatron.trainer.generation.async_partial import Partial, ProducerSnapshot, take_stats, trace_batch
 from da3po_megatron.trainer.generation.collect import DynamicSamplingError
-from da3po_megatron.trainer.generation.release import FILTERED, KEPT, UNDECIDED, Entry, admissible, at_deadline, pick
+from da3po_megatron.trainer.generation.release import FILTERED, KEPT, UNDECIDED, Entry, admissible, pick
 
 if TYPE_CHECKING:
     from da3po_megatron.config import Config
@@ -176,6 +177,8 @@ class AsyncRollout(EngineSide):
         entries += [Entry(("d", j), g.weight_step, j, state(g)) for j, g in self.decided.items()]
         entries += [Entry(("p", j), p.start_version, j, UNDECIDED) for j, p in self.partials.items()]
         keys = pick(self.order, entries, self.first_version, self.B, self.k)
+        if keys is None and self.order != "fifo":  # B kept groups decided: an older one in flight needs its slot
+            self.counters["deadline_waits"] = 1
         self._tried = stamp if keys is None else None
         box.extend([] if keys is None else [keys])
         return keys is not None
@@ -368,15 +371,9 @@ class AsyncRollout(EngineSide):
                 p.start_version, p.span = self.version, 1
                 out.append((p.key, render, p.j, cap))
             self._running[e].add(p.j)
-        due = self.order != "fifo" and at_deadline([p.start_version for p in self.partials.values()],
-                                                   self.first_version, self.k)
         while len(self._running[e]) < self.per_engine and not self.prompts_exhausted:
             if self.paced and not admissible(self._p_max(), self.version, self.first_version, self.B, self.k):
-                hold = "admission_waits"
-            else:  # oldest_decided: a group in flight is at its deadline (verl's wait; release.py)
-                hold = "deadline_waits" if due else ""
-            if hold:
-                self.counters[hold] += not self._held  # times admission began to wait (pacing)
+                self.counters["admission_waits"] += not self._held  # times admission began to wait (pacing)
                 self._held = True
                 break
             self._held = False

@@ -13,21 +13,31 @@ or with the scorer: counted as kept, since its p_hat is unknown). The invariant 
 i.e. taken earliest deadline first, the group at position i (0-based) is trained at f + i // B <= its deadline
 (:func:`fits`). Nothing is ever dropped: the three steps that change the counts each keep (I):
 
-- **admission** (:func:`admissible`): a new group under the engines' version v has the latest deadline v + k of all,
-  so it only adds to the count at w >= v + k, and it is admitted only if the count it joins fits:
-  f + p_max // B <= v + k, p_max = the groups counted above. Otherwise admission waits for the next weight update
-  (pacing). Under ``oldest_decided`` admission also waits while an in-flight group is at its deadline
-  (:func:`at_deadline`: deadline <= f, the batch the loop waits for is its last chance) so the engines spend
-  themselves on it -- the ``wait`` strategy of verl's fully asynchronous trainer as issue 58 describes it (stop
-  sampling while an in-flight prompt sits at the staleness threshold; not re-read this session);
+- **admission** (:func:`admissible`): a new group under the engines' version v has the latest deadline v + k of all
+  (no group started under a later version), so it only adds to the count at w >= v + k, and it is admitted only if
+  the count it joins fits: f + p_max // B <= v + k, p_max = the groups counted above. Otherwise admission waits for
+  the next weight update (pacing). It waits for nothing else, under either order;
 - **a decision**: a filtered group (p_hat 0 or 1) leaves the count; a kept one stays;
 - **release** (:func:`pick`, the loop's ``take``): B kept decided groups leave the count and f becomes f + 1.
   ``fifo`` (the default): the first B kept groups in admission order, once every group before the B-th is decided
   (a running group at the head holds back every later one). ``oldest_decided``: the B oldest *decided* kept groups,
   out of order -- a decided group never waits behind an older running one -- unless the rest would break (I) at
-  f + 1 (an older undecided group needs the slot: most plainly, one at its deadline); then the take waits for
-  decisions. Oldest = the version the group started under, then its admission index: earliest deadline first. So a
-  running group never loses its place to the bound; it loses places only to groups that can spare them.
+  f + 1 (an older undecided group needs the slot: most plainly, one at its deadline, start + k <= f, which no
+  batch after this one may train); then the take waits for decisions. Oldest = the version the group started
+  under, then its admission index: earliest deadline first. So a running group never loses its place to the bound;
+  it loses places only to groups that can spare them.
+
+Nothing else is needed, and nothing waits for liveness either: the undecided groups finish without new admissions,
+and once every counted group is decided the B earliest-deadline ones can always leave -- the rest keep their
+positions less B, each trained one version later than before it, i.e. at f + i // B as (I) had it. Issue 58 asked
+for a wait on top (admission also stops while an in-flight group is at its deadline, as verl's fully asynchronous
+trainer's ``wait`` strategy stops sampling while an in-flight prompt sits at the staleness threshold). It is not
+needed for (I): a group at its deadline is first in earliest-deadline order, so :func:`pick` cannot release a batch
+without it, and admission only adds groups that fit behind it. It only idled the other engines while the long group
+finished (15.3 % against FIFO's 5.6 % at 4 stand-in engines, docs/async.md "What was measured"), so it was removed
+(issue 58 point 3); ``tests/test_async_release.py`` checks (I) at every engine step of its random runs with
+admission going on past such groups. ``rollout/async/deadline_waits`` counts the takes that waited, with B kept
+groups decided, for an older group still in flight.
 
 A picture, k = 2, B = 2: a .. f admitted in this order under version 0 (deadline 2), b long, the others short.
 ``=`` generating, ``|`` decided, ``~`` a sync (the producer paused: drained, or interrupted with its tokens kept and
@@ -42,8 +52,10 @@ returns, trained at version w. Between two takes the loop trains, pauses the pro
       b              ================== ~ ================= ~ =====|
       a c d e f      =|  =|  =|  =|  =|
       g h (v1, dl 3)                        =|  =|
+      i j (v2, dl 4)                                                =|  =|
       takes                  [a c]@0           [d e]@1               [b f]@2    at take@2 b is at its deadline:
-                                                                                admission and the take wait for it
+                                                                                the take waits for it, admission
+                                                                                does not (i, j fit behind b)
 
 FIFO trains b fresh and idles the engines; out of order, the long (hard) group is the stalest one trained, still
 within k (``rollout/staleness_bucket/*`` shows it per difficulty; TIS corrects it per token). A group resubmitted
@@ -82,12 +94,6 @@ def admissible(p_max: int, version: int, first_version: int, batch_size: int, k:
     deadline first it is trained at version <= first_version + p_max // batch_size; admit only if that is
     <= version + k."""
     return first_version + p_max // batch_size <= version + k
-
-
-def at_deadline(undecided_starts: Iterable[int], first_version: int, k: int) -> bool:
-    """Whether an in-flight (undecided) group must be in the batch trained at ``first_version``: its start + k <=
-    first_version. Under ``oldest_decided`` admission waits while one is (verl's ``wait``)."""
-    return any(s + k <= first_version for s in undecided_starts)
 
 
 def fits(deadlines: Iterable[int], first_version: int, batch_size: int) -> bool:
