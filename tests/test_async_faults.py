@@ -55,6 +55,7 @@ ASYNC_RUN = (f"trainer.total_steps={STEPS}", "trainer.save_every=1", "trainer.ke
              "reward.kind=coin", "data.synthetic.coin_p=[0.5,0.5,0.5]", "data.synthetic.response_tokens=[64,160]",
              "rollout.max_response_length=160", "rollout.ignore_eos=true", "rollout.restart_on_failure=true",
              f"trainer.save_hf_every={STEPS}")
+FIRST_ORDER = "rollout.release_order=fifo"  # launch 1 (named: the default is oldest_decided since issue 58)
 
 
 RESUMED_ORDER = "rollout.release_order=oldest_decided"  # launch 2 (and the replay of the dump it completed)
@@ -104,7 +105,8 @@ def faulted(request, tmp_path_factory):
         # 1. SIGKILL in the middle of a partial rollout: the interrupted partials of step s - 1 were just sent back
         #    to the engine to continue under the new weights (while step s's batch is generated); the checkpoint of
         #    step s - 1 was taken while they were in flight
-        run.first, seconds = launch(model, run.run_dir, "kill@partial_rollout@3,kill@partial_rollout@4", *run_args)
+        run.first, seconds = launch(model, run.run_dir, "kill@partial_rollout@3,kill@partial_rollout@4", *run_args,
+                                    FIRST_ORDER)
         print(f"launch 1 (SIGKILL in a partial rollout): {seconds:.1f} s")
         m = re.search(r"fault injection: kill@partial_rollout@(\d)", run.first.stdout)
         run.killed_at = int(m.group(1)) if m else None

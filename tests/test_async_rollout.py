@@ -154,15 +154,17 @@ class ScriptedPartialEngineClientMock:
         return 0, pending[0][1]
 
 
-def mock_run(task, need=2, k=2, partial=False, max_versions=4, inflight=4, steps_per_call=1):
-    """kinds: 'mix' (one of G correct: kept), 'all' (all correct: filtered)."""
+def mock_run(task, need=2, k=2, partial=False, max_versions=4, inflight=4, steps_per_call=1, order="fifo"):
+    """kinds: 'mix' (one of G correct: kept), 'all' (all correct: filtered). ``order``: rollout.release_order --
+    fifo here, since these tests state FIFO's batches (the default, oldest_decided, is tested in
+    test_async_release.py)."""
     cfg = load_config(None, ["model.path=x", "data.format=synthetic", f"data.train_batch_size={need}",
                              f"rollout.n={G}", "actor.ppo_mini_batch_size=1", "rollout.mode=streaming",
                              f"rollout.staleness={k}", f"rollout.partial_rollouts={str(partial).lower()}",
                              f"rollout.max_versions_per_response={max_versions}",
                              f"rollout.max_inflight_prompts={inflight}", "algorithm.name=dapo",
                              "algorithm.rollout_correction=tis",
-                             f"rollout.stream_steps_per_call={steps_per_call}"])
+                             f"rollout.stream_steps_per_call={steps_per_call}", f"rollout.release_order={order}"])
     data = PromptDataset([Example(f"u{i:03d}", [{"role": "user", "content": f"L{n}:{kind}"}], kind, "s",
                                   {"bucket": n})
                           for i, (n, kind) in enumerate(task)])

@@ -267,8 +267,9 @@ def test_the_producers_batches_are_dumped_and_replay_without_a_producer_to_the_s
     assert R.dumped_steps(dump) == [1, 2, 3, 4, 5]
     long = [g for s in range(1, 6) for g in torch.load(R.step_file(dump, s), weights_only=True)["rollout"]["groups"]
             if g["example"]["meta"]["bucket"] == LONG]
-    assert len(long) == 2 and all(v.tolist()[0] == 0 and v.tolist()[-1] == 1 for g in long
-                                  for v in g["token_versions"])  # interrupted at the first sync, continued
+    assert len(long) == 2 and all(v.tolist()[0] == 0 and v.tolist()[-1] >= 1 for g in long
+                                  for v in g["token_versions"])  # interrupted at the first sync, continued (under
+    # the default rollout.release_order=oldest_decided the short groups behind them may train first: later versions)
     for s, row in enumerate(rows, 1):  # the driver state is the one the step's metrics read
         driver = torch.load(R.step_file(dump, s), weights_only=True)["driver"]
         assert driver["totals"]["groups"] == row["gen/cumulative_groups"]

@@ -112,9 +112,6 @@ def validate(cfg: Config) -> None:
            "'pace' unless the asynchronous producer runs (rollout.staleness >= 2 or rollout.partial_rollouts)")
     _check(r.release_order in ("fifo", "oldest_decided"), "rollout.release_order", r.release_order,
            "'fifo' or 'oldest_decided'")
-    _check(r.release_order == "fifo" or (r.late_policy == "pace" and (r.staleness >= 2 or r.partial_rollouts)),
-           "rollout.release_order", r.release_order, "'fifo' unless the asynchronous producer runs (rollout.staleness "
-           ">= 2 or rollout.partial_rollouts) with rollout.late_policy='pace' (discard releases in completion order)")
     _check(r.stream_steps_per_call >= 1, "rollout.stream_steps_per_call", r.stream_steps_per_call, ">= 1")
     _check(r.mode == "rounds" or a.surplus == "drop", "algorithm.surplus", a.surplus, "'drop' with rollout.mode="
            "streaming (it aborts the surplus instead of generating it)")

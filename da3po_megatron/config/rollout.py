@@ -77,14 +77,15 @@ class RolloutConfig:
                 "engines generate ahead freely (only rollout.max_inflight_prompts bounds them) and the bound is "
                 "enforced by discarding alone.")
     release_order: Literal["fifo", "oldest_decided"] = doc(
-        "fifo", "The asynchronous producer (staleness >= 2 or partial_rollouts): which decided groups a batch takes. "
-                "'fifo': the first data.train_batch_size kept groups in admission order (a running long group holds "
-                "back the later ones; issue 37). 'oldest_decided' (issue 58; AReaL / tinker-cookbook release oldest "
-                "finished work first): the oldest decided kept groups, out of order, unless an older running group "
-                "needs the slot to meet its deadline; a group started under version v is trained at <= v + staleness "
-                "either way (unit: groups per batch, versions), and admission also waits while an in-flight group is "
-                "at its deadline (verl's 'wait'). trainer/generation/release.py; fifo stays the default until the "
-                "hard-prompt study (docs/async.md).")
+        "oldest_decided", "The asynchronous producer (staleness >= 2 or partial_rollouts, late_policy 'pace'): which "
+                "decided groups a batch takes; elsewhere it has no effect (the loop trains batches as generated; "
+                "late_policy 'discard*' releases in completion order). 'oldest_decided' (the default since issue 58: "
+                "AReaL / tinker-cookbook release the oldest finished work first): the oldest decided kept groups, out "
+                "of order, unless an older running group needs the slot to meet its deadline (the take then waits "
+                "for it; admission does not). 'fifo': the first data.train_batch_size kept groups in admission order "
+                "(a running long group holds back the later ones; the default before). Either way a group started "
+                "under version v is trained at <= v + staleness (unit: versions). trainer/generation/release.py; "
+                "docs/async.md 'Release order and hard prompts' for the study behind the default.")
     max_versions_per_response: int = doc(4, "Partial rollouts: a response may span at most this many policy versions; "
                                             "a group that reached it is finished under its weights at the next update "
                                             "(the sync waits for it) instead of being interrupted again.")

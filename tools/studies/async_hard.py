@@ -44,7 +44,8 @@ from da3po_megatron.studies.compare.stats import curve_at, mean_std, paired, sig
 
 ASYNC = ["rollout.mode=streaming", "rollout.staleness=2", "rollout.partial_rollouts=true",
          "algorithm.rollout_correction=tis"]
-POLICIES = {"sync": [], "s2p_pace": ASYNC, "s2p_oldest": [*ASYNC, "rollout.release_order=oldest_decided"],
+POLICIES = {"sync": [], "s2p_pace": [*ASYNC, "rollout.release_order=fifo"],
+            "s2p_oldest": [*ASYNC, "rollout.release_order=oldest_decided"],
             "s2p_discard_unpaced": [*ASYNC, "rollout.late_policy=discard_unpaced"]}
 ROOT = Path("runs/async47")
 METHOD, SLUG = "da3po:2", "da3po_2"

@@ -19,8 +19,9 @@ i.e. taken earliest deadline first, the group at position i (0-based) is trained
   the next weight update (pacing). It waits for nothing else, under either order;
 - **a decision**: a filtered group (p_hat 0 or 1) leaves the count; a kept one stays;
 - **release** (:func:`pick`, the loop's ``take``): B kept decided groups leave the count and f becomes f + 1.
-  ``fifo`` (the default): the first B kept groups in admission order, once every group before the B-th is decided
-  (a running group at the head holds back every later one). ``oldest_decided``: the B oldest *decided* kept groups,
+  ``fifo`` (the default until issue 58's study): the first B kept groups in admission order, once every group
+  before the B-th is decided (a running group at the head holds back every later one). ``oldest_decided`` (the
+  default): the B oldest *decided* kept groups,
   out of order -- a decided group never waits behind an older running one -- unless the rest would break (I) at
   f + 1 (an older undecided group needs the slot: most plainly, one at its deadline, start + k <= f, which no
   batch after this one may train); then the take waits for decisions. Oldest = the version the group started
