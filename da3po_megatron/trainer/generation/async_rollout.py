@@ -177,8 +177,8 @@ class AsyncRollout(EngineSide):
         entries += [Entry(("d", j), g.weight_step, j, state(g)) for j, g in self.decided.items()]
         entries += [Entry(("p", j), p.start_version, j, UNDECIDED) for j, p in self.partials.items()]
         keys = pick(self.order, entries, self.first_version, self.B, self.k)
-        if keys is None and self.order != "fifo":  # B kept groups decided: an older one in flight needs its slot
-            self.counters["deadline_waits"] = 1
+        if keys is None and self.order != "fifo" and sum(e.state == KEPT for e in entries) >= self.B:
+            self.counters["deadline_waits"] = 1  # B kept groups decided: an older one in flight needs its slot
         self._tried = stamp if keys is None else None
         box.extend([] if keys is None else [keys])
         return keys is not None
